@@ -1,0 +1,238 @@
+"""Learner notebooks are generated from the solutions, never edited by hand.
+
+``solutions/*.ipynb`` are the single source. They use nbgrader's markers, so the same
+files work with nbgrader itself:
+
+* ``### BEGIN SOLUTION`` / ``### END SOLUTION`` in a code cell: the region becomes
+  ``# YOUR CODE HERE`` plus a stub at the same indent. In ordinary Python the stub is
+  ``raise NotImplementedError()``; inside a ``@triton.jit`` function (where ``raise``
+  does not compile) it is ``tl.static_assert(False, "TODO: ...")``, which fails both in
+  the interpreter and when compiled for a GPU.
+* A solution cell (``metadata.nbgrader.solution``) without markers is replaced whole;
+  a markdown solution cell becomes ``YOUR ANSWER HERE``.
+* ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``: removed.
+* Outputs and execution counts are cleared.
+
+``python -m gpulab.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
+``--check`` only reports stale or missing files and exits 1 if there are any.
+``from-percent SRC.py OUT.ipynb`` builds a solution notebook from a py:percent script
+whose cell headers may carry ``solution id=...``, ``grade id=... points=N`` or
+``tags=a,b``: handy for writing a new notebook in an editor.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+STUB_ERRORS = ("NotImplementedError", "CompileTimeAssertionFailure", "InterpreterError",
+               "CompilationError")
+
+
+class AuthoringError(ValueError):
+    pass
+
+
+def _nbgrader(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def _jit_def_at(lines: list[str], line_no: int, indent: int) -> bool:
+    """Is line ``line_no`` (indented ``indent``) inside a function decorated @triton.jit?"""
+    for k in range(line_no - 1, -1, -1):
+        text = lines[k]
+        stripped = text.lstrip()
+        if not stripped:
+            continue
+        ind = len(text) - len(stripped)
+        if ind < indent and stripped.startswith("def "):
+            j = k - 1
+            while j >= 0 and lines[j].lstrip().startswith("@"):
+                if re.search(r"@(triton\.)?jit\b", lines[j]):
+                    return True
+                j -= 1
+            return False
+    return False
+
+
+def stub_code(source: str, grade_id: str) -> str:
+    lines = source.split("\n")
+    out, i = [], 0
+    found = False
+    while i < len(lines):
+        line = lines[i]
+        if line.strip() == BEGIN:
+            found = True
+            indent = len(line) - len(line.lstrip())
+            pad = line[:indent]
+            j = i + 1
+            while j < len(lines) and lines[j].strip() != END:
+                j += 1
+            if j == len(lines):
+                raise AuthoringError(f"{grade_id}: {BEGIN} without {END}")
+            out.append(f"{pad}# YOUR CODE HERE")
+            if _jit_def_at(lines, i, indent):
+                out.append(f'{pad}tl.static_assert(False, "TODO ({grade_id}): write this part of the kernel")')
+            else:
+                out.append(f"{pad}raise NotImplementedError()")
+            i = j + 1
+            continue
+        out.append(line)
+        i += 1
+    if not found:
+        return "# YOUR CODE HERE\nraise NotImplementedError()"
+    return "\n".join(out)
+
+
+def strip_hidden(source: str) -> str:
+    out, hidden = [], False
+    for line in source.split("\n"):
+        if line.strip() == BEGIN_HIDDEN:
+            hidden = True
+            continue
+        if line.strip() == END_HIDDEN:
+            hidden = False
+            continue
+        if not hidden:
+            out.append(line)
+    return "\n".join(out)
+
+
+def validate_solution(nb, name: str) -> None:
+    seen = set()
+    for n, cell in enumerate(nb.cells):
+        meta = _nbgrader(cell)
+        has_marker = BEGIN in cell.source
+        if has_marker and not meta.get("solution"):
+            raise AuthoringError(f"{name} cell {n}: has {BEGIN} but metadata.nbgrader.solution is not set")
+        if meta.get("solution") or meta.get("grade"):
+            gid = meta.get("grade_id")
+            if not gid:
+                raise AuthoringError(f"{name} cell {n}: nbgrader cell without grade_id")
+            if gid in seen:
+                raise AuthoringError(f"{name}: grade_id {gid!r} used twice")
+            seen.add(gid)
+            if meta.get("grade") and "points" not in meta:
+                raise AuthoringError(f"{name} cell {n} ({gid}): grade cell without points")
+
+
+def learner_version(nb) -> "nbformat.NotebookNode":
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        meta = _nbgrader(cell)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+            if meta.get("solution"):
+                cell.source = stub_code(cell.source, meta["grade_id"])
+            cell.source = strip_hidden(cell.source)
+        elif meta.get("solution"):
+            cell.source = "YOUR ANSWER HERE"
+        cell.get("metadata", {}).pop("execution", None)
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def _dump(nb) -> str:
+    return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
+
+
+def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
+             check: bool = False) -> list[str]:
+    """Write (or, with check, compare) every learner notebook. Returns stale file names."""
+    stale = []
+    expected = set()
+    for src in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(src, as_version=4)
+        validate_solution(nb, src.name)
+        text = _dump(learner_version(nb))
+        dst = notebooks / src.name
+        expected.add(dst.name)
+        if not dst.exists() or dst.read_text() != text:
+            stale.append(dst.name)
+            if not check:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_text(text)
+    for extra in sorted(notebooks.glob("*.ipynb")):
+        if extra.name not in expected:
+            stale.append(extra.name + " (no solution)")
+            if not check:
+                extra.unlink()
+    return stale
+
+
+# -- building a solution notebook from a py:percent script ------------------------------------
+_HEADER = re.compile(r"^# %%(.*)$")
+
+
+def from_percent(text: str) -> "nbformat.NotebookNode":
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["language_info"] = {"name": "python"}
+    chunks: list[tuple[str, list[str]]] = []
+    for line in text.split("\n"):
+        m = _HEADER.match(line)
+        if m:
+            chunks.append((m.group(1).strip(), []))
+        elif chunks:
+            chunks[-1][1].append(line)
+    for header, body in chunks:
+        while body and not body[-1].strip():
+            body.pop()
+        while body and not body[0].strip():
+            body.pop(0)
+        is_md = header.startswith("[markdown]")
+        header = header.replace("[markdown]", "").strip()
+        opts = dict(kv.split("=", 1) for kv in header.split() if "=" in kv)
+        words = {w for w in header.split() if "=" not in w}
+        if is_md:
+            src = "\n".join(l[2:] if l.startswith("# ") else l.lstrip("#") for l in body)
+            cell = nbformat.v4.new_markdown_cell(src)
+        else:
+            cell = nbformat.v4.new_code_cell("\n".join(body))
+        if "solution" in words or "grade" in words:
+            meta = {"schema_version": 3, "grade_id": opts["id"], "locked": "grade" in words,
+                    "solution": "solution" in words, "grade": "grade" in words}
+            if "grade" in words:
+                meta["points"] = int(opts.get("points", 1))
+            cell.metadata["nbgrader"] = meta
+        if "tags" in opts:
+            cell.metadata["tags"] = opts["tags"].split(",")
+        nb.cells.append(cell)
+    for cell in nb.cells:   # stable ids make diffs and the sync check deterministic
+        cell.pop("id", None)
+    nb.nbformat_minor = 4
+    return nb
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpulab generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="fail if notebooks/ is stale")
+    p.add_argument("--from-percent", nargs=2, metavar=("SRC", "OUT"))
+    a = p.parse_args(argv)
+    if a.from_percent:
+        src, out = a.from_percent
+        nbformat.write(from_percent(Path(src).read_text()), out)
+        print(f"wrote {out}")
+        return 0
+    stale = generate(check=a.check)
+    if a.check:
+        if stale:
+            print("notebooks/ is stale; run `gpulab generate`:\n  " + "\n  ".join(stale))
+            return 1
+        print("notebooks/ is up to date")
+        return 0
+    print(f"regenerated {len(stale)} notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Benchmarks: time a kernel against PyTorch on the GPU, against a measured roofline.
+
+``gpulab bench NAME`` runs the spec's ``bench`` cases with ``triton.testing.do_bench``
+(median of repeated runs, L2 flushed between them) for gpulab's implementation, each
+PyTorch baseline in eager mode and under ``torch.compile``, and reports time,
+GB/s, TFLOP/s, % of the roofline and the ratio to each baseline. The roofline is
+``max(bytes / bandwidth, FLOPs / peak)`` with bandwidth and peak *measured* on the
+same GPU at the start of the run (a device copy and a bf16 matmul).
+
+Interpreter timings are not performance: in interpreter mode every function here
+refuses to time anything, and the notebooks plot the saved GPU results instead
+(``gpulab/results/NAME.json``, written by ``--save``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import runtime
+from .spec import Case, KernelSpec, get
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class InterpreterTiming(RuntimeError):
+    pass
+
+
+def require_gpu(what: str = "timing") -> None:
+    if runtime.mode() != "compiled":
+        raise InterpreterTiming(
+            f"{what} needs a GPU: in {runtime.mode()} mode kernels run as NumPy on the CPU, and "
+            "their timings say nothing about GPU performance. Use gpulab.plots.saved(...) to "
+            "see figures measured on an H200.")
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (GPU only)."""
+    require_gpu()
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+_CEILINGS: dict | None = None
+
+
+def ceilings() -> dict:
+    """Measured bandwidth (device copy, read + write) and bf16 matmul throughput."""
+    global _CEILINGS
+    if _CEILINGS is None:
+        require_gpu()
+        n = 1 << 30  # 1 GiB copied: many times the L2
+        a = torch.empty(n, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        t_copy = time_ms(lambda: b.copy_(a)) * 1e-3
+        m = 8192
+        x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        t_mm = time_ms(lambda: x @ y, rep=50) * 1e-3
+        del a, b, x, y
+        _CEILINGS = {"bytes_per_s": 2 * n / t_copy, "flops_per_s": 2 * m ** 3 / t_mm,
+                     "how": "device copy of 1 GiB (read+write); bf16 8192^3 matmul"}
+    return _CEILINGS
+
+
+def measure(spec: KernelSpec, case: Case, dtype: torch.dtype,
+            impls: dict[str, Callable[[dict], object]], compile_baselines: bool = True) -> list[dict]:
+    """Time each implementation (a function of the input dict) on one case."""
+    require_gpu()
+    inputs = spec.make_inputs(case.params, dtype, torch.device("cuda"), _gen())
+    ceil = ceilings()
+    roof = spec.roofline_s(case.params, dtype, ceil)
+    nbytes = spec.bytes_moved(case.params, dtype) if spec.bytes_moved else None
+    nflops = spec.flops(case.params, dtype) if spec.flops else None
+    fns = dict(impls)
+    for name, base in spec.baselines.items():
+        fns[name] = base
+        if compile_baselines:
+            compiled = torch.compile(base, dynamic=False)
+            fns[f"{name} (compiled)"] = compiled
+    rows = []
+    for name, fn in fns.items():
+        try:
+            ms = time_ms(lambda: fn(inputs))
+        except Exception as e:  # a baseline that cannot run here is reported, not fatal
+            rows.append({"impl": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        s = ms * 1e-3
+        row = {"impl": name, "ms": ms}
+        if nbytes:
+            row["GB/s"] = nbytes / s / 1e9
+        if nflops:
+            row["TFLOP/s"] = nflops / s / 1e12
+        if roof:
+            row["roofline_pct"] = 100 * roof / s
+        rows.append(row)
+    ours = next((r for r in rows if r["impl"] == "gpulab" and "ms" in r), None)
+    for r in rows:
+        if ours and "ms" in r:
+            r["speedup_vs_this"] = r["ms"] / ours["ms"]   # >1: gpulab is faster than this row
+        r.update(case=case.label, params=case.params, dtype=str(dtype).replace("torch.", ""),
+                 bytes=nbytes, flops=nflops, roofline_ms=roof * 1e3 if roof else None)
+    return rows
+
+
+def _gen():
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    return g
+
+
+def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
+        extra: dict[str, Callable[[dict], object]] | None = None,
+        compile_baselines: bool = True) -> dict:
+    spec = get(name)
+    require_gpu(f"gpulab bench {name}")
+    impl = spec.bench_impl if getattr(spec, "bench_impl", None) else _default_impl(spec)
+    impls = {"gpulab": impl, **(extra or {})}
+    cases = cases or spec.cases["bench"]
+    dtypes = dtypes or spec.bench_dtypes or [runtime.default_dtype()]
+    rows = []
+    for case in cases:
+        for dtype in dtypes:
+            rows += measure(spec, case, dtype, impls, compile_baselines)
+            torch.cuda.empty_cache()
+    return {"kernel": name, "date": _dt.date.today().isoformat(), "gpu": runtime.gpu_name(),
+            "versions": runtime.versions(), "ceilings": ceilings(), "method":
+            "triton.testing.do_bench median (warmup 25 ms, rep 100 ms, L2 flushed)", "rows": rows}
+
+
+def _default_impl(spec: KernelSpec) -> Callable[[dict], object]:
+    """Call the package implementation with outputs allocated once, outside the timing."""
+    cache = {}
+
+    def impl(inputs):
+        key = id(inputs)
+        if spec.outputs is not None:
+            if key not in cache:
+                dtype = next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor))
+                cache[key] = {k: torch.empty(s, dtype=d, device="cuda")
+                              for k, (s, d) in spec.outputs(inputs, dtype).items()}
+            return spec.call(spec.implementation, inputs, cache[key])
+        return spec.call(spec.implementation, inputs)
+    return impl
+
+
+def save(result: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{result['kernel']}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return path
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def format_table(result: dict) -> str:
+    head = (f"{result['kernel']} on {result['gpu']} ({result['date']}; torch {result['versions']['torch']}, "
+            f"triton {result['versions']['triton']}); ceilings: "
+            f"{result['ceilings']['bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"{result['ceilings']['flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)")
+    lines = [head, f"{'case':18} {'dtype':9} {'impl':24} {'time':>10} {'GB/s':>8} {'TFLOP/s':>8} "
+             f"{'roofline':>9} {'gpulab is':>10}"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['case']:18} {r['dtype']:9} {r['impl']:24} {r['error'][:60]}")
+            continue
+        lines.append(
+            f"{r['case']:18} {r['dtype']:9} {r['impl']:24} {r['ms'] * 1e3:8.1f}µs "
+            f"{r.get('GB/s', 0):8.0f} {r.get('TFLOP/s', 0):8.1f} {r.get('roofline_pct', 0):8.1f}% "
+            f"{r.get('speedup_vs_this', float('nan')):9.2f}×")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpulab bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("kernels", nargs="*", help="spec names (default: all that have bench cases)")
+    p.add_argument("--save", action="store_true", help=f"write {RESULTS}/NAME.json")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    from .spec import all_specs
+    specs = all_specs()
+    if a.list:
+        for n, s in sorted(specs.items()):
+            print(f"{n:28} {s.summary}")
+        return 0
+    names = a.kernels or [n for n, s in sorted(specs.items()) if s.cases.get("bench")]
+    try:
+        require_gpu("gpulab bench")
+    except InterpreterTiming as e:
+        print(e, file=sys.stderr)
+        return 2
+    for n in names:
+        result = run(n, compile_baselines=not a.no_compile)
+        print(format_table(result), flush=True)
+        if a.save:
+            print(f"saved {save(result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

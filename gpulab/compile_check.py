@@ -1,0 +1,155 @@
+"""Compile every kernel for real GPUs on a machine without one.
+
+The interpreter hides errors that only the compiler sees (constructs it cannot
+lower, a ``raise`` in a kernel, blocks that overflow shared memory). This module
+runs each spec's launcher on CPU tensors with Triton's launch replaced by
+``triton.compile`` for sm_75 (Colab's T4), sm_80 (A100) and sm_90 (H100/H200),
+so kernels are compiled with exactly the arguments, block sizes and autotune
+configurations their launchers would use on a GPU.
+
+Run as ``python -m gpulab.compile_check`` (it must start in a fresh process:
+Triton's mode is fixed at import). Exit status 1 on any failure.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import time
+
+TARGETS = {75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}   # arch -> shared memory per block
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+           "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
+           "bool": "i1", "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _signature(kernel, args, kwargs):
+    import torch
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs and kwargs[k] is not None}
+    for k in list(kwargs):
+        if k in _OPTIONS:
+            kwargs.pop(k)
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    sig, consts = {}, {}
+    for p in kernel.params:
+        v = bound.arguments[p.name]
+        if p.is_constexpr or v is None:
+            sig[p.name] = "constexpr"
+            consts[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[str(v.dtype).replace("torch.", "")]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: cannot type argument {p.name}={v!r}")
+    return sig, consts, options
+
+
+class Recorder:
+    """Replaces kernel launches with compilation for every target."""
+
+    def __init__(self, targets=TARGETS):
+        self.targets = targets
+        self.done: dict = {}
+        self.failures: list[str] = []
+        self.context = ""
+
+    def compile(self, kernel, args, kwargs):
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        sig, consts, options = _signature(kernel, args, kwargs)
+        for arch, smem_limit in self.targets.items():
+            key = (kernel.fn.__qualname__, kernel.fn.__module__, tuple(sorted(sig.items())),
+                   tuple(sorted((k, repr(v)) for k, v in consts.items())),
+                   tuple(sorted(options.items())), arch)
+            if key in self.done:
+                continue
+            label = (f"{kernel.fn.__name__} sm_{arch} "
+                     + ", ".join(f"{k}={v}" for k, v in {**consts, **options}.items()))
+            try:
+                t = time.time()
+                c = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
+                                   target=GPUTarget("cuda", arch, 32), options=options)
+                shared = int(getattr(c.metadata, "shared", 0) or 0)
+                if shared > smem_limit:
+                    raise RuntimeError(f"needs {shared} bytes of shared memory, sm_{arch} has {smem_limit}")
+                self.done[key] = (label, time.time() - t, shared)
+            except Exception as e:
+                self.done[key] = (label, 0.0, -1)
+                self.failures.append(f"{self.context}: {label}: {type(e).__name__}: {str(e).strip()[:600]}")
+
+
+def install(recorder: Recorder) -> None:
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        recorder.compile(self, args, kwargs)
+
+    def autotune_run(self, *args, **kwargs):
+        for config in self.configs:
+            merged = {**kwargs, **config.all_kwargs()}
+            self.fn.run(*args, **merged)
+
+    JITFunction.run = run
+    Autotuner.run = autotune_run
+
+
+def check_all(names=None, verbose=True) -> Recorder:
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["GPULAB_COMPILE_ONLY"] = "1"
+    import torch
+    from gpulab import runtime
+    runtime.COMPILE_ONLY = True
+    from gpulab.spec import all_specs
+    rec = Recorder()
+    install(rec)
+    specs = all_specs()
+    for name in names or sorted(specs):
+        spec = specs[name]
+        if spec.implementation is None:
+            continue
+        for where in ("gpu", "cpu"):
+            for case in spec.cases.get(where, []):
+                for dtype in spec.dtypes[where]:
+                    rec.context = f"{name} [{case}, {str(dtype).replace('torch.', '')}]"
+                    inputs = spec.make_inputs(case.params, dtype, torch.device("cpu"),
+                                              torch.Generator().manual_seed(0))
+                    outs = ({k: torch.empty(s, dtype=d) for k, (s, d) in spec.outputs(inputs, dtype).items()}
+                            if spec.outputs is not None else None)
+                    try:
+                        spec.call(spec.implementation, inputs, outs)
+                    except Exception as e:
+                        rec.failures.append(f"{rec.context}: launcher raised {type(e).__name__}: {e}")
+    if verbose:
+        for label, secs, shared in rec.done.values():
+            if shared >= 0:
+                print(f"ok  {label} ({secs:.1f}s, {shared} B shared)")
+        for f in rec.failures:
+            print("FAIL", f)
+    return rec
+
+
+def main(argv=None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if os.environ.get("TRITON_INTERPRET") != "0" or os.environ.get("GPULAB_COMPILE_ONLY") != "1":
+        # gpulab is already imported in interpreter mode: start over in compile-only mode.
+        import subprocess
+        env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1"}
+        return subprocess.call([sys.executable, "-m", "gpulab.compile_check", *argv], env=env)
+    names = argv or None
+    rec = check_all(names)
+    print(f"{len(rec.done)} compilations, {len(rec.failures)} failures")
+    return 1 if rec.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

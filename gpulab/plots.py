@@ -1,0 +1,68 @@
+"""Static matplotlib figures of benchmark results: live on a GPU, saved ones elsewhere.
+
+On a GPU, :func:`bench` times gpulab's kernel (and, optionally, the learner's) against
+the PyTorch baselines right now. In interpreter mode it plots the results saved in
+``gpulab/results/NAME.json``, measured on an H200, and says so in the title: the
+notebook reads the same either way.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from . import bench as _bench
+from . import runtime
+
+
+def bench(name: str, extra: dict[str, Callable[[dict], object]] | None = None, cases=None,
+          dtypes=None, metric: str = "auto", compile_baselines: bool = True, show: bool = True) -> dict | None:
+    """Benchmark (GPU) or load saved results (CPU), print the table and plot it."""
+    if runtime.mode() == "compiled":
+        result = _bench.run(name, cases=cases, dtypes=dtypes, extra=extra,
+                            compile_baselines=compile_baselines)
+        source = "measured now"
+    else:
+        result = _bench.load(name)
+        if result is None:
+            print(f"No saved GPU results for {name} yet (run `gpulab bench {name} --save` on a GPU).")
+            return None
+        source = "saved results: this machine runs the interpreter, whose timings mean nothing"
+    print(_bench.format_table(result))
+    if show:
+        plot(result, metric=metric, subtitle=source)
+    return result
+
+
+def plot(result: dict, metric: str = "auto", subtitle: str = "", ax=None):
+    """Grouped bars per case: throughput (GB/s or TFLOP/s) of each implementation, with
+    the roofline as a line when the spec defines bytes/FLOPs."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "ms" in r]
+    if metric == "auto":
+        intensity = [r["flops"] / r["bytes"] for r in rows if r.get("flops") and r.get("bytes")]
+        metric = "TFLOP/s" if intensity and min(intensity) > 50 else "GB/s"
+    cases = list(dict.fromkeys(f"{r['case']}\n{r['dtype']}" for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases) + 2), 4))
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        xs, ys = [], []
+        for i, c in enumerate(cases):
+            r = next((r for r in rows if r["impl"] == impl and f"{r['case']}\n{r['dtype']}" == c), None)
+            if r and metric in r:
+                xs.append(i + (k - (len(impls) - 1) / 2) * width)
+                ys.append(r[metric])
+        ax.bar(xs, ys, width=width, label=impl)
+    ceil = result["ceilings"]["bytes_per_s"] / 1e9 if metric == "GB/s" else None
+    if ceil:
+        ax.axhline(ceil, color="k", ls="--", lw=1, label=f"measured copy bandwidth ({ceil:.0f} GB/s)")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, fontsize=8)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{result['kernel']} on {result['gpu']} ({result['date']})"
+                 + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    return ax

@@ -1,0 +1,132 @@
+"""Where gpulab's kernels run: compiled on a GPU, or in Triton's interpreter on the CPU.
+
+Triton fixes its mode when ``@triton.jit`` decorates a function, so this module
+must run before any kernel is defined: ``import gpulab`` does it first.
+
+* A CUDA GPU is present  -> compiled Triton (``TRITON_INTERPRET=0``).
+* No GPU (laptop, Binder, CPU Colab, CI) -> the interpreter (``TRITON_INTERPRET=1``):
+  kernels run as NumPy on the CPU. Results are real, timings are not.
+* If the user already set ``TRITON_INTERPRET``, their choice wins.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+_USER_CHOSE = "TRITON_INTERPRET" in os.environ
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken CUDA install should not stop the course
+        return False
+
+
+if not _USER_CHOSE:
+    os.environ["TRITON_INTERPRET"] = "0" if _cuda_available() else "1"
+
+# Compile-only mode (set by gpulab.compile_check): launches are compiled for a
+# GPU target instead of run, so CPU tensors are accepted without a GPU.
+COMPILE_ONLY = os.environ.get("GPULAB_COMPILE_ONLY") == "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def mode() -> str:
+    """'compiled', 'interpreter' or 'compile-only' (no GPU, interpreter switched off)."""
+    if interpreting():
+        return "interpreter"
+    return "compiled" if _cuda_available() else "compile-only"
+
+
+def device():
+    """The device learners' tensors live on: the GPU when compiled, else the CPU."""
+    import torch
+    return torch.device("cuda" if mode() == "compiled" else "cpu")
+
+
+def gpu_name() -> str | None:
+    if not _cuda_available():
+        return None
+    import torch
+    return torch.cuda.get_device_name()
+
+
+def compute_capability() -> tuple[int, int] | None:
+    if not _cuda_available():
+        return None
+    import torch
+    return torch.cuda.get_device_capability()
+
+
+def default_dtype():
+    """bfloat16 where the GPU has bf16 tensor cores (sm_80+), float16 on older GPUs
+    such as Colab's T4, float32 in the interpreter (bf16 ``tl.dot`` is wrong there)."""
+    import torch
+    if mode() != "compiled":
+        return torch.float32
+    cc = compute_capability()
+    return torch.bfloat16 if cc and cc[0] >= 8 else torch.float16
+
+
+def versions() -> dict:
+    import torch
+    import triton
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def env_report() -> str:
+    """One paragraph for the first cell of every notebook."""
+    v = versions()
+    lines = [f"gpulab mode: {mode()}"]
+    if mode() == "compiled":
+        cc = compute_capability()
+        lines.append(f"GPU: {gpu_name()} (sm_{cc[0]}{cc[1]}), CUDA {v['cuda']}")
+    elif mode() == "interpreter":
+        lines.append("No GPU in use: Triton kernels run in the interpreter on the CPU.")
+        lines.append("Results are exact; timings are meaningless, so benchmarks show saved H200 figures.")
+    else:
+        lines.append("TRITON_INTERPRET=0 but no CUDA GPU: kernels can be compiled, not run.")
+    lines.append(f"python {v['python']}, torch {v['torch']}, triton {v['triton']}, default dtype "
+                 f"{str(default_dtype()).replace('torch.', '')}")
+    return "\n".join(lines)
+
+
+def check_device(name: str, t) -> None:
+    """Raise a clear error when a tensor is on a device the current mode cannot run."""
+    m = mode()
+    if m == "compiled" and t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}, but kernels run on the GPU here: "
+                         f"move it with {name}.cuda()")
+    if m == "interpreter" and t.device.type != "cpu" and not _cuda_available():
+        raise ValueError(f"{name} is on {t.device}; in interpreter mode use CPU tensors")
+
+
+def in_notebook() -> bool:
+    return "ipykernel" in sys.modules
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the current GPU (132 on an H100/H200 when there is
+    none, so compile-only runs pick the same launch configurations as the H200)."""
+    if _cuda_available():
+        import torch
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return 132
+
+
+def fast() -> bool:
+    """True under CI (``CI`` set) or ``GPULAB_FAST=1``: notebooks shorten long demos
+    such as training runs; checks and results are unchanged."""
+    return bool(os.environ.get("CI")) or os.environ.get("GPULAB_FAST") == "1"

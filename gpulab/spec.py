@@ -1,0 +1,129 @@
+"""One spec per kernel: the single description that checks, tests and benchmarks share.
+
+A :class:`KernelSpec` says
+
+* how to call an implementation (``args``: positional names, inputs then outputs),
+* how to make fresh random inputs for a case (``make_inputs``),
+* what the right answer is (``reference``, computed in float64 or float32),
+* which outputs the caller allocates (``outputs``; gpulab poisons them and puts
+  guard regions around them) or, if ``outputs`` is None, that the implementation
+  returns them,
+* tolerances per dtype,
+* the cases to run: small ones for the CPU interpreter, larger ones for a GPU,
+  and benchmark sizes,
+* bytes moved and FLOPs for a case, for roofline figures,
+* the PyTorch baselines a benchmark compares against.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+_REGISTRY: dict[str, "KernelSpec"] = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named set of parameters, e.g. ``Case("tail", dict(rows=3, cols=1000))``."""
+    label: str
+    params: dict
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.label} ({inner})"
+
+
+@dataclass
+class KernelSpec:
+    name: str
+    summary: str
+    args: tuple[str, ...]
+    make_inputs: Callable[[dict, torch.dtype, torch.device, torch.Generator], dict]
+    reference: Callable[..., dict]
+    cases: dict[str, list[Case]]
+    dtypes: dict[str, list[torch.dtype]]
+    tolerances: dict[torch.dtype, tuple[float, float]]
+    outputs: Callable[[dict, torch.dtype], dict[str, tuple[tuple, torch.dtype]]] | None = None
+    returns: tuple[str, ...] = ()
+    implementation: Callable | None = None
+    bytes_moved: Callable[[dict, torch.dtype], float] | None = None
+    flops: Callable[[dict, torch.dtype], float] | None = None
+    baselines: dict[str, Callable[[dict], Any]] = field(default_factory=dict)
+    # Inputs a check may zero to ask "was this input read at all?"
+    read_inputs: tuple[str, ...] = ()
+    output_tolerances: dict[str, dict] = field(default_factory=dict)
+    bench_dtypes: list | None = None           # default: the GPU's default dtype
+    bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
+    notes: str = ""
+
+    def __post_init__(self):
+        _REGISTRY[self.name] = self
+
+    # -- helpers shared by checks, tests and benchmarks --------------------------------
+    def tolerance(self, dtype: torch.dtype, output: str | None = None) -> tuple[float, float]:
+        """(atol, rtol) for an output computed from ``dtype`` inputs; exact outputs
+        (integer results) get their own entry in ``output_tolerances``."""
+        table = self.output_tolerances.get(output, self.tolerances)
+        return table.get(dtype, table.get(torch.float32, (1e-5, 1e-5)))
+
+    def inputs(self, case: Case | dict, dtype: torch.dtype, device=None, seed: int = 0) -> dict:
+        params = case.params if isinstance(case, Case) else case
+        device = torch.device(device or "cpu")
+        return self.make_inputs(params, dtype, device, _gen(seed, device))
+
+    def call(self, fn: Callable, inputs: dict, outputs: dict | None = None):
+        """Call ``fn`` positionally in ``args`` order."""
+        values = {**inputs, **(outputs or {})}
+        return fn(*[values[a] for a in self.args if a in values])
+
+    def roofline_s(self, params: dict, dtype: torch.dtype, ceilings: dict) -> float | None:
+        """Lower bound on time from bytes and FLOPs against measured ceilings."""
+        if self.bytes_moved is None:
+            return None
+        t = self.bytes_moved(params, dtype) / ceilings["bytes_per_s"]
+        if self.flops is not None and ceilings.get("flops_per_s"):
+            t = max(t, self.flops(params, dtype) / ceilings["flops_per_s"])
+        return t
+
+
+def get(name: str) -> KernelSpec:
+    """The spec called ``name`` (importing gpulab's technique modules first)."""
+    import gpulab  # noqa: F401  registers every spec
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no kernel spec named {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def all_specs() -> dict[str, KernelSpec]:
+    import gpulab  # noqa: F401
+    return dict(_REGISTRY)
+
+
+def _gen(seed: int, device) -> torch.Generator:
+    device = torch.device(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# -- input builders: non-uniform random data ----------------------------------------------
+def randn(shape, dtype, device, gen, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+    """Normal data with a random per-row spread, so rows differ in range (not uniform)."""
+    shape = tuple(shape)
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if len(shape) >= 1 and shape[0] > 0:
+        spread = torch.rand((shape[0],) + (1,) * (len(shape) - 1), generator=gen, device=device) * 1.5 + 0.25
+        x = x * spread
+    return (x * scale + offset).to(dtype)
+
+
+def bytes_of(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
