@@ -18,6 +18,7 @@ for _name in TECHNIQUES:
     if _importlib.util.find_spec(f"{__name__}.{_name}") is not None:
         _importlib.import_module(f"{__name__}.{_name}")
 
+from . import bench, checking, plots, spec, validate  # noqa: E402,F401
 from .checking import CheckFailure, check  # noqa: E402,F401
 from .notebook import mine_or_reference, show_error  # noqa: E402,F401
 

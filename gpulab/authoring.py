@@ -28,8 +28,6 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
-
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -126,6 +124,7 @@ def validate_solution(nb, name: str) -> None:
 
 def learner_version(nb) -> "nbformat.NotebookNode":
     nb = copy.deepcopy(nb)
+    import nbformat  # noqa: F401  (only the authoring commands need it)
     for cell in nb.cells:
         meta = _nbgrader(cell)
         if cell.cell_type == "code":
@@ -142,12 +141,14 @@ def learner_version(nb) -> "nbformat.NotebookNode":
 
 
 def _dump(nb) -> str:
+    import nbformat
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
 
 
 def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
              check: bool = False) -> list[str]:
     """Write (or, with check, compare) every learner notebook. Returns stale file names."""
+    import nbformat
     stale = []
     expected = set()
     for src in sorted(solutions.glob("*.ipynb")):
@@ -174,6 +175,7 @@ _HEADER = re.compile(r"^# %%(.*)$")
 
 
 def from_percent(text: str) -> "nbformat.NotebookNode":
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nb.metadata["language_info"] = {"name": "python"}
@@ -219,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--from-percent", nargs=2, metavar=("SRC", "OUT"))
     a = p.parse_args(argv)
     if a.from_percent:
+        import nbformat
         src, out = a.from_percent
         nbformat.write(from_percent(Path(src).read_text()), out)
         print(f"wrote {out}")

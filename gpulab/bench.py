@@ -120,14 +120,13 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
         compile_baselines: bool = True) -> dict:
     spec = get(name)
     require_gpu(f"gpulab bench {name}")
-    impl = spec.bench_impl if getattr(spec, "bench_impl", None) else _default_impl(spec)
-    impls = {"gpulab": impl, **(extra or {})}
     cases = cases or spec.cases["bench"]
     dtypes = dtypes or spec.bench_dtypes or [runtime.default_dtype()]
     rows = []
     for case in cases:
         for dtype in dtypes:
-            rows += measure(spec, case, dtype, impls, compile_baselines)
+            impl = spec.bench_impl or _default_impl(spec)
+            rows += measure(spec, case, dtype, {"gpulab": impl, **(extra or {})}, compile_baselines)
             torch.cuda.empty_cache()
     return {"kernel": name, "date": _dt.date.today().isoformat(), "gpu": runtime.gpu_name(),
             "versions": runtime.versions(), "ceilings": ceilings(), "method":
@@ -135,18 +134,18 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
 
 
 def _default_impl(spec: KernelSpec) -> Callable[[dict], object]:
-    """Call the package implementation with outputs allocated once, outside the timing."""
-    cache = {}
+    """Call the package implementation with outputs allocated once, outside the timing.
+    Make a new one per case: it keeps the outputs of the inputs it first saw."""
+    outputs = {}
 
     def impl(inputs):
-        key = id(inputs)
-        if spec.outputs is not None:
-            if key not in cache:
-                dtype = next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor))
-                cache[key] = {k: torch.empty(s, dtype=d, device="cuda")
-                              for k, (s, d) in spec.outputs(inputs, dtype).items()}
-            return spec.call(spec.implementation, inputs, cache[key])
-        return spec.call(spec.implementation, inputs)
+        if spec.outputs is None:
+            return spec.call(spec.implementation, inputs)
+        if not outputs:
+            dtype = next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor))
+            outputs.update({k: torch.empty(s, dtype=d, device="cuda")
+                            for k, (s, d) in spec.outputs(inputs, dtype).items()})
+        return spec.call(spec.implementation, inputs, outputs)
     return impl
 
 

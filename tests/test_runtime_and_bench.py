@@ -1,0 +1,69 @@
+"""Mode selection, compile checks for real GPU targets, and benchmark honesty."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gpulab
+from gpulab import bench, runtime
+
+
+def _mode_in_subprocess(env):
+    code = "import gpulab, os; print(gpulab.mode(), os.environ['TRITON_INTERPRET'])"
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, check=True).stdout.split()
+
+
+def test_mode_follows_the_hardware_unless_the_user_chose():
+    expected = ["compiled", "0"] if torch.cuda.is_available() else ["interpreter", "1"]
+    assert _mode_in_subprocess({}) == expected
+    assert _mode_in_subprocess({"TRITON_INTERPRET": "1"}) == ["interpreter", "1"]
+
+
+def test_env_report_names_mode_and_versions():
+    text = runtime.env_report()
+    assert gpulab.mode() in text and "triton" in text and "torch" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check is for machines without a GPU")
+def test_every_kernel_compiles_for_sm75_sm80_sm90():
+    r = subprocess.run([sys.executable, "-m", "gpulab", "compile-check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 failures" in r.stdout
+
+
+@pytest.mark.skipif(gpulab.mode() == "compiled", reason="interpreter-only behaviour")
+def test_benchmarks_refuse_interpreter_timings():
+    with pytest.raises(bench.InterpreterTiming, match="timings say nothing"):
+        bench.time_ms(lambda: None)
+    r = subprocess.run([sys.executable, "-m", "gpulab", "bench", "softmax"], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs a GPU" in r.stderr
+
+
+def test_saved_results_are_complete_and_plot(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from gpulab import plots
+    saved = sorted(bench.RESULTS.glob("*.json"))
+    if not saved:
+        pytest.skip("no saved benchmark results yet")
+    for path in saved:
+        result = bench.load(path.stem)
+        for key in ("date", "gpu", "versions", "ceilings", "rows"):
+            assert key in result, f"{path.name} lacks {key}"
+        assert any(r["impl"] == "gpulab" and r.get("ms") for r in result["rows"]), path.name
+        assert "gpulab is" in bench.format_table(result)
+        monkeypatch.setattr("matplotlib.pyplot.show", lambda: None)
+        plots.plot(result)
+
+
+@pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
+def test_bench_runs_on_gpu():
+    from gpulab.spec import Case
+    result = bench.run("vector_add", cases=[Case("small", dict(n=1 << 20))], compile_baselines=False)
+    ours = next(r for r in result["rows"] if r["impl"] == "gpulab")
+    assert ours["ms"] > 0 and 0 < ours["roofline_pct"] < 150
