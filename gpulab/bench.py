@@ -179,13 +179,37 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+    """A markdown table of one saved result, for BENCHMARKS.md."""
+    v = result["versions"]
+    c = result["ceilings"]
+    lines = [f"### {result['kernel']}",
+             f"{result['gpu']}, {result['date']}, torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}; "
+             f"measured ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s bf16.",
+             "", "| case | dtype | implementation | median | GB/s | TFLOP/s | % of roofline | gpulab is × faster |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['dtype']} | {r['impl']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        lines.append(f"| {r['case']} | {r['dtype']} | {r['impl']} | {r['ms'] * 1e3:.1f} µs | "
+                     f"{r.get('GB/s', 0):.0f} | {r.get('TFLOP/s', 0):.1f} | {r.get('roofline_pct', 0):.1f}% | "
+                     f"{r.get('speedup_vs_this', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpulab bench", description=__doc__.split("\n\n")[0])
     p.add_argument("kernels", nargs="*", help="spec names (default: all that have bench cases)")
     p.add_argument("--save", action="store_true", help=f"write {RESULTS}/NAME.json")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print saved results as markdown tables")
     a = p.parse_args(argv)
+    if a.markdown:
+        for path in sorted(RESULTS.glob("*.json")):
+            print(markdown(json.loads(path.read_text())) + "\n")
+        return 0
     from .spec import all_specs
     specs = all_specs()
     if a.list:

@@ -267,11 +267,13 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
     if tuple(got.shape) != tuple(exp.shape):
         return (f"  `{name}` has shape {tuple(got.shape)}, expected {tuple(exp.shape)}.",
                 float("inf"))
-    unwritten = _poisoned(got)
     g = got.detach().double().cpu()
     e = exp.detach().double().cpu()
-    unwritten = unwritten.cpu()
-    close = torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True) & ~unwritten
+    close = torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
+    # Still holding the poison value and wrong: never written. (An integer poison is a
+    # legal value, so an element that happens to be right is not counted.)
+    unwritten = _poisoned(got).cpu() & ~close
+    close &= ~unwritten
     diff = (g - e).abs()
     finite = torch.isfinite(diff)
     max_err = float(diff[finite].max()) if finite.any() else 0.0
