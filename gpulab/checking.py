@@ -148,7 +148,7 @@ def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = No
     where = "gpu" if runtime.mode() == "compiled" else "cpu"
     device = torch.device(device) if device is not None else runtime.device()
     cases = cases if cases is not None else spec.cases[where]
-    dtypes = dtypes if dtypes is not None else spec.dtypes[where]
+    dtypes = dtypes if dtypes is not None else [d for d in spec.dtypes[where] if runtime.supports(d)]
     base = seed if seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     report = CheckReport(spec.name, mode=runtime.mode())
     failures = []   # (has_hint, size, message, short)

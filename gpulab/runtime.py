@@ -75,6 +75,15 @@ def default_dtype():
     return torch.bfloat16 if cc and cc[0] >= 8 else torch.float16
 
 
+def supports(dtype) -> bool:
+    """Can this machine's kernels use ``dtype``? (bf16 needs sm_80+ on a GPU.)"""
+    import torch
+    if dtype == torch.bfloat16 and mode() == "compiled":
+        cc = compute_capability()
+        return bool(cc and cc[0] >= 8)
+    return True
+
+
 def versions() -> dict:
     import torch
     import triton
