@@ -25,4 +25,7 @@ from .notebook import mine_or_reference, show_error  # noqa: E402,F401
 
 def setup() -> None:
     """First cell of every notebook: report the mode and versions."""
+    if runtime.fast() and runtime.mode() != "compiled":
+        import torch
+        torch.set_num_threads(1)   # CI runs notebooks side by side on few cores
     print(env_report())

@@ -81,7 +81,7 @@ def measure(spec: KernelSpec, case: Case, dtype: torch.dtype,
     fns = dict(impls)
     for name, base in spec.baselines.items():
         fns[name] = base
-        if compile_baselines:
+        if compile_baselines and spec.compile_baselines:
             compiled = torch.compile(base, dynamic=False)
             fns[f"{name} (compiled)"] = compiled
     rows = []

@@ -55,6 +55,10 @@ class KernelSpec:
     # Inputs a check may zero to ask "was this input read at all?"
     read_inputs: tuple[str, ...] = ()
     output_tolerances: dict[str, dict] = field(default_factory=dict)
+    compile_baselines: bool = True            # False when a baseline is itself a Triton kernel or a long loop
+    # Spec-specific diagnosis, tried before the generic hints:
+    # hint(output_name, got, expected, inputs) -> str | None
+    hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
     bench_dtypes: list | None = None           # default: the GPU's default dtype
     bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
     notes: str = ""

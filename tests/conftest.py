@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 import gpulab  # noqa: F401  (sets the Triton mode before any test defines a kernel)
 
@@ -15,3 +16,7 @@ def on_gpu() -> bool:
 
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# Two xdist workers on two cores: one torch thread each, or they fight for the cores.
+if not gpulab.runtime._cuda_available():
+    torch.set_num_threads(1)
