@@ -1,0 +1,608 @@
+r"""Notebook 03: the MLGRU token mixer and the linear recurrence behind it.
+
+The MatMul-free LM (Zhu et al. 2024) replaces attention by a gated recurrence whose
+state has a fixed size. Its core, for every batch row b and channel d independently, is
+the elementwise linear recurrence over time
+
+    h_t = f_t ⊙ h_{t-1} + i_t,        t = 0 .. T-1,   h_{-1} = h0 (zeros by default)
+
+with inputs f, i of shape [B, T, D]. Paper form of the layer (the default here):
+
+    f_t = σ(x_t W_f),  c_t = SiLU(x_t W_c),  i_t = (1 - f_t) ⊙ c_t,
+    h_t = f_t ⊙ h_{t-1} + i_t,  g_t = σ(x_t W_g),  o_t = (g_t ⊙ h_t) W_o
+
+with every W a ternary BitLinear. The released code (ridgerchu/matmulfreellm,
+``hgrn_bit.py``) differs in its output: o_t = W_o (RMSNorm(x_t W_g) ⊙ SiLU(h_t)), and it can
+bound the forget gate from below, f ← β + (1 - β) f; ``MLGRU(variant="code")`` builds it.
+
+Forward. Pairs (a, b) meaning "h ↦ a·h + b" compose associatively:
+(a1, b1) then (a2, b2) = (a1·a2, a2·b1 + b2). So the recurrence can run
+
+* *recurrent*: one program per (batch row, block of channels), a loop over the T steps;
+  each step loads one [BLOCK_D] slice of f and i and stores h. T dependent steps, each
+  waiting on a small load: latency-bound on a GPU.
+* *chunked*: the same programs, but each loop iteration loads a [BLOCK_T, BLOCK_D] tile,
+  scans it in parallel with ``tl.associative_scan`` over the pairs (starting from zero),
+  then adds the carried state: h = h_local + (∏ f) ⊙ h_carry. The carry (last row) goes to
+  the next chunk. Still one read of f and i and one write of h, but T/BLOCK_T dependent
+  iterations of large, coalesced loads instead of T tiny ones.
+
+Backward. With g_t = ∂L/∂h_t in total (through h_t's own gradient dh_t and through h_{t+1}):
+
+    g_{T-1} = dh_{T-1} + dh_last,     g_t = dh_t + f_{t+1} ⊙ g_{t+1}
+    ∂L/∂i_t = g_t,   ∂L/∂f_t = g_t ⊙ h_{t-1},   ∂L/∂h0 = f_0 ⊙ g_0
+
+the same linear recurrence run backwards in time with the gates shifted by one step.
+
+Which kernel runs (``kernel="auto"``): the recurrent kernel for T ≤ 32 (a chunk would be
+mostly padding), the chunked kernel otherwise. Accumulation is float32 throughout; h is
+stored in the input dtype, the final state ``h_last`` in float32.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import runtime
+from .spec import Case, KernelSpec, bytes_of, randn
+from .validate import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+
+RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chunked
+
+
+# -- references ---------------------------------------------------------------------------
+def scan_reference(f, i, h0):
+    """h_t = f_t * h_{t-1} + i_t in float64, a plain loop over time."""
+    f64, i64 = f.double(), i.double()
+    h = h0.double()
+    out = torch.empty_like(f64)
+    for t in range(f.shape[1]):
+        h = f64[:, t] * h + i64[:, t]
+        out[:, t] = h
+    return {"h": out, "h_last": h}
+
+
+def scan_backward_reference(f, h0, h, dh, dh_last):
+    """Gradients of the scan in float64 (uses the stored h, as the kernels do)."""
+    f64, h64, dh64 = f.double(), h.double(), dh.double()
+    T = f.shape[1]
+    g = dh_last.double()
+    f_next = torch.ones_like(g)
+    df, di = torch.empty_like(f64), torch.empty_like(f64)
+    for t in range(T - 1, -1, -1):
+        g = dh64[:, t] + f_next * g
+        di[:, t] = g
+        h_prev = h64[:, t - 1] if t > 0 else h0.double()
+        df[:, t] = g * h_prev
+        f_next = f64[:, t]
+    return {"df": df, "di": di, "dh0": f_next * g if T else g}
+
+
+@torch.compiler.disable
+def scan_eager_loop(f, i, h0):
+    """The eager PyTorch loop: T tiny kernels for the multiply-add and T for the copy.
+    (Kept out of torch.compile: tracing thousands of steps takes longer than it saves.)"""
+    h = h0.float()
+    out = torch.empty_like(f)
+    for t in range(f.shape[1]):
+        h = torch.addcmul(i[:, t].float(), f[:, t].float(), h)
+        out[:, t] = h
+    return out, h
+
+
+def scan_torch(f, i, h0=None):
+    """The recurrence as a log-step parallel scan (Hillis-Steele) in plain PyTorch:
+    ⌈log2 T⌉ rounds of elementwise ops over the whole sequence, differentiable by
+    autograd. O(T log T) work: fine for the short sequences of CPU training."""
+    B, T, D = f.shape
+    a = f.float()
+    b = i.float()
+    if h0 is not None:
+        b = torch.cat([b[:, :1] + a[:, :1] * h0.float()[:, None], b[:, 1:]], 1)
+    k = 1
+    while k < T:
+        b = torch.cat([b[:, :k], b[:, k:] + a[:, k:] * b[:, :-k]], 1)
+        a = torch.cat([a[:, :k], a[:, k:] * a[:, :-k]], 1)
+        k *= 2
+    h_last = b[:, -1] if T else (h0.float() if h0 is not None else f.new_zeros(B, D, dtype=torch.float32))
+    return b.to(f.dtype), h_last
+
+
+# -- Triton kernels -----------------------------------------------------------------------
+def _configs(interp: list, gpu: list):
+    return interp if runtime.interpreting() else gpu
+
+
+_REC_CONFIGS = _configs(
+    [triton.Config({"BLOCK_D": 64}, num_warps=1)],
+    [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in ((32, 1), (64, 1), (64, 2), (128, 4))])
+
+
+@triton.autotune(configs=_REC_CONFIGS, key=["B", "D"])
+@triton.jit
+def scan_recurrent_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, B, T, D,
+                          BLOCK_D: tl.constexpr):
+    """One program per (channel block, batch row); a loop over every time step."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    h = tl.load(h0_ptr + b * D + cols, mask=mask, other=0.0).to(tl.float32)
+    offs = b * T * D + cols                 # element (b, 0, cols); int64, the tensors are large
+    for t in range(T):
+        f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(i_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = f * h + x                       # the carried state stays float32
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        offs += D
+    tl.store(hlast_ptr + b * D + cols, h, mask=mask)
+
+
+@triton.jit
+def linear_combine(a1, b1, a2, b2):
+    """Compose two steps h -> a1*h + b1, then h -> a2*h + b2."""
+    return a1 * a2, a2 * b1 + b2
+
+
+_CHUNK_CONFIGS = _configs(
+    [triton.Config({"BLOCK_T": 8, "BLOCK_D": 16}, num_warps=4)],
+    [triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
+     for bt, bd, w in ((32, 64, 2), (64, 64, 4), (64, 32, 2), (128, 32, 4), (128, 64, 8), (256, 32, 8))])
+
+
+@triton.autotune(configs=_CHUNK_CONFIGS, key=["B", "D"])
+@triton.jit
+def scan_chunked_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, B, T, D,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (channel block, batch row); a loop over chunks of BLOCK_T steps,
+    each scanned in parallel, the state carried from chunk to chunk."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    h = tl.load(h0_ptr + b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    base = b * T * D
+    # Prefetch: the next tile's loads are issued before this tile's scan, so memory
+    # latency overlaps the arithmetic.
+    offs = base + rows[:, None] * D + cols[None, :]
+    m = (rows < T)[:, None] & cmask[None, :]
+    f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+    x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+    for t0 in range(0, T, BLOCK_T):
+        # Past the end (and in masked channels): f = 1, i = 0, so h just stays put and
+        # the last row of the tile holds h_{T-1}.
+        f = f_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        m_cur = m
+        offs_cur = offs
+        offs += BLOCK_T * D
+        m = ((t0 + BLOCK_T + rows) < T)[:, None] & cmask[None, :]
+        f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+        x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+        a, h_local = tl.associative_scan((f, x), 0, linear_combine)
+        h_tile = h_local + a * h[None, :]
+        tl.store(h_ptr + offs_cur, h_tile.to(h_ptr.dtype.element_ty), mask=m_cur)
+        h = tl.sum(tl.where(is_last_row, h_tile, 0.0), axis=0)
+    tl.store(hlast_ptr + b * D + cols, h, mask=cmask)
+
+
+@triton.autotune(configs=_REC_CONFIGS, key=["B", "D"])
+@triton.jit
+def scan_backward_recurrent_kernel(f_ptr, h0_ptr, h_ptr, dh_ptr, dhlast_ptr,
+                                   df_ptr, di_ptr, dh0_ptr, B, T, D, BLOCK_D: tl.constexpr):
+    """Reverse-time loop: g = dh_t + f_{t+1} g; di_t = g; df_t = g h_{t-1}; dh0 = f_0 g_0.
+    T >= 1 (the host handles T = 0)."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    g = tl.load(dhlast_ptr + b * D + cols, mask=mask, other=0.0).to(tl.float32)
+    h0 = tl.load(h0_ptr + b * D + cols, mask=mask, other=0.0).to(tl.float32)
+    f_next = tl.full([BLOCK_D], 1.0, tl.float32)       # "f_T" = 1 carries dh_last in
+    offs = b * T * D + (T - 1) * D + cols
+    for _ in range(T - 1):                             # t = T-1 down to 1
+        g = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32) + f_next * g
+        tl.store(di_ptr + offs, g.to(di_ptr.dtype.element_ty), mask=mask)
+        h_prev = tl.load(h_ptr + offs - D, mask=mask, other=0.0).to(tl.float32)
+        tl.store(df_ptr + offs, (g * h_prev).to(df_ptr.dtype.element_ty), mask=mask)
+        f_next = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        offs -= D
+    # t = 0: the previous state is h0
+    g = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32) + f_next * g
+    tl.store(di_ptr + offs, g.to(di_ptr.dtype.element_ty), mask=mask)
+    tl.store(df_ptr + offs, (g * h0).to(df_ptr.dtype.element_ty), mask=mask)
+    f0 = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dh0_ptr + b * D + cols, f0 * g, mask=mask)
+
+
+@triton.autotune(configs=_CHUNK_CONFIGS, key=["B", "D"])
+@triton.jit
+def scan_backward_chunked_kernel(f_ptr, h0_ptr, h_ptr, dh_ptr, dhlast_ptr,
+                                 df_ptr, di_ptr, dh0_ptr, B, T, D,
+                                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The backward recurrence in chunks, walking time backwards. Each tile is loaded in
+    descending time order (row r holds t = t_hi - r), so an ordinary forward scan over
+    the rows runs the recurrence g_t = f_{t+1} g_{t+1} + dh_t."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    g = tl.load(dhlast_ptr + b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    h0 = tl.load(h0_ptr + b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    base = b * T * D
+    # a_t = f_{t+1}; 1 at t = T-1 (dh_last enters there) and in the padding (t < 0).
+    t = T - 1 - rows                                # descending; < 0 past the start
+    valid = (t >= 0)[:, None] & cmask[None, :]
+    offs = base + t[:, None] * D + cols[None, :]
+    dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+    a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+    for _ in range(0, T, BLOCK_T):
+        dh = dh_next.to(tl.float32)
+        a = a_next.to(tl.float32)
+        t_cur, valid_cur, offs_cur = t, valid, offs
+        h_prev = tl.load(h_ptr + offs_cur - D, mask=valid_cur & (t_cur > 0)[:, None], other=0.0)
+        # Prefetch the next (earlier) tile while this one is scanned.
+        t -= BLOCK_T
+        valid = (t >= 0)[:, None] & cmask[None, :]
+        offs -= BLOCK_T * D
+        dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+        a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+        a_cum, g_local = tl.associative_scan((a, dh), 0, linear_combine)
+        g_tile = g_local + a_cum * g[None, :]
+        h_prev = tl.where((t_cur == 0)[:, None], h0[None, :], h_prev.to(tl.float32))
+        tl.store(di_ptr + offs_cur, g_tile.to(di_ptr.dtype.element_ty), mask=valid_cur)
+        tl.store(df_ptr + offs_cur, (g_tile * h_prev).to(df_ptr.dtype.element_ty), mask=valid_cur)
+        g = tl.sum(tl.where(is_last_row, g_tile, 0.0), axis=0)   # = g at the tile's first t
+    f0 = tl.load(f_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(dh0_ptr + b * D + cols, f0 * g, mask=cmask)
+
+
+# -- launchers (the checks' calling convention: inputs, then preallocated outputs) ----------
+def _grid(B, D):
+    return lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), B)
+
+
+def scan_recurrent_into(f, i, h0, h, h_last):
+    B, T, D = f.shape
+    scan_recurrent_kernel[_grid(B, D)](f, i, h0, h, h_last, B, T, D)
+
+
+def scan_chunked_into(f, i, h0, h, h_last):
+    B, T, D = f.shape
+    scan_chunked_kernel[_grid(B, D)](f, i, h0, h, h_last, B, T, D)
+
+
+def scan_backward_recurrent_into(f, h0, h, dh, dh_last, df, di, dh0):
+    B, T, D = f.shape
+    scan_backward_recurrent_kernel[_grid(B, D)](f, h0, h, dh, dh_last, df, di, dh0, B, T, D)
+
+
+def scan_backward_chunked_into(f, h0, h, dh, dh_last, df, di, dh0):
+    B, T, D = f.shape
+    scan_backward_chunked_kernel[_grid(B, D)](f, h0, h, dh, dh_last, df, di, dh0, B, T, D)
+
+
+def choose_kernel(T: int) -> str:
+    """The rule: 'recurrent' for T <= RECURRENT_MAX_T, else 'chunked'."""
+    return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
+
+
+def scan_into(f, i, h0, h, h_last):
+    """Forward with the kernel the rule picks."""
+    (scan_recurrent_into if choose_kernel(f.shape[1]) == "recurrent" else scan_chunked_into)(
+        f, i, h0, h, h_last)
+
+
+def scan_backward_into(f, h0, h, dh, dh_last, df, di, dh0):
+    (scan_backward_recurrent_into if choose_kernel(f.shape[1]) == "recurrent"
+     else scan_backward_chunked_into)(f, h0, h, dh, dh_last, df, di, dh0)
+
+
+_FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into}
+_BACKWARD = {"recurrent": scan_backward_recurrent_into, "chunked": scan_backward_chunked_into}
+
+
+class MLGRUScan(torch.autograd.Function):
+    """h, h_last = scan(f, i, h0) with Triton forward and backward kernels."""
+
+    @staticmethod
+    def forward(ctx, f, i, h0, kernel):
+        B, T, D = f.shape
+        h = torch.empty_like(f)
+        h_last = torch.empty(B, D, dtype=torch.float32, device=f.device)
+        if f.numel():
+            _FORWARD[kernel](f, i, h0, h, h_last)
+        else:
+            h_last.copy_(h0)
+        ctx.kernel = kernel
+        ctx.save_for_backward(f, h0, h)
+        return h, h_last
+
+    @staticmethod
+    def backward(ctx, dh, dh_last):
+        f, h0, h = ctx.saved_tensors
+        dh = torch.zeros_like(h) if dh is None else dh.to(h.dtype).contiguous()
+        dh_last = torch.zeros_like(h0) if dh_last is None else dh_last.float().contiguous()
+        df, di = torch.empty_like(f), torch.empty_like(f)
+        dh0 = torch.empty_like(h0)
+        if f.numel():
+            _BACKWARD[ctx.kernel](f, h0, h, dh, dh_last, df, di, dh0)
+        else:
+            dh0.copy_(dh_last)
+        return df, di, dh0, None
+
+
+KERNELS = ("auto", "recurrent", "chunked", "torch")
+
+
+def _check_scan_inputs(f, i, h0):
+    check_tensor("f", f, ndim=3)
+    check_float("f", f)
+    check_tensor("i", i, shape=f.shape, dtype=f.dtype)
+    check_same_device(f=f, i=i, h0=h0)
+    if h0 is not None:
+        check_tensor("h0", h0, shape=(f.shape[0], f.shape[2]))
+        check_float("h0", h0)
+
+
+def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None, *,
+               kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """h_t = f_t ⊙ h_{t-1} + i_t over [batch, time, hidden]; differentiable.
+
+    f, i: [B, T, D], one of float32/float16/bfloat16, contiguous. h0: [B, D] or None
+    (zeros). Returns h ([B, T, D], f's dtype) and h_last ([B, D], float32).
+    kernel: "auto" (recurrent for T <= 32, chunked above), "recurrent", "chunked", or
+    "torch" (a plain-PyTorch log-step scan, the fast path on a CPU)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    _check_scan_inputs(f, i, h0)
+    B, T, D = f.shape
+    if kernel == "torch":
+        return scan_torch(f, i, h0)
+    h0 = f.new_zeros(B, D, dtype=torch.float32) if h0 is None else h0.float().contiguous()
+    k = choose_kernel(T) if kernel == "auto" else kernel
+    return MLGRUScan.apply(f, i, h0, k)
+
+
+def mlgru_step(f_t: torch.Tensor, i_t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """One step of the recurrence for generation: returns f_t ⊙ h + i_t in float32.
+    f_t, i_t: [B, D]; h: [B, D] state (None: zeros). Memory per sequence: D numbers."""
+    for name, t in (("f_t", f_t), ("i_t", i_t)):
+        check_tensor(name, t, ndim=2, contiguous=False)
+        check_float(name, t)
+    if i_t.shape != f_t.shape:
+        raise ValueError(f"i_t must have f_t's shape {tuple(f_t.shape)}, got {tuple(i_t.shape)}")
+    if h is None:
+        return i_t.float()
+    check_tensor("h", h, shape=f_t.shape, contiguous=False)
+    check_same_device(f_t=f_t, i_t=i_t, h=h)
+    return torch.addcmul(i_t.float(), f_t.float(), h.float())
+
+
+# -- the layer ----------------------------------------------------------------------------
+def _bitlinear(d_in: int, d_out: int) -> nn.Module:
+    """A ternary BitLinear projection (gpulab.bitlinear, notebook 02)."""
+    from .bitlinear import BitLinear
+    return BitLinear(d_in, d_out)
+
+
+class MLGRU(nn.Module):
+    """The MatMul-free linear GRU token mixer (paper form by default).
+
+    variant="paper": f = σ(x W_f), c = SiLU(x W_c), h_t = f_t h_{t-1} + (1 - f_t) c_t,
+                     g = σ(x W_g), out = (g ⊙ h) W_o.
+    variant="code":  as released: i = SiLU(x W_i)(1 - f), optional forget-gate lower bound
+                     f ← β + (1 - β) f (pass ``lower_bound=β``),
+                     out = W_o (RMSNorm(x W_g) ⊙ SiLU(h)).
+    scan: "auto" (Triton kernels on a GPU, the PyTorch scan on a CPU), or any
+    ``mlgru_scan`` kernel name."""
+
+    def __init__(self, d_model: int, variant: str = "paper", lower_bound: float | None = None,
+                 scan: str = "auto"):
+        super().__init__()
+        if variant not in ("paper", "code"):
+            raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
+        if lower_bound is not None and (variant != "code" or not 0 <= lower_bound < 1):
+            raise ValueError("lower_bound (a float in [0, 1)) only applies to variant='code'")
+        if scan not in KERNELS:
+            raise ValueError(f"scan must be one of {', '.join(map(repr, KERNELS))}, got {scan!r}")
+        self.d_model, self.variant, self.lower_bound, self.scan = d_model, variant, lower_bound, scan
+        self.f_proj = _bitlinear(d_model, d_model)
+        self.c_proj = _bitlinear(d_model, d_model)
+        self.g_proj = _bitlinear(d_model, d_model)
+        self.o_proj = _bitlinear(d_model, d_model)
+        if variant == "code":
+            self.g_norm = nn.RMSNorm(d_model, eps=1e-6)
+
+    def gates(self, x):
+        f = torch.sigmoid(self.f_proj(x))
+        if self.lower_bound is not None:
+            f = self.lower_bound + (1 - self.lower_bound) * f
+        i = F.silu(self.c_proj(x)) * (1 - f)
+        return f, i
+
+    def output(self, x, h):
+        h = h.to(x.dtype)
+        if self.variant == "paper":
+            return self.o_proj(torch.sigmoid(self.g_proj(x)) * h)
+        return self.o_proj(self.g_norm(self.g_proj(x)) * F.silu(h))
+
+    def _kernel(self, x):
+        if self.scan != "auto":
+            return self.scan
+        return "auto" if x.is_cuda and runtime.mode() == "compiled" else "torch"
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None):
+        """x: [B, T, d_model] -> (out [B, T, d_model], h_last [B, d_model] float32)."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [batch, time, {self.d_model}], got {tuple(x.shape)}")
+        f, i = self.gates(x)
+        h, h_last = mlgru_scan(f.contiguous(), i.contiguous(), h0, kernel=self._kernel(x))
+        return self.output(x, h), h_last
+
+    def step(self, x_t: torch.Tensor, h: torch.Tensor | None = None):
+        """One token: x_t [B, d_model], state h [B, d_model] -> (out [B, d_model], new h)."""
+        f, i = self.gates(x_t)
+        h = mlgru_step(f, i, h)
+        return self.output(x_t, h), h
+
+
+# -- specs --------------------------------------------------------------------------------
+def _gates(shape, dtype, device, gen):
+    # Forget gates in (0, 1), mostly near 1 (long memory), differing per row.
+    z = randn(shape, torch.float32, device, gen, scale=1.5, offset=1.5)
+    return torch.sigmoid(z).to(dtype)
+
+
+def _scan_inputs(p, dtype, device, gen):
+    B, T, D = p["B"], p["T"], p["D"]
+    return {"f": _gates((B, T, D), dtype, device, gen),
+            "i": randn((B, T, D), dtype, device, gen),
+            "h0": randn((B, D), torch.float32, device, gen, scale=2.0)}
+
+
+def _scan_outputs(inp, dtype):
+    B, T, D = inp["f"].shape
+    return {"h": ((B, T, D), dtype), "h_last": ((B, D), torch.float32)}
+
+
+def _backward_inputs(p, dtype, device, gen):
+    fwd = _scan_inputs(p, dtype, device, gen)
+    h = scan_reference(**fwd)["h"].to(dtype)
+    B, T, D = h.shape
+    return {"f": fwd["f"], "h0": fwd["h0"], "h": h,
+            "dh": randn((B, T, D), dtype, device, gen),
+            "dh_last": randn((B, D), torch.float32, device, gen)}
+
+
+def _backward_outputs(inp, dtype):
+    B, T, D = inp["f"].shape
+    return {"df": ((B, T, D), dtype), "di": ((B, T, D), dtype), "dh0": ((B, D), torch.float32)}
+
+
+_TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+_STATE_TOL = {d: (2e-5, 1e-4) for d in FLOAT_DTYPES}    # float32 state, for every input dtype
+
+_SMALL = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict(B=2, T=37, D=50)),
+          Case("blocks + tails", dict(B=3, T=21, D=70))]
+_SMALL_CHUNKED = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict(B=2, T=37, D=5)),
+                  Case("blocks + tails", dict(B=1, T=20, D=70))]
+_GPU = [Case("one step", dict(B=1, T=1, D=1)), Case("short, odd", dict(B=3, T=31, D=130)),
+        Case("ragged chunks", dict(B=2, T=1000, D=333)), Case("long", dict(B=4, T=4099, D=512))]
+_BENCH = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512))]
+_DTYPES = {"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]}
+
+
+def _fwd_bytes(p, dtype):
+    B, T, D = p["B"], p["T"], p["D"]
+    return 3 * B * T * D * bytes_of(dtype) + 2 * B * D * 4      # read f, i; write h; h0, h_last
+
+
+def _bwd_bytes(p, dtype):
+    B, T, D = p["B"], p["T"], p["D"]
+    return 5 * B * T * D * bytes_of(dtype) + 3 * B * D * 4      # read f, h, dh; write df, di
+
+
+def _fwd_spec(name, summary, impl, cpu_cases):
+    return KernelSpec(
+        name=name, summary=summary, args=("f", "i", "h0", "h", "h_last"),
+        make_inputs=_scan_inputs, reference=scan_reference, outputs=_scan_outputs,
+        implementation=impl, cases={"cpu": cpu_cases, "gpu": _GPU, "bench": _BENCH},
+        dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL},
+        bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
+        read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
+
+
+def _bwd_spec(name, summary, impl, cpu_cases):
+    return KernelSpec(
+        name=name, summary=summary, args=("f", "h0", "h", "dh", "dh_last", "df", "di", "dh0"),
+        make_inputs=_backward_inputs, reference=scan_backward_reference, outputs=_backward_outputs,
+        implementation=impl, cases={"cpu": cpu_cases, "gpu": _GPU, "bench": _BENCH},
+        dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"dh0": _STATE_TOL},
+        bytes_moved=_bwd_bytes, flops=lambda p, d: 4 * p["B"] * p["T"] * p["D"],
+        read_inputs=("f", "h0", "h", "dh", "dh_last"), bench_dtypes=[torch.bfloat16])
+
+
+SCAN_RECURRENT = _fwd_spec("mlgru_scan_recurrent", "h_t = f_t h_{t-1} + i_t, a loop over time",
+                           scan_recurrent_into, _SMALL)
+SCAN_CHUNKED = _fwd_spec("mlgru_scan_chunked", "the scan in chunks: parallel inside, carried across",
+                         scan_chunked_into, _SMALL_CHUNKED)
+SCAN_BACKWARD_RECURRENT = _bwd_spec("mlgru_scan_backward_recurrent",
+                                    "scan gradients, a reverse-time loop",
+                                    scan_backward_recurrent_into, _SMALL)
+SCAN_BACKWARD_CHUNKED = _bwd_spec("mlgru_scan_backward_chunked",
+                                  "scan gradients in chunks, walking time backwards",
+                                  scan_backward_chunked_into, _SMALL_CHUNKED)
+
+
+def _eager(inp):
+    return scan_eager_loop(inp["f"], inp["i"], inp["h0"])
+
+
+def _logstep(inp):
+    return scan_torch(inp["f"], inp["i"], inp["h0"])
+
+
+SCAN = KernelSpec(
+    name="mlgru_scan", summary="MLGRU scan forward (the kernel the rule picks)",
+    args=("f", "i", "h0", "h", "h_last"), make_inputs=_scan_inputs, reference=scan_reference,
+    outputs=_scan_outputs, implementation=scan_into,
+    cases={"cpu": [Case("one step", dict(B=1, T=1, D=1)), Case("chunked", dict(B=2, T=40, D=3))],
+           "gpu": _GPU, "bench": _BENCH},
+    dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL},
+    bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
+    baselines={"torch eager loop": _eager, "torch log-step scan": _logstep},
+    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
+
+
+# Forward + backward through autograd, the way training calls it.
+def _train_inputs(p, dtype, device, gen):
+    fwd = _scan_inputs(p, dtype, device, gen)
+    B, T, D = p["B"], p["T"], p["D"]
+    return {**fwd, "dh": randn((B, T, D), dtype, device, gen),
+            "dh_last": randn((B, D), torch.float32, device, gen)}
+
+
+def _train_reference(f, i, h0, dh, dh_last):
+    out = scan_reference(f, i, h0)
+    grads = scan_backward_reference(f, h0, out["h"].to(f.dtype), dh, dh_last)
+    return {**out, "df": grads["df"], "di": grads["di"], "dh0": grads["dh0"]}
+
+
+def _fwd_bwd(scan):
+    def run(f, i, h0, dh, dh_last):
+        f = f.detach().requires_grad_()
+        i = i.detach().requires_grad_()
+        h0 = h0.detach().requires_grad_()
+        h, h_last = scan(f, i, h0)
+        torch.autograd.backward((h, h_last), (dh, dh_last))
+        return h.detach(), h_last.detach(), f.grad, i.grad, h0.grad
+    return run
+
+
+def mlgru_scan_train(f, i, h0, dh, dh_last):
+    """Forward and backward through ``mlgru_scan``: returns h, h_last, df, di, dh0."""
+    return _fwd_bwd(mlgru_scan)(f, i, h0, dh, dh_last)
+
+
+SCAN_TRAIN = KernelSpec(
+    name="mlgru_scan_train", summary="MLGRU scan forward + backward through autograd",
+    args=("f", "i", "h0", "dh", "dh_last"), make_inputs=_train_inputs, reference=_train_reference,
+    returns=("h", "h_last", "df", "di", "dh0"), implementation=mlgru_scan_train,
+    cases={"cpu": [Case("one step", dict(B=1, T=1, D=1)), Case("chunked", dict(B=2, T=40, D=3))],
+           "gpu": _GPU, "bench": _BENCH},
+    dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL, "dh0": _STATE_TOL},
+    bytes_moved=lambda p, d: _fwd_bytes(p, d) + _bwd_bytes(p, d),
+    flops=lambda p, d: 6 * p["B"] * p["T"] * p["D"],
+    baselines={"torch eager loop": lambda inp: _fwd_bwd(scan_eager_loop)(**inp),
+               "torch log-step scan": lambda inp: _fwd_bwd(scan_torch)(**inp)},
+    bench_impl=lambda inp: mlgru_scan_train(**inp),
+    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])

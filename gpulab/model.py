@@ -1,0 +1,282 @@
+"""Notebook 03, part 2: a tiny MatMul-free language model, trained on bytes of poetry.
+
+Architecture (Zhu et al. 2024, "Scalable MatMul-free Language Modeling"):
+
+    tokens -> embedding -> N x [ x = x + MLGRU(RMSNorm(x));  x = x + GLU(RMSNorm(x)) ]
+           -> RMSNorm -> output head -> next-token logits
+
+* token mixer: :class:`gpulab.mlgru.MLGRU` (ternary BitLinear projections around the
+  elementwise recurrence h_t = f_t ⊙ h_{t-1} + i_t),
+* channel mixer: a GLU, gate_proj (d -> 2I, BitLinear), SiLU(gate) ⊙ up, down_proj
+  (I -> d, BitLinear), with I = 256·⌈(8d/3)/256⌉ as in the released code,
+* embedding and head stay in full precision, as in the paper.
+
+Generation keeps one [d_model] state per layer and sequence: memory does not grow with
+the context, unlike a transformer's KV cache (2 · layers · d_model numbers per token).
+
+Execution paths: on a GPU the scan runs gpulab's Triton kernels (forward and backward)
+and BitLinear its fused kernels. On a CPU the model uses plain PyTorch (the log-step scan
+``gpulab.mlgru.scan_torch`` and BitLinear's reference path): the interpreter is for
+checking kernels, far too slow to train with. A 2-layer, d=64 model then trains on the
+bundled corpus at about 10 steps per second on one CPU core (``train`` uses one
+thread on a CPU: these ops are too small to gain from more).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .mlgru import KERNELS, MLGRU, _bitlinear
+from .validate import check_index_range, check_tensor
+
+DATA = Path(__file__).resolve().parent / "data"
+VOCAB = 256   # bytes
+
+
+# -- data ---------------------------------------------------------------------------------
+def load_corpus(name: str = "poems.txt") -> str:
+    """The bundled public-domain corpus (see gpulab/data/README.md for its sources)."""
+    return (DATA / name).read_text(encoding="utf-8")
+
+
+def encode(text: str) -> torch.Tensor:
+    """Byte-level tokenizer: UTF-8 bytes as int64 token ids in [0, 256)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens) -> str:
+    """Token ids back to text (invalid UTF-8 sequences become �)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.tolist()
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator):
+    """Endless random windows of seq_len + 1 tokens (inputs and next-token targets)."""
+    if data.dim() != 1 or data.numel() < seq_len + 2:
+        raise ValueError(f"data must be 1-D with more than seq_len + 1 = {seq_len + 1} tokens, "
+                         f"got shape {tuple(data.shape)}")
+    offsets = torch.arange(seq_len + 1)
+    while True:
+        starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
+        yield data[starts[:, None] + offsets]
+
+
+# -- the model ----------------------------------------------------------------------------
+def intermediate_size(d_model: int) -> int:
+    return 256 * math.ceil((8 * d_model / 3) / 256)
+
+
+class GLU(nn.Module):
+    """Channel mixer: down(SiLU(gate) ⊙ up) with [gate, up] = gate_proj(x), all BitLinear."""
+
+    def __init__(self, d_model: int, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or intermediate_size(d_model)
+        self.gate_proj = _bitlinear(d_model, 2 * hidden)
+        self.down_proj = _bitlinear(hidden, d_model)
+
+    def forward(self, x):
+        gate, up = self.gate_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """x + MLGRU(RMSNorm(x)), then x + GLU(RMSNorm(x))."""
+
+    def __init__(self, d_model: int, hidden: int | None = None, variant: str = "paper",
+                 scan: str = "auto"):
+        super().__init__()
+        self.mixer_norm = nn.RMSNorm(d_model, eps=1e-6)
+        self.mixer = MLGRU(d_model, variant=variant, scan=scan)
+        self.mlp_norm = nn.RMSNorm(d_model, eps=1e-6)
+        self.mlp = GLU(d_model, hidden)
+
+    def forward(self, x, h0=None):
+        y, h = self.mixer(self.mixer_norm(x), h0)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), h
+
+    def step(self, x_t, h):
+        y, h = self.mixer.step(self.mixer_norm(x_t), h)
+        x_t = x_t + y
+        return x_t + self.mlp(self.mlp_norm(x_t)), h
+
+
+class MatMulFreeLM(nn.Module):
+    """A small MatMul-free LM over bytes.
+
+    >>> model = MatMulFreeLM(d_model=64, n_layers=2)
+    >>> logits, states = model(encode("Tyger Tyger")[None])   # [1, 11, 256], 2 x [1, 64]
+    """
+
+    def __init__(self, vocab_size: int = VOCAB, d_model: int = 128, n_layers: int = 2,
+                 hidden: int | None = None, variant: str = "paper", scan: str = "auto"):
+        super().__init__()
+        if scan not in KERNELS:
+            raise ValueError(f"scan must be one of {', '.join(map(repr, KERNELS))}, got {scan!r}")
+        self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, hidden, variant, scan) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(d_model, eps=1e-6)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def _check_tokens(self, tokens):
+        check_tensor("tokens", tokens, ndim=2, dtype=torch.long, contiguous=False)
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens has no time steps: pass at least one token per sequence")
+        check_index_range("tokens", tokens, 0, self.vocab_size, "token ids must be < vocab_size")
+
+    def forward(self, tokens: torch.Tensor, states: list | None = None):
+        """tokens [B, T] (int64) -> (logits [B, T, vocab] float32, per-layer states [B, d])."""
+        self._check_tokens(tokens)
+        x = self.embed(tokens)
+        new_states = []
+        for k, block in enumerate(self.blocks):
+            x, h = block(x, None if states is None else states[k])
+            new_states.append(h)
+        return self.head(self.norm(x)).float(), new_states
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over a batch of windows [B, T + 1]."""
+        logits, _ = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size), tokens[:, 1:].reshape(-1))
+
+    def state_numel(self, batch: int = 1) -> int:
+        """Numbers of recurrent state kept during generation: n_layers · d_model per sequence."""
+        return batch * self.n_layers * self.d_model
+
+    def step(self, token: torch.Tensor, states: list):
+        """One token per sequence, token [B] -> (logits [B, vocab], new states)."""
+        x = self.embed(token)
+        new_states = []
+        for block, h in zip(self.blocks, states):
+            x, h = block.step(x, h)
+            new_states.append(h)
+        return self.head(self.norm(x)).float(), new_states
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``prompt`` [B, T0] by ``max_new_tokens`` sampled tokens; returns
+        [B, T0 + max_new_tokens]. The prompt runs through the scan once; then each new
+        token updates n_layers states of [B, d_model]: constant memory per sequence.
+        temperature 0 means greedy."""
+        self._check_tokens(prompt)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and not 1 <= top_k <= self.vocab_size:
+            raise ValueError(f"top_k must be in [1, {self.vocab_size}], got {top_k}")
+        B, T0 = prompt.shape
+        out = torch.empty(B, T0 + max_new_tokens, dtype=torch.long, device=prompt.device)
+        out[:, :T0] = prompt
+        if max_new_tokens == 0:
+            return out
+        logits, states = self(prompt)
+        logits = logits[:, -1]
+        for k in range(max_new_tokens):
+            token = _sample(logits, temperature, top_k, generator)
+            out[:, T0 + k] = token
+            if k + 1 < max_new_tokens:
+                logits, states = self.step(token, states)
+        return out
+
+    def pack(self) -> "MatMulFreeLM":
+        """Switch every BitLinear to packed 2-bit inference weights."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "pack") and not isinstance(m, MatMulFreeLM):
+                m.pack()
+        return self
+
+
+def _sample(logits, temperature, top_k, generator):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# -- training -----------------------------------------------------------------------------
+def train(model: MatMulFreeLM, data: torch.Tensor, steps: int = 300, batch_size: int = 16,
+          seq_len: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True) -> list[float]:
+    """AdamW on random windows of ``data`` (1-D token ids); returns the loss of every step.
+    A linear warm-up over the first 10% of steps, then cosine decay to 10% of ``lr``."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    stream = batches(data, batch_size, seq_len, gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warm = max(1, steps // 10)
+
+    def schedule(s):
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    losses = []
+    bar = range(steps)
+    if progress:
+        bar = _progress_bar(bar)
+    # On a CPU this model's ops are small: one thread avoids the cost of threads waiting
+    # on each other (large when other processes share the cores, as in CI).
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    model.train()
+    try:
+        for _ in bar:
+            tokens = next(stream).to(device)
+            loss = model.loss(tokens)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if progress:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+    return losses
+
+
+def _progress_bar(iterable):
+    """tqdm: a widget in Jupyter when ipywidgets works, else the text bar."""
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(iterable, desc="training", leave=True)
+    except Exception:   # e.g. "IProgress not found" with a mismatched ipywidgets
+        from tqdm.std import tqdm
+        return tqdm(iterable, desc="training", leave=True)
+
+
+def plot_losses(losses: list[float], ax=None, smooth: int = 20):
+    """The training curve: raw losses and a running mean, with the uniform-guess level."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(losses, alpha=0.35, lw=1, label="loss per step")
+    if len(losses) >= smooth:
+        t = torch.tensor(losses)
+        mean = t.unfold(0, smooth, 1).mean(1)
+        ax.plot(range(smooth - 1, len(losses)), mean.tolist(), lw=2, label=f"mean of {smooth} steps")
+    ax.axhline(math.log(VOCAB), color="k", ls="--", lw=1, label="uniform guess, ln 256")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    return ax
