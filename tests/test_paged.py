@@ -1,0 +1,252 @@
+"""Paged KV cache, paged decode attention (split-KV + reduce): kernels, checks, validation."""
+
+import pytest
+import torch
+
+import gpulab
+from gpulab import paged, runtime
+from gpulab.checking import rejects
+from gpulab.spec import get
+
+DEV = runtime.device()
+GPU = runtime.mode() == "compiled"
+
+
+# -- the package passes its own checks (GPU cases, compiled, when a GPU is present) ----------
+@pytest.mark.parametrize("name", ["paged_decode_attention", "paged_decode_split", "split_kv_reduce"])
+def test_implementation_passes(name):
+    gpulab.check(name, get(name).implementation)
+
+
+# -- public function ------------------------------------------------------------------------
+def _inputs(lens, page=16, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return paged.make_paged_inputs(dict(lens=lens, page=page, hq=hq, hkv=hkv, d=d), dtype, DEV, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_public_matches_reference_every_split(dtype):
+    inp = _inputs([1, 16, 17, 70, 0], page=16, hq=6, hkv=2, d=24, dtype=dtype)
+    ref = paged.paged_decode_reference(**inp)
+    atol, rtol = paged._DECODE_TOL[dtype]
+    for splits in (None, 1, 5):
+        o, lse = paged.paged_decode_attention(**inp, return_lse=True, num_splits=splits)
+        assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == inp["q"].shape
+        torch.testing.assert_close(o.double(), ref["o"], atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double(), ref["lse"], atol=paged._LSE_TOL[dtype][0], rtol=1e-3)
+    assert torch.isneginf(lse[4]).all() and (o[4] == 0).all()     # the empty sequence
+
+
+def test_custom_scale_and_plan():
+    inp = _inputs([33, 5], page=4, hq=2, hkv=1, d=32)
+    o = paged.paged_decode_attention(**inp, scale=0.05)
+    ref = paged.paged_decode_reference(**inp, scale=0.05)["o"]
+    torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
+    # the planner splits few long sequences, and leaves big batches alone
+    assert paged.plan_splits(4, 8, 32768, num_sms=132)[0] > 1
+    assert paged.plan_splits(1024, 8, 4096, num_sms=132)[0] == 1
+
+
+# -- the cache: allocator, block tables, FlashInfer view -------------------------------------
+def test_cache_allocate_append_free_and_decode():
+    cache = paged.PagedKVCache(num_pages=12, page_size=4, num_kv_heads=2, head_dim=16, device=DEV)
+    g = torch.Generator().manual_seed(1)
+    kv = {}
+    seqs = [cache.allocate() for _ in range(3)]
+    for step, n in enumerate([(5, 1, 8), (3, 0, 1), (1, 4, 0)]):
+        for s, t in zip(seqs, n):
+            k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+            cache.append(s, k, v)
+            old = kv.get(s, (torch.zeros(0, 2, 16), torch.zeros(0, 2, 16)))
+            kv[s] = (torch.cat([old[0], k]), torch.cat([old[1], v]))
+    assert [cache.seq_len(s) for s in seqs] == [9, 5, 9]
+    assert cache.used_pages == 3 + 2 + 3 and cache.free_pages == 4
+    assert 0 < cache.utilization() <= 1
+    bt, lens = cache.block_table(seqs), cache.seq_lens(seqs)
+    q = torch.randn(3, 4, 16, generator=g).to(DEV)
+    o = paged.paged_decode_attention(q, cache.k_cache, cache.v_cache, bt, lens)
+    for i, s in enumerate(seqs):   # against attention over the contiguous tokens
+        ref, _ = paged.attention_state_reference(q[i].cpu(), kv[s][0], kv[s][1], 16 ** -0.5)
+        torch.testing.assert_close(o[i].double().cpu(), ref, atol=1e-5, rtol=1e-5)
+    # FlashInfer's view and back
+    indptr, indices, last = cache.flashinfer_view(seqs)
+    assert indptr.tolist() == [0, 3, 5, 8] and last.tolist() == [1, 1, 1]
+    bt2, lens2 = paged.from_flashinfer(indptr, indices, last, 4)
+    assert torch.equal(bt2, bt) and torch.equal(lens2, lens)
+    ip3, ix3, l3 = paged.to_flashinfer(bt, lens, 4)
+    assert torch.equal(ip3, indptr) and torch.equal(ix3, indices) and torch.equal(l3, last)
+    # free returns pages; they are reused
+    owners = cache.page_owners()
+    assert int((owners == -1).sum()) == 4
+    freed = set(cache.pages_of(seqs[1]))
+    cache.free(seqs[1])
+    assert cache.free_pages == 6
+    s4 = cache.allocate(8)
+    assert set(cache.pages_of(s4)) <= freed | set(range(12))
+    with pytest.raises(KeyError, match="no sequence"):
+        cache.append(seqs[1], torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
+
+
+def test_cache_exhaustion_is_an_error_not_an_overwrite():
+    cache = paged.PagedKVCache(num_pages=3, page_size=4, num_kv_heads=1, head_dim=16, device=DEV)
+    a = cache.allocate()
+    cache.append(a, torch.ones(10, 1, 16), torch.ones(10, 1, 16))       # 3 pages
+    b = cache.allocate()                                                  # empty: no page yet
+    k_before = cache.k_cache.clone()
+    with pytest.raises(paged.OutOfPages, match=r"needs 1 more page\(s\).*0 of 3 are free"):
+        cache.append(b, torch.full((1, 1, 16), 7.0), torch.full((1, 1, 16), 7.0))
+    assert torch.equal(cache.k_cache, k_before) and cache.seq_len(b) == 0
+    with pytest.raises(paged.OutOfPages):
+        cache.allocate(1)
+    cache.append(a, torch.ones(2, 1, 16), torch.ones(2, 1, 16))          # fits the last page
+    with pytest.raises(paged.OutOfPages):
+        cache.append(a, torch.ones(1, 1, 16), torch.ones(1, 1, 16))
+    cache.free(a)
+    cache.append(b, torch.ones(5, 1, 16), torch.ones(5, 1, 16))
+    assert cache.free_pages == 1
+
+
+def test_cache_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="page_size"):
+        paged.PagedKVCache(4, 0, 1, 16)
+    cache = paged.PagedKVCache(4, 4, 2, 16, device=DEV)
+    s = cache.allocate()
+    with pytest.raises(ValueError, match=r"\[T, 2, 16\]"):
+        cache.append(s, torch.zeros(3, 16), torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="k has 3 tokens but v has 2"):
+        cache.append(s, torch.zeros(3, 2, 16), torch.zeros(2, 2, 16))
+
+
+# -- validation before launch ---------------------------------------------------------------
+def test_bad_block_tables_and_inputs_rejected():
+    inp = _inputs([5, 20], page=4)
+    P = inp["k_cache"].shape[0]
+    bt = inp["block_table"].clone()
+    bt[1, 3] = P                                   # a page past the pool
+    with pytest.raises(IndexError, match=rf"block_table\[1, 3\] = {P} is not a page"):
+        paged.paged_decode_attention(**{**inp, "block_table": bt})
+    bt[1, 3] = -1
+    with pytest.raises(IndexError, match="block_table"):
+        paged.paged_decode_attention(**{**inp, "block_table": bt})
+    # entries past a sequence's pages are never read: garbage there is fine
+    bt = inp["block_table"].clone()
+    bt[0, 2:] = 10 ** 6
+    paged.paged_decode_attention(**{**inp, "block_table": bt})
+    with pytest.raises(ValueError, match="exceeds the block table's capacity"):
+        paged.paged_decode_attention(**{**inp, "seq_lens": torch.tensor([5, 10 ** 4], dtype=torch.int32,
+                                                                          device=DEV)})
+    with pytest.raises(ValueError, match="negative"):
+        paged.paged_decode_attention(**{**inp, "seq_lens": torch.tensor([5, -1], dtype=torch.int32,
+                                                                          device=DEV)})
+    with pytest.raises(TypeError, match="int32"):
+        paged.paged_decode_attention(**{**inp, "block_table": inp["block_table"].long()})
+    with pytest.raises(TypeError, match="k_cache must be float16"):
+        paged.paged_decode_attention(**{**inp, "q": inp["q"].half()})
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged.paged_decode_attention(**{**inp, "q": inp["q"][:, :3].contiguous()})
+    with pytest.raises(ValueError, match="head_dim"):
+        paged.paged_decode_attention(**{**inp, "q": inp["q"][..., :8].contiguous()})
+    with pytest.raises(ValueError, match="batch size"):
+        paged.paged_decode_attention(**{**inp, "seq_lens": inp["seq_lens"][:1].contiguous()})
+    with pytest.raises(ValueError, match="contiguous"):
+        paged.paged_decode_attention(**{**inp, "k_cache": inp["k_cache"].transpose(0, 1)})
+    with pytest.raises(ValueError, match="num_splits"):
+        paged.paged_decode_attention(**inp, num_splits=0)
+
+
+# -- the checks reject wrong kernels --------------------------------------------------------
+def _torch_decode(q, k_cache, v_cache, block_table, seq_lens, o, lse, *, scale_mul=1.0,
+                  full_pages=False, zero_v=False, ignore_table=False, page_shift=0, stale_max=False):
+    """A decode written in PyTorch with one deliberate mistake (for the mutants)."""
+    ps = k_cache.shape[1]
+    scale = q.shape[-1] ** -0.5 * scale_mul
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        n_read = -(-n // ps) * ps if full_pages else n
+        n_pages = -(-n_read // ps)
+        if ignore_table:
+            pages = torch.arange(n_pages, device=q.device)
+        else:
+            pages = block_table[b, page_shift:page_shift + n_pages].long()
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n_read]
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n_read]
+        if zero_v:
+            v = torch.zeros_like(v)
+        st_o, st_l = paged.attention_state_reference(q[b], k, v, scale)
+        if stale_max and n_read > 8:   # rescaling forgotten when the max moves: split in two, no merge weights
+            o1, _ = paged.attention_state_reference(q[b], k[:8], v[:8], scale)
+            o2, _ = paged.attention_state_reference(q[b], k[8:], v[8:], scale)
+            st_o = (o1 + o2) / 2
+        o[b] = st_o.to(o.dtype)
+        lse[b] = st_l.float()
+
+
+def _oob_decode(q, k_cache, v_cache, block_table, seq_lens, o, lse):
+    paged.paged_decode_into(q, k_cache, v_cache, block_table, seq_lens, o, lse)
+    flat = torch.as_strided(o, (o.numel() + 64,), (1,))   # an unmasked store past the end
+    flat[o.numel():] = 0
+
+
+def _mutant(**kw):
+    return lambda *a: _torch_decode(*a, **kw)
+
+
+@pytest.mark.parametrize("mutant, expect", [
+    (_mutant(full_pages=True), "wrong"),                   # missing token mask: reads the whole last page
+    (_mutant(scale_mul=2.0), "wrong"),                     # wrong softmax scale
+    (_oob_decode, "past the end of output"),               # out-of-bounds store
+    (_mutant(zero_v=True), "v_cache"),                     # v never loaded
+    (_mutant(ignore_table=True), "wrong"),                 # pages read in order, block table ignored
+    (_mutant(page_shift=1), "wrong"),                      # off by one page
+    (_mutant(stale_max=True), "wrong"),                    # tiles not rescaled to the new max
+])
+def test_decode_check_rejects(mutant, expect):
+    cases = get("paged_decode_attention").cases["gpu" if GPU else "cpu"][:2]
+    msg = rejects("paged_decode_attention", mutant, cases=cases, dtypes=[torch.float32])
+    assert expect in msg, msg
+
+
+def _reduce_mutant(kind):
+    def fn(o_part, lse_part, o, lse):
+        if kind == "mean":                 # partials averaged, not weighted by their sums
+            o.copy_(o_part.mean(2))
+            lse.copy_(torch.logsumexp(lse_part, -1))
+        elif kind == "no_max":             # exp without subtracting the max: overflows
+            w = torch.exp(lse_part)
+            o.copy_((w[..., None] * o_part).sum(2) / w.sum(-1)[..., None])
+            lse.copy_(torch.log(w.sum(-1)))
+        elif kind == "nan_empty":          # -inf - (-inf) = NaN for an all-empty row
+            m = lse_part.max(-1, keepdim=True).values
+            w = torch.exp(lse_part - m)
+            o.copy_((w[..., None] * o_part).sum(2) / w.sum(-1)[..., None])
+            lse.copy_(m[..., 0] + torch.log(w.sum(-1)))
+        elif kind == "first_only":         # only the first partition
+            o.copy_(o_part[:, :, 0])
+            lse.copy_(lse_part[:, :, 0])
+        elif kind == "partial_d":          # head_dim tail never written
+            ref = paged.split_reduce_reference(o_part, lse_part)
+            o[..., :16].copy_(ref["o"][..., :16])
+            lse.copy_(ref["lse"])
+    return fn
+
+
+@pytest.mark.parametrize("kind, expect", [("mean", "wrong"), ("no_max", "NaN"), ("nan_empty", "NaN"),
+                                          ("first_only", "wrong"), ("partial_d", "never written")])
+def test_reduce_check_rejects(kind, expect):
+    msg = rejects("split_kv_reduce", _reduce_mutant(kind))
+    assert expect in msg, msg
+
+
+def test_split_check_rejects_single_partition_reduce():
+    # forgetting the reduce (taking partition 0 only) is caught by the split-KV check
+    def fn(q, k, v, bt, sl, num_splits, o, lse):
+        B, hq, d = q.shape
+        splits, part = paged.fixed_splits(bt.shape[1] * k.shape[1], num_splits)
+        op = torch.zeros((B, hq, splits, d), device=q.device)
+        lp = torch.zeros((B, hq, splits), device=q.device)
+        paged.decode_partials_into(q, k, v, bt, sl, op, lp, part)
+        o.copy_(op[:, :, 0])
+        lse.copy_(lp[:, :, 0])
+    cases = get("paged_decode_split").cases["gpu" if GPU else "cpu"][1:3]
+    msg = rejects("paged_decode_split", fn, cases=cases, dtypes=[torch.float32])
+    assert "wrong" in msg, msg
