@@ -1,0 +1,548 @@
+r"""Notebook 01: ternary weights, 2-bit packing, and the int8 × ternary matmul.
+
+MatMul-free LM (Zhu et al. 2024) restricts every weight to {-1, 0, +1}: a "multiply"
+becomes add, subtract or skip. Weights are quantized per tensor with their mean
+absolute value (absmean):
+
+    s_w = 1 / max(mean |W|, 1e-5),      W_t = clamp(round(W · s_w), -1, 1)  ∈ {-1, 0, 1}
+
+and activations per row with their absmax, to int8 (see :mod:`gpulab.normquant`):
+
+    s_x = 127 / max(max |x|, 1e-5),     x_q = clamp(round(x · s_x), -128, 127)
+
+so that  x Wᵀ ≈ (x_q W_tᵀ) / (s_x s_w): an integer matmul, scaled once per output.
+Rounding is to nearest, ties away from zero (``normquant.round_half_away``).
+
+2-bit layout (``pack_ternary``). A row of K weights is padded with zeros to
+K4 = ceil(K/4)·4 and cut into four quarters of K4/4 weights. Byte j of the packed
+row holds weight j of each quarter, quarter i in bits 2i..2i+1, as the code w + 1
+(0 → -1, 1 → 0, 2 → +1; code 3 is never used):
+
+    packed[n, j] = Σ_i (W_t[n, i·K4/4 + j] + 1) << 2i,          packed: uint8 [N, K4/4]
+
+A kernel reading bytes j0..j0+B of a row therefore gets four tiles of B weights, each
+matching a *contiguous* slice of x (x[i·K4/4 + j0 : ... + B]): no shuffling in
+registers, just a shift and a mask per quarter. 2 bits per weight is 1/8 of bf16: at
+decode (M = 1..16 rows) the matmul is bound by reading weights, so up to 8× faster.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import runtime
+from .normquant import (ABSMAX_FLOOR, absmax_quantize, check, int8_poison, rejects,  # noqa: F401
+                        rmsnorm_fakequant, rmsnorm_quant, round_half_away)
+from .spec import Case, KernelSpec, bytes_of, randn
+from .validate import check_float, check_same_device, check_tensor
+
+WEIGHT_FLOOR = 1e-5
+
+
+# -- PyTorch: quantize, pack, unpack, reference matmul ----------------------------------------
+def ternary_quantize(w: torch.Tensor):
+    """Per-tensor absmean quantization: (w_t int8 in {-1,0,1}, w_scale float32 0-d tensor)."""
+    check_tensor("w", w, contiguous=False)
+    check_float("w", w)
+    if w.numel() == 0:
+        raise ValueError("w is empty: a weight matrix needs at least one element")
+    wf = w.detach().float()
+    scale = 1.0 / wf.abs().mean().clamp_min(WEIGHT_FLOOR)
+    w_t = round_half_away(wf * scale).clamp(-1, 1).to(torch.int8)
+    return w_t, scale
+
+
+def _check_ternary(w_t):
+    check_tensor("w_t", w_t, ndim=2, dtype=torch.int8)
+    if w_t.numel() and (int(w_t.min()) < -1 or int(w_t.max()) > 1):
+        bad = ((w_t < -1) | (w_t > 1)).nonzero()[0].tolist()
+        raise ValueError(f"w_t{bad} = {int(w_t[tuple(bad)])}: ternary weights must be -1, 0 or 1 "
+                         f"(quantize with ternary_quantize first)")
+
+
+def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 ternary -> [N, ceil(K/4)] uint8, four weights per byte (module docstring)."""
+    _check_ternary(w_t)
+    n, k = w_t.shape
+    q = triton.cdiv(k, 4)
+    codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)  # padding: weight 0
+    codes[:, :k] = (w_t + 1).to(torch.uint8)
+    c = codes.view(n, 4, q)
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+def unpack_ternary(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary`: [N, ceil(k/4)] uint8 -> [N, k] int8."""
+    check_tensor("packed", packed, ndim=2, dtype=torch.uint8)
+    if not isinstance(k, int) or k < 1 or triton.cdiv(k, 4) != packed.shape[1]:
+        raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} bytes: "
+                         f"k must satisfy ceil(k/4) == {packed.shape[1]}")
+    shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & 3        # [N, 4, q]
+    return (codes.reshape(packed.shape[0], -1)[:, :k].to(torch.int8) - 1)
+
+
+def ternary_matmul_ref(x_q, x_scale, w_t, w_scale, out_dtype=torch.float64):
+    """y = (x_q · W_tᵀ) / (x_scale[:, None] · w_scale), in float64."""
+    acc = x_q.double() @ w_t.double().t()
+    return (acc / (x_scale.double()[:, None] * w_scale.double())).to(out_dtype)
+
+
+# -- the decode GEMV: one program per (row m, block of outputs) --------------------------------
+@triton.jit
+def _ternary_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, Q,
+                         stride_xm, stride_wn, stride_ym,
+                         BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """y[m, n] = Σ_k x_q[m, k] W_t[n, k] / (s_x[m] s_w) for BLOCK_N outputs of row m.
+
+    Unpacks in registers, accumulates exactly in int32 and scales once at the end. At 2
+    bits per weight the integer work, not the bytes, is the risk, so per weight this
+    does one AND and one multiply-add:
+    * codes are masked in place, ``b & (3 << 2i) = 4^i·c``, and the x slice is shifted
+      the other way, ``x << (6 - 2i)``, so every term is ``64·c·x`` (no shift of b);
+    * the −1 of the code is taken out once: Σ (c − 1)·x = Σ c·x − Σ x;
+    * products accumulate elementwise in a [BLOCK_N, BLOCK_Q] int32 tile (multiply-add),
+      reduced across the row once after the loop.
+    |64·c·x| ≤ 192·127, so the int32 sums are exact for K ≤ GEMV_MAX_K."""
+    m = tl.program_id(0)              # rows first: programs sharing a weight tile run together
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_Q], dtype=tl.int32)
+    x_sum = tl.zeros([BLOCK_Q], dtype=tl.int32)
+    for j0 in range(0, Q, BLOCK_Q):
+        j = j0 + tl.arange(0, BLOCK_Q)
+        j_mask = j < Q
+        b = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + j[None, :],
+                    mask=n_mask[:, None] & j_mask[None, :], other=0).to(tl.int32)
+        for i in tl.static_range(4):
+            k = i * Q + j
+            xi = tl.load(x_ptr + m * stride_xm + k, mask=j_mask & (k < K), other=0).to(tl.int32)
+            x_sum += xi
+            acc += (b & (3 << (2 * i))) * (xi << (6 - 2 * i))[None, :]
+    total = (tl.sum(acc, axis=1) >> 6) - tl.sum(x_sum, axis=0)
+    scale = tl.load(xs_ptr + m) * tl.load(ws_ptr)
+    y = total.to(tl.float32) / scale
+    tl.store(y_ptr + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+GEMV_MAX_K = 1 << 16
+
+
+def _gemv_configs():
+    if runtime.interpreting():
+        return [triton.Config({"BLOCK_N": 128, "BLOCK_Q": 512}, num_warps=4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_Q": bq}, num_warps=w, num_stages=st)
+            for bn, bq, w, st in ((16, 256, 4, 3), (32, 256, 8, 3), (8, 512, 4, 3), (16, 512, 8, 2),
+                                  (32, 128, 4, 4), (64, 128, 8, 3))]
+
+
+_ternary_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(_ternary_gemv_kernel)
+
+
+# -- the prefill matmul: int8 tensor-core dots on unpacked tiles ---------------------------
+@triton.jit
+def _ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
+                       stride_xm, stride_wn, stride_ym, M_BUCKET,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
+    """Tile [BLOCK_M, BLOCK_N] of y; each step reads BLOCK_Q packed bytes per output
+    column (4·BLOCK_Q weights) and issues four int8 dots (one per quarter)."""
+    pid = tl.program_id(0)
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row-tiles share each weight tile while it is in L2
+    width = GROUP_M * n_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
+    for j0 in range(0, Q, BLOCK_Q):
+        j = j0 + tl.arange(0, BLOCK_Q)
+        j_mask = j < Q
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + j[:, None],
+                    mask=j_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)   # [BLOCK_Q, BLOCK_N]
+        for i in tl.static_range(4):
+            k = i * Q + j
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=m_mask[:, None] & (j_mask & (k < K))[None, :], other=0)   # int8 [BLOCK_M, BLOCK_Q]
+            wi = ((b >> (2 * i)) & 3) - 1
+            if DOT_INT8:     # int8 tensor cores (sm_80+): exact int32 accumulation
+                acc = tl.dot(a, wi.to(tl.int8), acc, out_dtype=tl.int32)
+            else:            # sm_75 has no int8 dot in Triton: fp16 is exact up to |acc| < 2^24
+                acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _mm_configs():
+    if runtime.interpreting():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_Q": bq, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bq, w, s in ((128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (128, 128, 64, 8, 3),
+                                     (64, 128, 64, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4))]
+
+
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(m), 256)
+
+
+_ternary_mm_tuned = triton.autotune(configs=_mm_configs(), key=["M_BUCKET", "N", "K"])(_ternary_mm_kernel)
+
+
+# -- launchers ---------------------------------------------------------------------------------
+GEMV_MAX_M = 16   # at most this many rows: the GEMV path; more: int8 tensor-core dots
+
+
+def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
+    """Decode launcher (check calling convention): grid (M, cdiv(N, BLOCK_N))."""
+    m, k = x_q.shape
+    if k > GEMV_MAX_K:
+        raise ValueError(f"the GEMV's int32 sums are exact for K <= {GEMV_MAX_K}, got K={k}: "
+                         f"use ternary_matmul, which switches to the tensor-core kernel")
+    n, q = w_packed.shape
+    grid = lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    _ternary_gemv[grid](x_q, x_scale, w_packed, w_scale, y, n, k, q,
+                        x_q.stride(0), w_packed.stride(0), y.stride(0))
+
+
+def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
+    """Prefill launcher (check calling convention): one program per output tile."""
+    m, k = x_q.shape
+    n, q = w_packed.shape
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _ternary_mm_tuned[grid](x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
+                            x_q.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
+                            DOT_INT8=_int8_dot())
+
+
+def _int8_dot() -> bool:
+    """int8 tensor-core dots need sm_80+; Turing (Colab's T4) takes the fp16 path. Without a
+    GPU (interpreter, compile check) the fp16 path is used: it compiles for every target."""
+    cc = runtime.compute_capability()
+    return cc is not None and cc >= (8, 0)
+
+
+def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
+    """Dispatch on M: the GEMV for decode, tensor-core dots for prefill."""
+    if x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
+        ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
+    else:
+        ternary_mm_into(x_q, x_scale, w_packed, w_scale, y)
+
+
+def _as_scale_tensor(w_scale, device):
+    if isinstance(w_scale, (int, float)):
+        return torch.tensor([float(w_scale)], dtype=torch.float32, device=device)
+    check_tensor("w_scale", w_scale, dtype=torch.float32)
+    if w_scale.numel() != 1:
+        raise ValueError(f"w_scale must hold one number (a per-tensor scale), got shape {tuple(w_scale.shape)}")
+    return w_scale.reshape(1)
+
+
+def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Tensor, w_scale,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = (x_q · W_tᵀ) / (x_scale[:, None] · w_scale) reading 2-bit packed weights.
+
+    x_q: int8 [..., K]; x_scale: float32 [...]; w_packed: uint8 [N, ceil(K/4)] from
+    :func:`pack_ternary`; w_scale: float or float32 tensor of one element.
+    Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
+    check_tensor("x_q", x_q, dtype=torch.int8)
+    if x_q.dim() < 1 or x_q.shape[-1] == 0:
+        raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
+    lead, k = x_q.shape[:-1], x_q.shape[-1]
+    check_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
+    check_tensor("w_packed", w_packed, ndim=2, dtype=torch.uint8)
+    if w_packed.shape[1] != triton.cdiv(k, 4):
+        raise ValueError(f"w_packed has rows of {w_packed.shape[1]} bytes but K={k} needs "
+                         f"ceil(K/4) = {triton.cdiv(k, 4)}: was it packed from a [N, {k}] matrix?")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    ws = _as_scale_tensor(w_scale, x_q.device)
+    check_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)
+    n = w_packed.shape[0]
+    x2 = x_q.reshape(-1, k)
+    y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x_q.device)
+    if x2.shape[0] and n:
+        ternary_matmul_into(x2, x_scale.reshape(-1), w_packed, ws, y)
+    return y.view(*lead, n)
+
+
+# -- the layer ---------------------------------------------------------------------------------
+class BitLinear(nn.Module):
+    """Linear layer with ternary weights and int8 activations (MatMul-free LM's BitLinear).
+
+    forward(x): x [..., in_features] float -> [..., out_features], same dtype. The layer
+    applies its own RMSNorm (learnable ``norm_weight``, eps 1e-8 as in the released code)
+    before quantizing, as the paper's BitLinear does.
+
+    * Training (default): RMSNorm + int8 fake quantization of x and absmean ternary fake
+      quantization of ``weight``, both with the straight-through estimator. On a GPU the
+      norm+quant runs as the fused Triton forward/backward (``normquant``); elsewhere as
+      the PyTorch reference (``fused=True`` forces the kernels).
+    * Inference: ``.pack()`` stores the weights as 2 bits each plus one scale, drops the
+      float weights, and forward runs ``rmsnorm_quant`` then ``ternary_matmul`` (Triton
+      kernels: compiled on a GPU, interpreted on a CPU). Packing is one-way.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-8,
+                 device=None, dtype=None, fused: bool | None = None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
+        self.in_features, self.out_features, self.eps, self.fused = in_features, out_features, eps, fused
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.norm_weight = nn.Parameter(torch.ones(in_features, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.register_buffer("w_packed", None)
+        self.register_buffer("w_scale", None)
+
+    @property
+    def packed(self) -> bool:
+        return self.w_packed is not None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {'packed (2-bit)' if self.packed else 'training'}")
+
+    def ternary_weight(self) -> torch.Tensor:
+        """Fake-quantized weight W_t / s_w with the straight-through estimator."""
+        w = self.weight
+        scale = 1.0 / w.abs().mean().clamp_min(WEIGHT_FLOOR)
+        wq = round_half_away(w * scale).clamp(-1, 1) / scale
+        return w + (wq - w).detach()
+
+    @torch.no_grad()
+    def pack(self) -> "BitLinear":
+        """Switch to inference: 2-bit weights + one scale; the float weights are dropped."""
+        if not self.packed:
+            w_t, s = ternary_quantize(self.weight)
+            self.w_packed = pack_ternary(w_t)
+            self.w_scale = s.reshape(1).float()
+            self.weight = None
+        return self
+
+    def _check_input(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"BitLinear expects a torch.Tensor, got {type(x).__name__}")
+        check_float("x", x)
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"BitLinear({self.in_features}, {self.out_features}) expects input "
+                             f"[..., {self.in_features}], got shape {tuple(x.shape)}")
+        ref = self.norm_weight
+        if x.device != ref.device:
+            raise ValueError(f"x is on {x.device} but the layer is on {ref.device}: move one of them")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if self.packed:
+            x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
+            # .float(): module.to(bf16) also converts float buffers such as the scale
+            y = ternary_matmul(x_q, x_s, self.w_packed, self.w_scale.float(), out_dtype=x.dtype)
+        else:
+            xq = rmsnorm_fakequant(x.contiguous(), self.norm_weight, self.eps, fused=self.fused)
+            y = F.linear(xq.to(x.dtype), self.ternary_weight().to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+def model_bytes(n_params: int, bits: float) -> float:
+    """Bytes to store n_params weights at ``bits`` bits each."""
+    return n_params * bits / 8
+
+
+# -- specs -------------------------------------------------------------------------------------
+def _mm_inputs(p, dtype, device, gen):
+    m, k, n = p["m"], p["k"], p["n"]
+    x = randn((m, k), torch.float32, device, gen)
+    x_q, x_scale = absmax_quantize(x)
+    w = randn((n, k), torch.float32, device, gen)
+    w = w * (torch.rand((n, k), generator=gen, device=device) > 0.3)     # extra zeros
+    w_t, w_scale = ternary_quantize(w)
+    return {"x_q": x_q.contiguous(), "x_scale": x_scale.float().contiguous(),
+            "w_packed": pack_ternary(w_t), "w_scale": w_scale.reshape(1).float(),
+            # the same product in bf16, for the F.linear baseline
+            "x_bf16": (x_q.float() / x_scale[:, None]).to(torch.bfloat16),
+            "w_bf16": (w_t.float() / w_scale).to(torch.bfloat16)}
+
+
+def _mm_reference(x_q, x_scale, w_packed, w_scale, **_):
+    w_t = unpack_ternary(w_packed, x_q.shape[1])    # from the packed bytes, so zeroing them shows
+    return {"y": ternary_matmul_ref(x_q, x_scale, w_t, w_scale)}
+
+
+def _mm_outputs(inp, dtype):
+    return {"y": ((inp["x_q"].shape[0], inp["w_packed"].shape[0]), dtype)}
+
+
+def _mm_bytes(p, dtype):
+    return p["n"] * triton.cdiv(p["k"], 4) + p["m"] * p["k"] + 4 * p["m"] + p["m"] * p["n"] * bytes_of(dtype)
+
+
+def _bf16_linear(inp):
+    """Baseline: the same product as a bf16 F.linear."""
+    return F.linear(inp["x_bf16"], inp["w_bf16"])
+
+
+def _bench_with(launcher):
+    """Benchmark callable: bf16 output allocated once per input dict, outside the timing
+    (the default would take the output dtype from x_q, which is int8)."""
+    def run(inp):
+        if "_y" not in inp:
+            inp["_y"] = torch.empty((inp["x_q"].shape[0], inp["w_packed"].shape[0]),
+                                    dtype=torch.bfloat16, device=inp["x_q"].device)
+        launcher(inp["x_q"], inp["x_scale"], inp["w_packed"], inp["w_scale"], inp["_y"])
+        return inp["_y"]
+    return run
+
+
+_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+GEMV = KernelSpec(
+    name="ternary_gemv",
+    summary="int8 × 2-bit ternary GEMV (decode, M ≤ 16)",
+    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
+    make_inputs=_mm_inputs,
+    reference=_mm_reference,
+    outputs=_mm_outputs,
+    implementation=ternary_gemv_into,
+    cases={"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+                   Case("ragged", dict(m=3, k=1001, n=77)), Case("two blocks", dict(m=2, k=2050, n=130))],
+           "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+                   Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
+           "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
+                     Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]},
+    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances=_TOL,
+    bytes_moved=_mm_bytes,
+    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+    baselines={"torch bf16 F.linear": _bf16_linear},
+    bench_impl=_bench_with(ternary_gemv_into),
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x_q", "x_scale", "w_packed"),
+)
+
+MATMUL = KernelSpec(
+    name="ternary_matmul",
+    summary="int8 × 2-bit ternary matmul (GEMV for M ≤ 16, int8 tensor-core dots above)",
+    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
+    make_inputs=_mm_inputs,
+    reference=_mm_reference,
+    outputs=_mm_outputs,
+    implementation=ternary_matmul_into,
+    cases={"cpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+                   Case("prefill, two K steps", dict(m=20, k=257, n=65))],
+           "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+                   Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
+           "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]},
+    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances=_TOL,
+    bytes_moved=_mm_bytes,
+    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+    baselines={"torch bf16 F.linear": _bf16_linear},
+    bench_impl=_bench_with(ternary_matmul_into),
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x_q", "x_scale", "w_packed"),
+)
+
+MM = KernelSpec(
+    name="ternary_mm",
+    summary="int8 × 2-bit ternary matmul, tensor-core path only (prefill)",
+    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
+    make_inputs=_mm_inputs,
+    reference=_mm_reference,
+    outputs=_mm_outputs,
+    implementation=ternary_mm_into,
+    cases={"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
+           "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+                   Case("ragged", dict(m=1000, k=4099, n=3001))],
+           "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]},
+    dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances=_TOL,
+    bytes_moved=_mm_bytes,
+    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+    baselines={"torch bf16 F.linear": _bf16_linear},
+    bench_impl=_bench_with(ternary_mm_into),
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x_q", "x_scale", "w_packed"),
+)
+
+
+def _q_inputs(p, dtype, device, gen):
+    return {"w": randn((p["n"], p["k"]), dtype, device, gen, scale=0.02)}
+
+
+def _q_reference(w):
+    wd = w.double()
+    s = 1.0 / wd.abs().mean().clamp_min(WEIGHT_FLOOR)
+    # unrounded, clamped: rounding to nearest lands within 0.5
+    return {"w_scale": s, "w_t": (wd * s).clamp(-1, 1)}
+
+
+QUANTIZE = KernelSpec(
+    name="ternary_quantize",
+    summary="per-tensor absmean ternary quantization (PyTorch)",
+    args=("w",),
+    make_inputs=_q_inputs,
+    reference=_q_reference,
+    returns=("w_t", "w_scale"),
+    implementation=ternary_quantize,
+    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("wide", dict(n=64, k=1000))],
+           "gpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("big", dict(n=1024, k=4099))],
+           "bench": []},
+    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-5)},
+    output_tolerances={"w_t": {torch.float32: (0.5 + 1e-3, 0.0)}},
+    read_inputs=("w",),
+)
+
+
+def _pack_inputs(p, dtype, device, gen):
+    w = randn((p["n"], p["k"]), torch.float32, device, gen)
+    return {"w_t": ternary_quantize(w)[0]}
+
+
+PACK = KernelSpec(
+    name="pack_ternary",
+    summary="2-bit packing of ternary weights (PyTorch)",
+    args=("w_t",),
+    make_inputs=_pack_inputs,
+    reference=lambda w_t: {"packed": pack_ternary(w_t)},
+    returns=("packed",),
+    implementation=pack_ternary,
+    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("K=4", dict(n=3, k=4)), Case("K not /4", dict(n=5, k=33)),
+                   Case("wide", dict(n=64, k=1001))],
+           "gpu": [Case("1x1", dict(n=1, k=1)), Case("K not /4", dict(n=5, k=33)), Case("big", dict(n=512, k=4099))],
+           "bench": []},
+    dtypes={"cpu": [torch.int8], "gpu": [torch.int8]},
+    tolerances={torch.int8: (0.0, 0.0)},
+    read_inputs=("w_t",),
+)
+
+
+def check_ternary_quantize(fn):
+    return check(QUANTIZE, fn)
+
+
+def check_pack_ternary(fn):
+    return check(PACK, fn)
+
+
+def check_ternary_gemv(fn):
+    """Exercise: your decode launcher fn(x_q, x_scale, w_packed, w_scale, y)."""
+    return check(GEMV, fn)

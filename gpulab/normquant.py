@@ -1,0 +1,473 @@
+r"""Notebook 02: RMSNorm fused with per-row absmax int8 quantization, forward and backward.
+
+Every BitLinear layer of the MatMul-free LM (Zhu et al. 2024) normalises its input
+and quantizes it to int8 before the ternary matmul. For one row x of length N, with a
+learnable norm weight w:
+
+    rstd  = 1 / sqrt(mean_j x_j^2 + eps)
+    y_j   = x_j · rstd · w_j                         (computed in float32)
+    s     = 127 / max(max_j |y_j|, 1e-5)            (per-row scale, float32)
+    q_j   = clamp(round(y_j · s), -128, 127)        (int8)
+
+Rounding rule (used by the kernels *and* the references): round half away from zero,
+``round(v) = sign(v) · floor(|v| + 0.5)``. Since |y_j·s| <= 127, q never reaches -128.
+
+Unfused, PyTorch reads and writes the row about ten times (square, mean, rsqrt,
+multiply, multiply, abs, max, divide, round, clamp, cast). The fused kernel reads x and
+w once and writes q (1 byte) and s: for a bf16 input that is 3 bytes per element
+instead of roughly 90.
+
+Training uses *fake* quantization with the straight-through estimator (STE): the
+forward returns the dequantized value ŷ = q / s, and the backward treats
+quantization as the identity, ``ŷ = y + (fakequant(y) - y).detach()``. With
+x̂ = x · rstd and g = w ⊙ dŷ, the gradients of RMSNorm are
+
+    dx = rstd · (g - x̂ · mean_j(x̂_j · g_j))
+    dw = Σ_rows dŷ ⊙ x̂
+
+so the backward needs only x, w and rstd (one float per row): it recomputes x̂ instead
+of saving y, x̂ or the quantized tensor. That is where the fused layer's training-memory
+saving comes from (up to 61% in the paper).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import checking, runtime
+from .spec import Case, KernelSpec, bytes_of, randn
+from .validate import check_float, check_same_device, check_tensor
+
+ABSMAX_FLOOR = 1e-5
+MAX_COLS = 1 << 16
+
+
+# -- PyTorch references ---------------------------------------------------------------------
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """The course's rounding rule: to nearest, ties away from zero."""
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm in x's dtype promoted to at least float32 (differentiable)."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd * weight.to(xf.dtype)
+
+
+def absmax_quantize(y: torch.Tensor):
+    """Per-row absmax int8 quantization: (q int8, scale) with q ≈ y·scale."""
+    scale = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
+    q = round_half_away(y * scale).clamp(-128, 127)
+    return q.to(torch.int8), scale.squeeze(-1)
+
+
+def rmsnorm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """The unfused chain, op by op: (x_q int8, scale float32)."""
+    q, scale = absmax_quantize(rmsnorm_ref(x, weight, eps))
+    return q, scale.float()
+
+
+def rmsnorm_fakequant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Training reference: RMSNorm then fake quantization with the straight-through
+    estimator; autograd through this gives the gradients the fused backward must match."""
+    y = rmsnorm_ref(x, weight, eps)
+    scale = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
+    yq = round_half_away(y * scale).clamp(-128, 127) / scale
+    return (y + (yq - y).detach()).to(x.dtype)
+
+
+def _spec_reference(x, weight, eps=1e-6):
+    """float64 reference for the checks. ``x_q`` is the *unrounded* y·scale: any kernel
+    that rounds to nearest lands within 0.5 of it (the tolerance), whatever its
+    summation order, while truncation or a wrong scale do not."""
+    xd, wd = x.double(), weight.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    y = xd * rstd * wd
+    scale = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
+    # scale first: a NaN read past a row shows there with the clearest hint
+    return {"scale": scale.squeeze(-1), "x_q": y * scale}
+
+
+# -- Triton kernels -------------------------------------------------------------------------
+@triton.jit
+def _round_half_away(v):
+    return tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+
+
+@triton.jit
+def _rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
+                              n_rows, n_cols, stride_x, stride_q, stride_y, eps,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                              FAKE_QUANT: tl.constexpr):
+    """One program normalises and quantizes BLOCK_R whole rows held in registers.
+    FAKE_QUANT=False: store int8 q and the per-row scale (inference).
+    FAKE_QUANT=True: store the dequantized ŷ = q/scale in x's dtype and rstd (training)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)   # masked lanes add 0
+    y = x * rstd[:, None] * w[None, :]
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-5)
+    scale = 127.0 / amax
+    q = _round_half_away(y * scale[:, None])
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    if FAKE_QUANT:
+        yhat = q / scale[:, None]
+        tl.store(yhat_ptr + rows64[:, None] * stride_y + cols[None, :],
+                 yhat.to(yhat_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    else:
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(tl.int8), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=rmask)
+
+
+@triton.jit
+def _rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr,
+                              n_rows, n_cols, stride_x, stride_dy, stride_dx,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Straight-through backward. Program p walks row blocks p, p+G, p+2G... (G programs),
+    writes dx for them and one partial sum of dw (row p of dw_part)."""
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    n_blocks = tl.cdiv(n_rows, BLOCK_R)
+    for rb in range(pid, n_blocks, n_progs):
+        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]                     # recomputed, never saved
+        g = dy * w[None, :]
+        c = tl.sum(xhat * g, axis=1) / n_cols
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    tl.store(dw_part_ptr + pid * n_cols + cols, dw_acc, mask=cmask)
+
+
+# -- launchers ------------------------------------------------------------------------------
+def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """(rows per program, padded row length). The interpreter pays per program, so it
+    takes many rows at once; a GPU wants about 4K elements per program for short rows."""
+    block_n = triton.next_power_of_2(max(1, n_cols))
+    budget = 1 << 14 if runtime.interpreting() else 1 << 12
+    block_r = max(1, min(budget // block_n, triton.next_power_of_2(max(1, n_rows)), 64))
+    return block_r, block_n
+
+
+def _warps(block_r: int, block_n: int) -> int:
+    """A memory-bound row kernel wants ~8-16 elements per thread."""
+    size = block_r * block_n
+    return 4 if size <= 2048 else 8 if size <= 8192 else 16
+
+
+def rmsnorm_quant_into(x, weight, x_q, scale, eps: float = 1e-6):
+    """Launcher (check calling convention): x [rows, cols] -> x_q int8 [rows, cols], scale [rows]."""
+    n_rows, n_cols = x.shape
+    block_r, block_n = _blocks(n_rows, n_cols)
+    _rmsnorm_quant_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, weight, x_q, scale, x, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), 0, eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, num_warps=_warps(block_r, block_n))
+
+
+def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
+    """Training forward launcher: y = dequantized fake-quant output (x's dtype), rstd [rows] fp32."""
+    n_rows, n_cols = x.shape
+    block_r, block_n = _blocks(n_rows, n_cols)
+    _rmsnorm_quant_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, weight, x, rstd, y, rstd, n_rows, n_cols, x.stride(0), 0, y.stride(0), eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, num_warps=_warps(block_r, block_n))
+
+
+def bwd_programs(n_rows: int, block_r: int) -> int:
+    """How many programs the backward uses (each writes one partial dw row)."""
+    n_blocks = triton.cdiv(n_rows, block_r)
+    cap = 8 if runtime.interpreting() else 4 * runtime.num_sms()
+    return max(1, min(n_blocks, cap))
+
+
+def rmsnorm_quant_bwd_into(x, weight, rstd, dy, dx, dw):
+    """Backward launcher: dx like x, dw [cols] float32 (partials reduced in PyTorch)."""
+    n_rows, n_cols = x.shape
+    block_r, block_n = _blocks(n_rows, n_cols)
+    block_r = max(1, min(block_r, 16))
+    grid = bwd_programs(n_rows, block_r)
+    part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device)
+    _rmsnorm_quant_bwd_kernel[(grid,)](x, weight, rstd, dy, dx, part, n_rows, n_cols,
+                                       x.stride(0), dy.stride(0), dx.stride(0),
+                                       BLOCK_R=block_r, BLOCK_N=block_n, num_warps=_warps(block_r, block_n))
+    torch.sum(part, dim=0, out=dw)
+
+
+# -- public API -----------------------------------------------------------------------------
+def _check_norm_inputs(x, weight):
+    check_tensor("x", x)
+    check_float("x", x)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the row being normalised)")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("x has rows of length 0: RMSNorm of an empty row is undefined")
+    if n > MAX_COLS:
+        raise ValueError(f"rows of {n} elements do not fit one program's registers (at most {MAX_COLS})")
+    check_tensor("weight", weight, shape=(n,))
+    check_float("weight", weight)
+    check_same_device(x=x, weight=weight)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """Fused RMSNorm + per-row absmax int8 quantization (inference).
+
+    x: [..., N] float32/float16/bfloat16, contiguous; weight: [N].
+    Returns (x_q int8 [..., N], scale float32 [...]) with x_q ≈ rmsnorm(x)·weight·scale."""
+    _check_norm_inputs(x, weight)
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    lead, n = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n)
+    q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        rmsnorm_quant_into(x2, weight, q, s, eps)
+    return q.view(*lead, n), s.view(lead)
+
+
+class RMSNormFakeQuant(torch.autograd.Function):
+    """Fused training path: Triton forward (stores ŷ and rstd), Triton STE backward.
+    Saves x, weight and rstd only; x̂ is recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n)
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        if x2.shape[0]:
+            rmsnorm_fakequant_fwd_into(x2, weight, y, rstd, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n)
+        dy2 = dy.reshape(-1, n).contiguous()
+        dx = torch.empty_like(x2)
+        dw = torch.empty(n, dtype=torch.float32, device=x.device)
+        if x2.shape[0]:
+            rmsnorm_quant_bwd_into(x2, weight, rstd, dy2, dx, dw)
+        else:
+            dw.zero_()
+        return dx.view(x.shape), dw.to(weight.dtype), None
+
+
+def rmsnorm_fakequant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      fused: bool | None = None) -> torch.Tensor:
+    """RMSNorm + int8 fake quantization with the straight-through estimator (training).
+
+    fused=None picks the Triton kernels when they are compiled for a GPU and the
+    PyTorch reference otherwise (the interpreter is far too slow for training loops);
+    fused=True forces the kernels (they run in the interpreter on a CPU)."""
+    _check_norm_inputs(x, weight)
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if fused is None:
+        fused = runtime.mode() == "compiled" and x.is_cuda
+    if not fused:
+        return rmsnorm_fakequant_ref(x, weight, eps)
+    return RMSNormFakeQuant.apply(x, weight, eps)
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn(*args)`` (each
+    distinct tensor counted once, inputs included): the activation memory of a layer,
+    measured the same way on a CPU and a GPU."""
+    seen = {}
+
+    def pack(t):
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        seen[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+# -- checks: int8 outputs need a poison value a correct kernel never writes -----------------
+@contextlib.contextmanager
+def int8_poison():
+    """gpulab marks unwritten int8 outputs with -111, a value absmax quantization does
+    produce. Its outputs lie in [-127, 127], so use -128 (and 0xFF for uint8, never a
+    valid packed ternary byte) while checking this module's kernels."""
+    old = dict(checking._INT_POISON)
+    checking._INT_POISON[torch.int8] = -128
+    checking._INT_POISON[torch.uint8] = 0xFF
+    try:
+        yield
+    finally:
+        checking._INT_POISON.clear()
+        checking._INT_POISON.update(old)
+
+
+def check(spec, fn, **kw):
+    """gpulab.check with this module's int8 poison."""
+    with int8_poison():
+        return checking.check(spec, fn, **kw)
+
+
+def rejects(spec, fn, **kw) -> str:
+    with int8_poison():
+        return checking.rejects(spec, fn, **kw)
+
+
+def check_rmsnorm_quant(fn):
+    """Exercise: your fused forward launcher fn(x, weight, x_q, scale)."""
+    return check(FWD, fn)
+
+
+def check_rmsnorm_quant_bwd(fn):
+    """Exercise: your backward launcher fn(x, weight, rstd, dy, dx, dw)."""
+    return check(BWD, fn)
+
+
+# -- specs ----------------------------------------------------------------------------------
+def _fwd_inputs(p, dtype, device, gen):
+    x = randn((p["rows"], p["cols"]), dtype, device, gen, scale=2.0, offset=0.1)
+    if p["rows"] > 2:                              # one row of zeros: scale hits its floor
+        x[p["rows"] // 2] = 0
+    w = (1.0 + 0.5 * torch.randn(p["cols"], generator=gen, device=device)).to(dtype)
+    return {"x": x, "weight": w}
+
+
+_ROW_CASES_CPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                  Case("tail", dict(rows=37, cols=300)), Case("many short rows", dict(rows=130, cols=33))]
+_ROW_CASES_GPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                  Case("tail", dict(rows=1000, cols=1000)), Case("wide", dict(rows=129, cols=12345)),
+                  Case("many short rows", dict(rows=5000, cols=96))]
+
+FWD = KernelSpec(
+    name="rmsnorm_quant",
+    summary="fused RMSNorm + per-row absmax int8 quantization",
+    args=("x", "weight", "x_q", "scale"),
+    make_inputs=_fwd_inputs,
+    reference=_spec_reference,
+    outputs=lambda inp, dtype: {"x_q": (inp["x"].shape, torch.int8),
+                                "scale": ((inp["x"].shape[0],), torch.float32)},
+    implementation=rmsnorm_quant_into,
+    cases={"cpu": _ROW_CASES_CPU, "gpu": _ROW_CASES_GPU,
+           "bench": [Case("8192x8192", dict(rows=8192, cols=8192)),
+                     Case("8192x4096", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": [torch.float32, torch.float16, torch.bfloat16],
+            "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)},
+    # x_q is compared with the unrounded y·scale: rounding to nearest is within 0.5.
+    output_tolerances={"x_q": {torch.float32: (0.5 + 1e-3, 0.0)}},
+    bytes_moved=lambda p, dtype: p["rows"] * p["cols"] * (bytes_of(dtype) + 1) + 4 * p["rows"],
+    flops=lambda p, dtype: 8 * p["rows"] * p["cols"],
+    baselines={"torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"])},
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x", "weight"),
+    notes="x_q's reference is the unrounded y·scale; an int8 within 0.5 of it is correct.",
+)
+
+
+def _bwd_inputs(p, dtype, device, gen):
+    inp = _fwd_inputs(p, dtype, device, gen)
+    x = inp["x"]
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
+    dy = randn(x.shape, dtype, device, gen, scale=0.5)
+    return {**inp, "rstd": rstd, "dy": dy}
+
+
+def _bwd_reference(x, weight, rstd, dy):
+    xd, wd, dyd = x.double(), weight.double(), dy.double()
+    xhat = xd * rstd.double()[:, None]
+    g = dyd * wd
+    dx = (g - xhat * (xhat * g).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    return {"dx": dx, "dw": (dyd * xhat).sum(0)}
+
+
+def _train_inputs(p, dtype, device, gen):
+    inp = _fwd_inputs(p, dtype, device, gen)
+    return {**inp, "dy": randn(inp["x"].shape, dtype, device, gen, scale=0.5)}
+
+
+def _fused_train_step(inp):
+    x = inp["x"].detach().requires_grad_()
+    w = inp["weight"].detach().requires_grad_()
+    RMSNormFakeQuant.apply(x, w, 1e-6).backward(inp["dy"])
+    return x.grad, w.grad
+
+
+def _eager_train_step(inp):
+    x = inp["x"].detach().requires_grad_()
+    w = inp["weight"].detach().requires_grad_()
+    rmsnorm_fakequant_ref(x, w, 1e-6).backward(inp["dy"])
+    return x.grad, w.grad
+
+
+BWD = KernelSpec(
+    name="rmsnorm_quant_bwd",
+    summary="straight-through backward of RMSNorm + fake quantization (dx, dw)",
+    args=("x", "weight", "rstd", "dy", "dx", "dw"),
+    make_inputs=_bwd_inputs,
+    reference=_bwd_reference,
+    outputs=lambda inp, dtype: {"dx": (inp["x"].shape, dtype), "dw": ((inp["x"].shape[1],), torch.float32)},
+    implementation=rmsnorm_quant_bwd_into,
+    cases={"cpu": _ROW_CASES_CPU, "gpu": _ROW_CASES_GPU,
+           # fwd+bwd timing, against eager autograd through the reference (see bench_impl)
+           "bench": [Case("8192x4096 fwd+bwd", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
+    # per row: fwd reads x, writes ŷ and rstd; bwd reads x, dy, rstd and writes dx
+    bytes_moved=lambda p, dtype: 5 * p["rows"] * p["cols"] * bytes_of(dtype),
+    flops=lambda p, dtype: 20 * p["rows"] * p["cols"],
+    baselines={"torch eager autograd": _eager_train_step},
+    bench_impl=_fused_train_step,
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x", "weight", "rstd", "dy"),
+)
+
+
+def _fq_inputs(p, dtype, device, gen):
+    return _fwd_inputs(p, dtype, device, gen)
+
+
+def _fq_reference(x, weight):
+    ref = _spec_reference(x, weight)
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1) + 1e-6)
+    return {"y": round_half_away(ref["x_q"]) / ref["scale"][:, None], "rstd": rstd}
+
+
+FAKEQUANT_FWD = KernelSpec(
+    name="rmsnorm_fakequant_fwd",
+    summary="training forward: RMSNorm + fake quantization, stores ŷ and rstd",
+    args=("x", "weight", "y", "rstd"),
+    make_inputs=_fq_inputs,
+    reference=_fq_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype), "rstd": ((inp["x"].shape[0],), torch.float32)},
+    implementation=rmsnorm_fakequant_fwd_into,
+    cases={"cpu": _ROW_CASES_CPU[:4], "gpu": _ROW_CASES_GPU, "bench": []},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    # ŷ = q/scale: a rounding tie resolved differently moves one element by 1/scale
+    # (≤ 1/127 of the row's absmax): allowed through atol relative to the data.
+    tolerances={torch.float32: (0.1, 1e-5), torch.float16: (0.1, 2e-3), torch.bfloat16: (0.1, 1e-2)},
+    read_inputs=("x", "weight"),
+)

@@ -1,0 +1,299 @@
+"""Ternary weights: quantization, exact 2-bit packing, the int8 × ternary kernels, the
+BitLinear layer in both modes, input validation, and checks that reject wrong kernels."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import gpulab
+from gpulab import bitlinear as bl
+from gpulab.normquant import rejects
+
+
+def on_gpu() -> bool:
+    return gpulab.mode() == "compiled"
+
+
+def few(name: str, labels: tuple) -> dict:
+    """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
+    cases = gpulab.spec.get(name).cases["gpu" if on_gpu() else "cpu"]
+    return dict(cases=[c for c in cases if c.label in labels], dtypes=[torch.float32])
+
+
+# -- quantize / pack -----------------------------------------------------------------------
+def test_ternary_quantize_values_and_scale():
+    w = torch.tensor([[0.3, -0.05, -2.0, 0.1]])
+    w_t, s = bl.ternary_quantize(w)
+    assert w_t.dtype == torch.int8 and s.dtype == torch.float32
+    assert abs(float(s) - 1 / 0.6125) < 1e-6
+    assert w_t.tolist() == [[0, 0, -1, 0]]      # 0.3·1.63 = 0.49 rounds to 0
+    w_t, _ = bl.ternary_quantize(torch.zeros(3, 3))
+    assert int(w_t.abs().max()) == 0              # the scale's floor avoids 0/0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 33, 1001])
+def test_pack_unpack_are_exact_inverses(device, k):
+    w_t = torch.randint(-1, 2, (5, k), dtype=torch.int8, device=device)
+    packed = bl.pack_ternary(w_t)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, triton.cdiv(k, 4))
+    assert torch.equal(bl.unpack_ternary(packed, k), w_t)
+
+
+def test_pack_layout_is_the_documented_one():
+    # K = 8: quarters of 2 weights; byte j holds weights j, 2+j, 4+j, 6+j in bits 0-1, 2-3, 4-5, 6-7
+    w_t = torch.tensor([[-1, 0, 1, 1, 0, -1, 1, 0]], dtype=torch.int8)
+    codes = (w_t + 1).tolist()[0]
+    expected = [codes[j] | codes[2 + j] << 2 | codes[4 + j] << 4 | codes[6 + j] << 6 for j in range(2)]
+    assert bl.pack_ternary(w_t).tolist() == [expected]
+    # padding weights are 0 (code 1): K = 1 -> quarters of 1, only the first holds data
+    assert bl.pack_ternary(torch.tensor([[1]], dtype=torch.int8)).tolist() == [[2 | 1 << 2 | 1 << 4 | 1 << 6]]
+
+
+def test_pack_and_unpack_reject_bad_input(device):
+    with pytest.raises(ValueError, match="must be -1, 0 or 1"):
+        bl.pack_ternary(torch.tensor([[0, 2]], dtype=torch.int8, device=device))
+    with pytest.raises(TypeError, match="int8"):
+        bl.pack_ternary(torch.zeros(2, 2, device=device))
+    with pytest.raises(ValueError, match="2 dimensions"):
+        bl.pack_ternary(torch.zeros(4, dtype=torch.int8, device=device))
+    packed = bl.pack_ternary(torch.zeros(2, 9, dtype=torch.int8, device=device))
+    with pytest.raises(ValueError, match="ceil"):
+        bl.unpack_ternary(packed, 13)
+    with pytest.raises(TypeError, match="float32"):
+        bl.ternary_quantize(torch.zeros(2, 2, dtype=torch.int8, device=device))
+
+
+def test_quantize_and_pack_pass_their_checks():
+    bl.check("ternary_quantize", bl.ternary_quantize)
+    bl.check("pack_ternary", bl.pack_ternary)
+
+
+# -- kernels -------------------------------------------------------------------------------------
+def test_gemv_passes_its_check():
+    bl.check("ternary_gemv", bl.ternary_gemv_into)
+
+
+def test_matmul_passes_its_check():
+    bl.check("ternary_matmul", bl.ternary_matmul_into)
+
+
+def test_tensor_core_path_passes_its_check():
+    bl.check("ternary_mm", bl.ternary_mm_into)
+
+
+@pytest.mark.parametrize("lead, k, n", [((1,), 5, 3), ((2, 3), 301, 40), ((20,), 130, 17)]
+                         + ([((4, 1000), 4099, 3001)] if on_gpu() else []))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_ternary_matmul_public(device, lead, k, n, out_dtype):
+    x = torch.randn(*lead, k, device=device)
+    x_q, x_s = bl.absmax_quantize(x)
+    w_t, w_s = bl.ternary_quantize(torch.randn(n, k, device=device))
+    y = bl.ternary_matmul(x_q, x_s.float(), bl.pack_ternary(w_t), w_s, out_dtype=out_dtype)
+    assert y.shape == (*lead, n) and y.dtype == out_dtype
+    ref = bl.ternary_matmul_ref(x_q.reshape(-1, k), x_s.reshape(-1), w_t, w_s).reshape(*lead, n)
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.double(), ref, atol=tol, rtol=tol)
+    # a python float scale works too
+    y2 = bl.ternary_matmul(x_q, x_s.float(), bl.pack_ternary(w_t), float(w_s), out_dtype=out_dtype)
+    torch.testing.assert_close(y2, y)
+
+
+def test_ternary_matmul_rejects_bad_input(device):
+    x_q = torch.zeros(2, 10, dtype=torch.int8, device=device)
+    x_s = torch.ones(2, device=device)
+    w = bl.pack_ternary(torch.zeros(4, 10, dtype=torch.int8, device=device))
+    s = torch.ones(1, device=device)
+    with pytest.raises(TypeError, match="x_q must be int8"):
+        bl.ternary_matmul(x_q.float(), x_s, w, s)
+    with pytest.raises(ValueError, match=r"x_scale must have shape \(2,\)"):
+        bl.ternary_matmul(x_q, torch.ones(3, device=device), w, s)
+    with pytest.raises(ValueError, match="ceil"):
+        bl.ternary_matmul(x_q, x_s, bl.pack_ternary(torch.zeros(4, 20, dtype=torch.int8, device=device)), s)
+    with pytest.raises(TypeError, match="uint8"):
+        bl.ternary_matmul(x_q, x_s, w.to(torch.int8), s)
+    with pytest.raises(ValueError, match="one number"):
+        bl.ternary_matmul(x_q, x_s, w, torch.ones(4, device=device))
+    with pytest.raises(TypeError, match="out_dtype"):
+        bl.ternary_matmul(x_q, x_s, w, s, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous"):
+        bl.ternary_matmul(torch.zeros(10, 2, dtype=torch.int8, device=device).t(), x_s, w, s)
+
+
+# -- the layer ------------------------------------------------------------------------------------
+def test_bitlinear_train_and_packed_modes_agree(device):
+    torch.manual_seed(0)
+    layer = bl.BitLinear(67, 45).to(device)
+    x = torch.randn(2, 3, 67, device=device)
+    y = layer(x)
+    assert y.shape == (2, 3, 45) and y.dtype == torch.float32
+    y.square().mean().backward()
+    assert layer.weight.grad.abs().sum() > 0 and layer.norm_weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        y_train = layer(x)
+    layer.pack()
+    assert layer.weight is None and layer.w_packed.dtype == torch.uint8 and "packed" in repr(layer)
+    y_packed = layer(x)
+    torch.testing.assert_close(y_packed, y_train, atol=1e-4, rtol=1e-4)
+    # decode-sized and prefill-sized inputs take the two kernel paths
+    x_long = torch.randn(40, 67, device=device)
+    with torch.no_grad():
+        assert layer(x_long).shape == (40, 45)
+
+
+def test_bitlinear_fused_training_path_matches_reference(device):
+    torch.manual_seed(1)
+    a = bl.BitLinear(33, 8, fused=True).to(device)
+    b = bl.BitLinear(33, 8, fused=False).to(device)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, 33, device=device)
+    ya, yb = a(x), b(x)
+    torch.testing.assert_close(ya, yb, atol=1e-4, rtol=1e-4)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(a.weight.grad, b.weight.grad, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(a.norm_weight.grad, b.norm_weight.grad, atol=1e-3, rtol=1e-3)
+
+
+def test_bitlinear_keeps_dtype_and_bias(device):
+    dtype = torch.bfloat16
+    layer = bl.BitLinear(16, 4, bias=True).to(device=device, dtype=dtype)
+    x = torch.randn(3, 16, device=device, dtype=dtype)
+    assert layer(x).dtype == dtype
+    layer.pack()
+    assert layer(x).dtype == dtype and layer(x).shape == (3, 4)
+    layer.to(torch.float16)            # converts the scale buffer too: forward must still work
+    assert layer(x.half()).dtype == torch.float16
+
+
+def test_bitlinear_rejects_bad_input(device):
+    layer = bl.BitLinear(8, 4).to(device)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        layer(torch.randn(3, 7, device=device))
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.zeros(3, 8, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=">= 1"):
+        bl.BitLinear(0, 4)
+
+
+def test_model_bytes():
+    assert bl.model_bytes(8, 2) == 2 and bl.model_bytes(10, 16) == 20
+
+
+# -- wrong kernels the checks must reject --------------------------------------------------------------
+@triton.jit
+def _gemv_bug(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, Q, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+              BUG: tl.constexpr):
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for j0 in range(0, Q, BLOCK_Q):
+        j = j0 + tl.arange(0, BLOCK_Q)
+        j_mask = j < Q
+        b = tl.load(w_ptr + n[:, None] * Q + j[None, :], mask=n_mask[:, None] & j_mask[None, :],
+                    other=0).to(tl.int32)
+        for i in tl.static_range(4):
+            k = i * Q + j
+            if BUG == 1:     # no mask on x: past the row, x meets the masked (code 0 = -1) bytes
+                xi = tl.load(x_ptr + m * K + k).to(tl.int32)
+            elif BUG == 5:   # masks k < K but not j < Q: the next quarter's x leaks in
+                xi = tl.load(x_ptr + m * K + k, mask=k < K, other=0).to(tl.int32)
+            else:
+                xi = tl.load(x_ptr + m * K + k, mask=j_mask & (k < K), other=0).to(tl.int32)
+            if BUG == 6:     # quarters in the wrong order
+                wi = ((b >> (6 - 2 * i)) & 3) - 1
+            elif BUG == 7:   # forgets the code offset
+                wi = (b >> (2 * i)) & 3
+            else:
+                wi = ((b >> (2 * i)) & 3) - 1
+            acc += tl.sum(wi * xi[None, :], axis=1)
+    xs = tl.load(xs_ptr + m)
+    if BUG == 4:         # x_scale never read
+        xs = 1.0
+    y = acc.to(tl.float32) / (xs * tl.load(ws_ptr))
+    if BUG == 2:         # multiplies by the scales instead of dividing
+        y = acc.to(tl.float32) * (xs * tl.load(ws_ptr))
+    if BUG == 3:
+        tl.store(y_ptr + m * N + n, y.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + m * N + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _gemv_launcher(bug):
+    def fn(x_q, x_scale, w_packed, w_scale, y):
+        m, k = x_q.shape
+        n, q = w_packed.shape
+        _gemv_bug[(m, triton.cdiv(n, 64))](x_q, x_scale, w_packed, w_scale, y, n, k, q,
+                                           BLOCK_N=64, BLOCK_Q=256, BUG=bug)
+    return fn
+
+
+def test_gemv_reference_launcher_is_right():
+    bl.check("ternary_gemv", _gemv_launcher(0), **few("ternary_gemv", ("K not /4", "ragged")))
+
+
+@pytest.mark.parametrize("bug, words", [
+    (1, "is wrong"), (2, "is wrong"), (3, "past the end of output `y`"), (4, "own constant factor"),
+    (5, "is wrong"), (6, "is wrong"), (7, "is wrong"),
+])
+def test_gemv_check_rejects(bug, words):
+    msg = rejects("ternary_gemv", _gemv_launcher(bug), **few("ternary_gemv", ("K not /4", "ragged")))
+    assert words in msg, msg
+
+
+def _quantize_truncating(w):
+    s = 1.0 / w.float().abs().mean().clamp_min(1e-5)
+    return (w.float() * s).trunc().clamp(-1, 1).to(torch.int8), s
+
+
+def _quantize_no_clamp(w):
+    s = 1.0 / w.float().abs().mean().clamp_min(1e-5)
+    return bl.round_half_away(w.float() * s).to(torch.int8), s
+
+
+def _quantize_absmax(w):
+    s = 1.0 / w.float().abs().max()
+    return bl.round_half_away(w.float() * s).clamp(-1, 1).to(torch.int8), s
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_quantize_truncating, "`w_t` is wrong"), (_quantize_no_clamp, "`w_t` is wrong"),
+    (_quantize_absmax, "`w_scale` is wrong"),
+])
+def test_quantize_check_rejects(fn, words):
+    msg = rejects("ternary_quantize", fn, **few("ternary_quantize", ("odd", "wide", "big")))
+    assert words in msg, msg
+
+
+def _pack_bits_reversed(w_t):
+    n, k = w_t.shape
+    q = triton.cdiv(k, 4)
+    codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)
+    codes[:, :k] = (w_t + 1).to(torch.uint8)
+    c = codes.view(n, 4, q)
+    return (c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]
+
+
+def _pack_zero_padding(w_t):
+    n, k = w_t.shape
+    q = triton.cdiv(k, 4)
+    codes = torch.zeros((n, 4 * q), dtype=torch.uint8, device=w_t.device)   # code 0 = weight -1!
+    codes[:, :k] = (w_t + 1).to(torch.uint8)
+    c = codes.view(n, 4, q)
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+def _pack_consecutive(w_t):
+    """Four consecutive weights per byte: a valid layout, but not the documented one."""
+    n, k = w_t.shape
+    q = triton.cdiv(k, 4)
+    codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)
+    codes[:, :k] = (w_t + 1).to(torch.uint8)
+    c = codes.view(n, q, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+@pytest.mark.parametrize("fn", [_pack_bits_reversed, _pack_zero_padding, _pack_consecutive])
+def test_pack_check_rejects(fn):
+    msg = rejects("pack_ternary", fn)
+    assert "`packed` is wrong" in msg, msg

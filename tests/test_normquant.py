@@ -1,0 +1,242 @@
+"""Fused RMSNorm + int8 quantization: forward, straight-through backward, the autograd
+Function, input validation, and checks that reject wrong kernels."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import gpulab
+from gpulab import normquant as nq
+
+
+def on_gpu() -> bool:
+    return gpulab.mode() == "compiled"
+
+
+def few(name: str, labels: tuple) -> dict:
+    """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
+    cases = gpulab.spec.get(name).cases["gpu" if on_gpu() else "cpu"]
+    return dict(cases=[c for c in cases if c.label in labels], dtypes=[torch.float32])
+
+
+def test_forward_passes_its_check():
+    nq.check("rmsnorm_quant", nq.rmsnorm_quant_into)
+
+
+def test_backward_passes_its_check():
+    nq.check("rmsnorm_quant_bwd", nq.rmsnorm_quant_bwd_into)
+
+
+def test_training_forward_passes_its_check():
+    nq.check("rmsnorm_fakequant_fwd", nq.rmsnorm_fakequant_fwd_into)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rmsnorm_quant_matches_unfused_chain(device, dtype):
+    for shape in [(1,), (2, 3, 7), (37, 300)] + ([(64, 12345)] if on_gpu() else []):
+        x = (torch.randn(shape, device=device) * 3).to(dtype)
+        w = (torch.rand(shape[-1], device=device) + 0.5).to(dtype)
+        q, s = nq.rmsnorm_quant(x, w)
+        q_ref, s_ref = nq.rmsnorm_quant_ref(x, w)
+        assert q.dtype == torch.int8 and s.dtype == torch.float32
+        assert q.shape == x.shape and s.shape == x.shape[:-1]
+        torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
+        diff = (q.int() - q_ref.int()).abs()
+        assert int(diff.max()) <= 1                       # a rounding tie seen differently
+        assert float((diff > 0).float().mean()) < 1e-3
+        assert int(q.abs().max()) == 127                  # each row's absmax maps to ±127
+
+
+def test_zero_row_and_empty_batch(device):
+    x = torch.zeros(3, 10, device=device)
+    q, s = nq.rmsnorm_quant(x, torch.ones(10, device=device))
+    assert int(q.abs().max()) == 0
+    torch.testing.assert_close(s, torch.full_like(s, 127 / 1e-5), rtol=1e-6, atol=0)
+    q, s = nq.rmsnorm_quant(torch.zeros(0, 8, device=device), torch.ones(8, device=device))
+    assert q.shape == (0, 8) and s.shape == (0,)
+
+
+def test_rounding_rule_is_half_away_from_zero():
+    v = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 0.49, -0.51])
+    assert nq.round_half_away(v).tolist() == [-3, -2, -1, 1, 2, 3, 0, -1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 300), (70, 33)])
+def test_fused_gradients_match_autograd_through_reference(device, shape):
+    x = (torch.randn(shape, device=device) * 2).requires_grad_()
+    w = (torch.rand(shape[-1], device=device) + 0.5).requires_grad_()
+    y = nq.rmsnorm_fakequant(x, w, fused=True)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    y_ref = nq.rmsnorm_fakequant_ref(x, w)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, w), dy)
+    step = y_ref.detach().abs().amax(-1, keepdim=True) / 127   # one quantization step
+    assert bool(((y - y_ref).abs() <= step * 1.01 + 1e-6).all())
+    assert float(((y - y_ref).abs() > 1e-5).float().mean()) < 1e-2
+    torch.testing.assert_close(gx, gx_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gw, gw_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_gradients_half_precision(device):
+    dtype = torch.bfloat16 if on_gpu() else torch.float16
+    x = (torch.randn(9, 130, device=device)).to(dtype).requires_grad_()
+    w = (torch.rand(130, device=device) + 0.5).to(dtype).requires_grad_()
+    y = nq.rmsnorm_fakequant(x, w, fused=True)
+    assert y.dtype == dtype
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    gx_ref, gw_ref = torch.autograd.grad(nq.rmsnorm_fakequant_ref(x, w), (x, w), dy)
+    assert gx.dtype == dtype and gw.dtype == dtype
+    torch.testing.assert_close(gx.float(), gx_ref.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(gw.float(), gw_ref.float(), atol=5e-2, rtol=3e-2)
+
+
+def test_fused_path_saves_only_x_weight_rstd(device):
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    w = torch.ones(256, device=device, requires_grad=True)
+    fused = nq.saved_bytes(lambda a, b: nq.RMSNormFakeQuant.apply(a, b, 1e-6), x, w)
+    assert fused == x.numel() * 4 + w.numel() * 4 + 64 * 4
+    assert fused <= 0.5 * nq.saved_bytes(nq.rmsnorm_fakequant_ref, x, w)
+
+
+def test_default_path_picks_reference_on_cpu_and_kernels_on_gpu(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.ones(16, device=device, requires_grad=True)
+    y = nq.rmsnorm_fakequant(x, w)
+    assert ("RMSNormFakeQuant" in type(y.grad_fn).__name__) == on_gpu()
+
+
+@pytest.mark.parametrize("make, err, words", [
+    (lambda d: (torch.randint(0, 5, (3, 4), device=d), torch.ones(4, device=d)), TypeError, "float32"),
+    (lambda d: (torch.randn(3, 4, device=d), torch.ones(5, device=d)), ValueError, r"shape \(4,\)"),
+    (lambda d: (torch.randn(6, 4, device=d).t(), torch.ones(6, device=d)), ValueError, "contiguous"),
+    (lambda d: (torch.randn(3, 0, device=d), torch.ones(0, device=d)), ValueError, "length 0"),
+    (lambda d: (torch.randn(1, 70000, device=d), torch.ones(70000, device=d)), ValueError, "at most"),
+    (lambda d: ([1.0], torch.ones(1, device=d)), TypeError, "torch.Tensor"),
+])
+def test_rmsnorm_quant_rejects_bad_input(device, make, err, words):
+    x, w = make(device)
+    with pytest.raises(err, match=words):
+        nq.rmsnorm_quant(x, w)
+    with pytest.raises(err, match=words):
+        nq.rmsnorm_fakequant(x, w)
+
+
+def test_rejects_bad_eps(device):
+    with pytest.raises(ValueError, match="eps"):
+        nq.rmsnorm_quant(torch.randn(2, 3, device=device), torch.ones(3, device=device), eps=0.0)
+
+
+# -- wrong kernels the checks must reject --------------------------------------------------------
+@triton.jit
+def _fwd_bug(x_ptr, w_ptr, q_ptr, s_ptr, n_cols, BLOCK: tl.constexpr, BUG: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if BUG == 1:    # no mask on the load: reads past the row
+        x = tl.load(x_ptr + row * n_cols + cols).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if BUG == 4:    # weight never read
+        w = tl.where(mask, 1.0, 0.0)
+    denom = n_cols
+    if BUG == 5:    # mean over the padded block instead of the row
+        denom = BLOCK
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / denom + 1e-6)
+    y = x * rstd * w
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-5)
+    scale = 127.0 / amax
+    if BUG == 2:    # wrong scale
+        scale = 128.0 / amax
+    v = y * scale
+    if BUG == 6:    # truncation instead of rounding
+        q = v.to(tl.int32).to(tl.float32)
+    else:
+        q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    if BUG == 3:    # no mask on the store: writes past the end of the output
+        tl.store(q_ptr + row * n_cols + cols, q.to(tl.int8))
+    else:
+        tl.store(q_ptr + row * n_cols + cols, q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _fwd_launcher(bug):
+    def fn(x, weight, x_q, scale):
+        rows, cols = x.shape
+        _fwd_bug[(rows,)](x, weight, x_q, scale, cols, BLOCK=triton.next_power_of_2(cols), BUG=bug)
+    return fn
+
+
+def test_fwd_reference_launcher_is_right():
+    nq.check("rmsnorm_quant", _fwd_launcher(0), **few("rmsnorm_quant", ("odd row", "tail")))
+
+
+@pytest.mark.parametrize("bug, words", [
+    (1, "is wrong"), (2, "same factor"), (3, "past the end of output `x_q`"), (4, "is wrong"),
+    (5, "is wrong"), (6, "output `x_q` is wrong"),
+])
+def test_fwd_check_rejects(bug, words):
+    msg = nq.rejects("rmsnorm_quant", _fwd_launcher(bug), **few("rmsnorm_quant", ("odd row", "tail")))
+    assert words in msg, msg
+
+
+@triton.jit
+def _bwd_bug(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr, n_cols, BLOCK: tl.constexpr,
+             BUG: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    if BUG == 4:    # dy never read
+        dy = tl.zeros([BLOCK], dtype=tl.float32)
+    xhat = x * rstd
+    g = dy * w
+    c = tl.sum(xhat * g, axis=0) / n_cols
+    if BUG == 1:    # forgets that rstd depends on x
+        c = 0.0
+    dx = (g - xhat * c) * rstd
+    if BUG == 2:
+        dx = 2 * dx
+    if BUG == 3:
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty))
+    else:
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    dw = dy * xhat
+    if BUG == 5:    # the norm weight's gradient uses the output gradient times w
+        dw = dy * w
+    tl.store(dw_part_ptr + row * n_cols + cols, dw, mask=mask)
+
+
+def _bwd_launcher(bug):
+    def fn(x, weight, rstd, dy, dx, dw):
+        rows, cols = x.shape
+        part = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
+        _bwd_bug[(rows,)](x, weight, rstd, dy, dx, part, cols, BLOCK=triton.next_power_of_2(cols), BUG=bug)
+        torch.sum(part, 0, out=dw)
+    return fn
+
+
+def test_bwd_reference_launcher_is_right():
+    nq.check("rmsnorm_quant_bwd", _bwd_launcher(0), **few("rmsnorm_quant_bwd", ("odd row", "tail")))
+
+
+@pytest.mark.parametrize("bug, words", [
+    (1, "output `dx` is wrong"), (2, "same factor ≈ 2"), (3, "past the end of output `dx`"), (4, "dy set to zero"),
+    (5, "output `dw` is wrong"),
+])
+def test_bwd_check_rejects(bug, words):
+    msg = nq.rejects("rmsnorm_quant_bwd", _bwd_launcher(bug), **few("rmsnorm_quant_bwd", ("odd row", "tail")))
+    assert words in msg, msg
+
+
+def test_int8_poison_is_restored():
+    from gpulab import checking
+    before = dict(checking._INT_POISON)
+    with nq.int8_poison():
+        assert checking._INT_POISON[torch.int8] == -128
+    assert checking._INT_POISON == before
