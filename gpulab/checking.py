@@ -34,7 +34,10 @@ _POISON_BITS = {torch.float32: 0x7FC0BEEF, torch.float16: 0x7E5B,
                 torch.bfloat16: 0x7FDB, torch.float64: 0x7FF80000DEADBEEF}
 _GUARD_BITS = {torch.float32: 0x7FC0DEAD, torch.float16: 0x7E5D,
                torch.bfloat16: 0x7FDD, torch.float64: 0x7FF80000BAADF00D}
-_INT_POISON = {torch.int8: -111, torch.uint8: 0xA5, torch.int16: -12345,
+# Integer poisons are legal values, so an element that holds one and is right counts as
+# written; -128 and 0xFF are chosen because symmetric int8 quantization (|q| <= 127) and
+# 2-bit packing (codes 0..2) never produce them.
+_INT_POISON = {torch.int8: -128, torch.uint8: 0xFF, torch.int16: -12345,
                torch.int32: -123456789, torch.int64: -123456789}
 
 

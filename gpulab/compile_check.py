@@ -110,9 +110,29 @@ def check_all(names=None, verbose=True) -> Recorder:
     from gpulab import runtime
     runtime.COMPILE_ONLY = True
     from gpulab.spec import all_specs
-    rec = Recorder()
-    install(rec)
     specs = all_specs()
+    done, failures = {}, []
+    for arch, smem in TARGETS.items():
+        # Launchers ask runtime.compute_capability() to choose architecture-dependent
+        # paths (int8 dots, big tiles): answer as the target GPU would.
+        runtime.COMPILE_TARGET = (arch // 10, arch % 10)
+        rec = Recorder({arch: smem})
+        rec.done = done
+        install(rec)
+        _launch_all(rec, specs, names)
+        failures += rec.failures
+    rec.failures = failures
+    if verbose:
+        for label, secs, shared in rec.done.values():
+            if shared >= 0:
+                print(f"ok  {label} ({secs:.1f}s, {shared} B shared)")
+        for f in rec.failures:
+            print("FAIL", f)
+    return rec
+
+
+def _launch_all(rec, specs, names):
+    import torch
     for name in names or sorted(specs):
         spec = specs[name]
         if spec.implementation is None:
@@ -120,7 +140,7 @@ def check_all(names=None, verbose=True) -> Recorder:
         for where in ("gpu", "cpu"):
             for case in spec.cases.get(where, []):
                 for dtype in spec.dtypes[where]:
-                    rec.context = f"{name} [{case}, {str(dtype).replace('torch.', '')}]"
+                    rec.context = f"{name} sm_{next(iter(rec.targets))} [{case}, {str(dtype).replace('torch.', '')}]"
                     inputs = spec.make_inputs(case.params, dtype, torch.device("cpu"),
                                               torch.Generator().manual_seed(0))
                     outs = ({k: torch.empty(s, dtype=d) for k, (s, d) in spec.outputs(inputs, dtype).items()}
@@ -129,13 +149,6 @@ def check_all(names=None, verbose=True) -> Recorder:
                         spec.call(spec.implementation, inputs, outs)
                     except Exception as e:
                         rec.failures.append(f"{rec.context}: launcher raised {type(e).__name__}: {e}")
-    if verbose:
-        for label, secs, shared in rec.done.values():
-            if shared >= 0:
-                print(f"ok  {label} ({secs:.1f}s, {shared} B shared)")
-        for f in rec.failures:
-            print("FAIL", f)
-    return rec
 
 
 def main(argv=None) -> int:

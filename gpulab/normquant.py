@@ -159,6 +159,21 @@ def _rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_pt
     tl.store(dw_part_ptr + pid * n_cols + cols, dw_acc, mask=cmask)
 
 
+# On a GPU the number of warps is tuned per row length (the interpreter has one config).
+if runtime.interpreting():
+    _fwd_tuned = _rmsnorm_quant_fwd_kernel
+else:
+    _fwd_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                                 key=["n_cols", "BLOCK_R", "FAKE_QUANT"])(_rmsnorm_quant_fwd_kernel)
+
+
+def _fwd_launch(grid, *args, num_warps, **kw):
+    if runtime.interpreting():
+        _fwd_tuned[grid](*args, num_warps=num_warps, **kw)
+    else:
+        _fwd_tuned[grid](*args, **kw)
+
+
 # -- launchers ------------------------------------------------------------------------------
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(rows per program, padded row length). The interpreter pays per program, so it
@@ -179,7 +194,7 @@ def rmsnorm_quant_into(x, weight, x_q, scale, eps: float = 1e-6):
     """Launcher (check calling convention): x [rows, cols] -> x_q int8 [rows, cols], scale [rows]."""
     n_rows, n_cols = x.shape
     block_r, block_n = _blocks(n_rows, n_cols)
-    _rmsnorm_quant_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+    _fwd_launch((triton.cdiv(n_rows, block_r),),
         x, weight, x_q, scale, x, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), 0, eps,
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, num_warps=_warps(block_r, block_n))
 
@@ -188,7 +203,7 @@ def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
     """Training forward launcher: y = dequantized fake-quant output (x's dtype), rstd [rows] fp32."""
     n_rows, n_cols = x.shape
     block_r, block_n = _blocks(n_rows, n_cols)
-    _rmsnorm_quant_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+    _fwd_launch((triton.cdiv(n_rows, block_r),),
         x, weight, x, rstd, y, rstd, n_rows, n_cols, x.stride(0), 0, y.stride(0), eps,
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, num_warps=_warps(block_r, block_n))
 
@@ -309,31 +324,9 @@ def saved_bytes(fn, *args) -> int:
     return sum(seen.values())
 
 
-# -- checks: int8 outputs need a poison value a correct kernel never writes -----------------
-@contextlib.contextmanager
-def int8_poison():
-    """gpulab marks unwritten int8 outputs with -111, a value absmax quantization does
-    produce. Its outputs lie in [-127, 127], so use -128 (and 0xFF for uint8, never a
-    valid packed ternary byte) while checking this module's kernels."""
-    old = dict(checking._INT_POISON)
-    checking._INT_POISON[torch.int8] = -128
-    checking._INT_POISON[torch.uint8] = 0xFF
-    try:
-        yield
-    finally:
-        checking._INT_POISON.clear()
-        checking._INT_POISON.update(old)
-
-
-def check(spec, fn, **kw):
-    """gpulab.check with this module's int8 poison."""
-    with int8_poison():
-        return checking.check(spec, fn, **kw)
-
-
-def rejects(spec, fn, **kw) -> str:
-    with int8_poison():
-        return checking.rejects(spec, fn, **kw)
+# -- checks (gpulab's int8 poison, -128, is a value absmax quantization never writes) ------
+check = checking.check
+rejects = checking.rejects
 
 
 def check_rmsnorm_quant(fn):

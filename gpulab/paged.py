@@ -683,6 +683,7 @@ _GPU_DECODE = [
 
 DECODE = KernelSpec(
     name="paged_decode_attention",
+    graph_timing=True,
     summary="decode attention through a block table (GQA, split-KV planned from the batch)",
     args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "o", "lse"),
     make_inputs=make_paged_inputs,

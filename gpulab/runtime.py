@@ -58,9 +58,14 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name()
 
 
+# In compile-only mode, the GPU generation launchers should plan for (set per target by
+# gpulab.compile_check, so architecture-dependent paths are compiled too).
+COMPILE_TARGET: tuple[int, int] | None = None
+
+
 def compute_capability() -> tuple[int, int] | None:
     if not _cuda_available():
-        return None
+        return COMPILE_TARGET if COMPILE_ONLY else None
     import torch
     return torch.cuda.get_device_capability()
 

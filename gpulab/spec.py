@@ -59,6 +59,9 @@ class KernelSpec:
     # Spec-specific diagnosis, tried before the generic hints:
     # hint(output_name, got, expected, inputs) -> str | None
     hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
+    # Time with CUDA graphs (no Python launch overhead): for kernels of a few µs, such as
+    # decode, whose launch cost would otherwise dominate (see gpulab.bench.time_graph_ms).
+    graph_timing: bool = False
     bench_dtypes: list | None = None           # default: the GPU's default dtype
     bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
     notes: str = ""
