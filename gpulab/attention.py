@@ -485,9 +485,12 @@ def flash_attention_into(q, k, v, causal, o, lse, scale=None, exp2_impl="native"
             Hq, Hq // Hkv, S_q, S_kv, scale * LOG2E)
     consts = dict(HEAD_DIM=D, CAUSAL=bool(causal), EXP2_POLY=exp2_impl == "poly3",
                   RESCALE_THRESHOLD=float(rescale_threshold))
-    if runtime.interpreting() or block_m is not None or q.dtype == torch.float32 or D <= 32:
+    cc = runtime.compute_capability()
+    small_gpu = cc is not None and cc < (8, 0)     # a T4: 64 KiB of shared memory per block
+    if runtime.interpreting() or block_m is not None or q.dtype == torch.float32 or D <= 32 or small_gpu:
         # One fixed configuration: the interpreter, explicit blocks, small heads (not worth
-        # tuning), or float32 on a GPU (tiles twice the size of 16-bit ones; TF32 dots).
+        # tuning), float32 on a GPU (tiles twice the size of 16-bit ones; TF32 dots), or a
+        # pre-Ampere GPU, where the H100 configurations below do not fit in shared memory.
         bm, bn = (block_m or CPU_BLOCK_M, block_n or CPU_BLOCK_N) if runtime.interpreting() else \
             (block_m or 64, block_n or 32)
         _attn_fwd_kernel[(triton.cdiv(S_q, bm), B * Hq)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
