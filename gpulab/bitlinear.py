@@ -47,7 +47,7 @@ WEIGHT_FLOOR = 1e-5
 # -- PyTorch: quantize, pack, unpack, reference matmul ----------------------------------------
 def ternary_quantize(w: torch.Tensor):
     """Per-tensor absmean quantization: (w_t int8 in {-1,0,1}, w_scale float32 0-d tensor)."""
-    check_tensor("w", w, contiguous=False)
+    check_tensor("w", w, contiguous=False, any_device=True)   # plain PyTorch: any device
     check_float("w", w)
     if w.numel() == 0:
         raise ValueError("w is empty: a weight matrix needs at least one element")
@@ -58,7 +58,7 @@ def ternary_quantize(w: torch.Tensor):
 
 
 def _check_ternary(w_t):
-    check_tensor("w_t", w_t, ndim=2, dtype=torch.int8)
+    check_tensor("w_t", w_t, ndim=2, dtype=torch.int8, any_device=True)
     if w_t.numel() and (int(w_t.min()) < -1 or int(w_t.max()) > 1):
         bad = ((w_t < -1) | (w_t > 1)).nonzero()[0].tolist()
         raise ValueError(f"w_t{bad} = {int(w_t[tuple(bad)])}: ternary weights must be -1, 0 or 1 "
@@ -78,7 +78,7 @@ def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
 
 def unpack_ternary(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_ternary`: [N, ceil(k/4)] uint8 -> [N, k] int8."""
-    check_tensor("packed", packed, ndim=2, dtype=torch.uint8)
+    check_tensor("packed", packed, ndim=2, dtype=torch.uint8, any_device=True)
     if not isinstance(k, int) or k < 1 or triton.cdiv(k, 4) != packed.shape[1]:
         raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} bytes: "
                          f"k must satisfy ceil(k/4) == {packed.shape[1]}")

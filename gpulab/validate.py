@@ -13,8 +13,9 @@ def _dt(d) -> str:
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=None,
-                 dtypes=None, contiguous: bool = True) -> None:
-    """A tensor of the expected rank/shape/dtype, contiguous, on a device that can run."""
+                 dtypes=None, contiguous: bool = True, any_device: bool = False) -> None:
+    """A tensor of the expected rank/shape/dtype, contiguous, on a device that can run
+    gpulab's kernels (``any_device=True`` for plain-PyTorch functions)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -28,7 +29,7 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=Non
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()} for shape "
                          f"{tuple(t.shape)}): pass {name}.contiguous()")
-    if not runtime.COMPILE_ONLY:
+    if not runtime.COMPILE_ONLY and not any_device:
         runtime.check_device(name, t)
 
 

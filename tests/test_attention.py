@@ -288,7 +288,7 @@ _SM_CASES = [gpulab.spec.Case("blocks + tail", dict(rows=3, cols=600))]
 
 
 @pytest.mark.parametrize("mut,expected", [
-    (1, "NaN"), (2, "own constant factor"), (3, "past the end of output `y`"),
+    (1, "NaN"), (2, "factor"), (3, "past the end of output `y`"),
     (4, "ever loaded"), (5, "wrong"), (6, "same factor"),
 ])
 def test_online_softmax_check_rejects(mut, expected):
