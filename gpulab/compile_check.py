@@ -123,7 +123,7 @@ def install(recorder: Recorder) -> None:
     Autotuner.run = autotune_run
 
 
-def check_all(names=None, verbose=True) -> Recorder:
+def check_all(names=None, verbose=True, archs=None) -> Recorder:
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ["GPULAB_COMPILE_ONLY"] = "1"
     import torch
@@ -133,6 +133,8 @@ def check_all(names=None, verbose=True) -> Recorder:
     specs = all_specs()
     done, failures = {}, []
     for arch, smem in TARGETS.items():
+        if archs and arch not in archs:
+            continue
         # Launchers ask runtime.compute_capability() to choose architecture-dependent
         # paths (int8 dots, big tiles): answer as the target GPU would.
         runtime.COMPILE_TARGET = (arch // 10, arch % 10)
@@ -178,8 +180,13 @@ def main(argv=None) -> int:
         import subprocess
         env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1"}
         return subprocess.call([sys.executable, "-m", "gpulab.compile_check", *argv], env=env)
+    archs = None
+    if "--arch" in argv:        # e.g. --arch 75: one target only (CI runs the three in parallel)
+        i = argv.index("--arch")
+        archs = {int(a) for a in argv[i + 1].split(",")}
+        argv = argv[:i] + argv[i + 2:]
     names = argv or None
-    rec = check_all(names)
+    rec = check_all(names, archs=archs)
     print(f"{len(rec.done)} compilations, {len(rec.failures)} failures")
     return 1 if rec.failures else 0
 

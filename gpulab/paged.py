@@ -417,11 +417,12 @@ def _autotuned(kernel, lists: dict, make, key, interp):
 
 
 def config_list(dtype) -> str:
-    """Which config list fits this GPU: "big" (sm_80+), else "small" or, for float32
-    tiles (twice the bytes), "small_fp32"."""
-    if big_smem():
-        return "big"
-    return "small_fp32" if dtype == torch.float32 else "small"
+    """Which config list fits this GPU and dtype: "big" for 16-bit tiles on sm_80+,
+    "small" for 16-bit tiles on smaller GPUs and for float32 on sm_80+, "small_fp32"
+    for float32 on smaller GPUs."""
+    if dtype == torch.float32:   # twice the bytes per tile: the big tiles overflow even sm_90
+        return "small" if big_smem() else "small_fp32"
+    return "big" if big_smem() else "small"
 
 
 _decode_tuned = _autotuned(

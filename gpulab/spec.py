@@ -67,6 +67,10 @@ class KernelSpec:
     notes: str = ""
 
     def __post_init__(self):
+        old = _REGISTRY.get(self.name)
+        if old is not None and old.make_inputs.__module__ != self.make_inputs.__module__:
+            raise ValueError(f"two kernel specs are named {self.name!r} "
+                             f"({old.make_inputs.__module__} and {self.make_inputs.__module__})")
         _REGISTRY[self.name] = self
 
     # -- helpers shared by checks, tests and benchmarks --------------------------------
