@@ -163,30 +163,10 @@ def _shared_prefix_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = tl.load(pages_ptr + t // page_size, mask=t_mask, other=0)
-        slot = t % page_size
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = paged.paged_block_update(
+            q, m, l, acc, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+            UPCAST, IEEE)
     has = l > 0
     l_safe = tl.where(has, l, 1.0)
     out = acc / l_safe[:, None]

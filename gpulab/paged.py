@@ -291,6 +291,38 @@ def split_reduce_reference(o_part, lse_part):
 # Triton kernels
 # =========================================================================================
 @triton.jit
+def paged_block_update(q, m, l, acc, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh,
+                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                       qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step over a block of tokens stored in pages: token i of the block
+    is slot ``slot[i]`` of page ``page[i]``. Scores are in base 2 (qk_scale includes
+    log2 e); returns the updated running max m, sum l and accumulator acc. Shared by the
+    paged decode kernel and cascade's shared-prefix kernel."""
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
+                + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_partition_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
         qk_scale,                       # softmax scale · log2(e): scores in base 2
@@ -330,30 +362,10 @@ def _decode_partition_kernel(
         t_mask = t < end
         # Through the block table: token t lives in page bt[b, t // page_size].
         page = tl.load(bt_ptr + b * stride_btb + t // page_size, mask=t_mask, other=0)
-        slot = t % page_size
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = paged_block_update(
+            q, m, l, acc, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+            UPCAST, IEEE)
 
     # An empty partition (no tokens) is the empty state: o = 0, lse = -inf.
     has = l > 0
