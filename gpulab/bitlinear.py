@@ -416,77 +416,43 @@ def _bench_with(launcher):
 
 _TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
 
-GEMV = KernelSpec(
-    name="ternary_gemv",
-    graph_timing=True,
-    summary="int8 × 2-bit ternary GEMV (decode, M ≤ 16)",
-    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
-    make_inputs=_mm_inputs,
-    reference=_mm_reference,
-    outputs=_mm_outputs,
-    implementation=ternary_gemv_into,
-    cases={"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
-                   Case("ragged", dict(m=3, k=1001, n=77)), Case("two blocks", dict(m=2, k=2050, n=130))],
-           "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
-                   Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
-           "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
-                     Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]},
-    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances=_TOL,
-    bytes_moved=_mm_bytes,
-    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
-    baselines={"torch bf16 F.linear": _bf16_linear},
-    bench_impl=_bench_with(ternary_gemv_into),
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x_q", "x_scale", "w_packed"),
-)
+def _matmul_spec(name: str, summary: str, launcher, cases: dict) -> KernelSpec:
+    """The three matmul specs differ only in which launcher runs and on which shapes."""
+    return KernelSpec(
+        name=name, summary=summary, graph_timing=True,
+        args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
+        make_inputs=_mm_inputs, reference=_mm_reference, outputs=_mm_outputs,
+        implementation=launcher, cases=cases,
+        dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+        tolerances=_TOL, bytes_moved=_mm_bytes, flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+        baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
+        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 
-MATMUL = KernelSpec(
-    name="ternary_matmul",
-    graph_timing=True,
-    summary="int8 × 2-bit ternary matmul (GEMV for M ≤ 16, int8 tensor-core dots above)",
-    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
-    make_inputs=_mm_inputs,
-    reference=_mm_reference,
-    outputs=_mm_outputs,
-    implementation=ternary_matmul_into,
-    cases={"cpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
-                   Case("prefill, two K steps", dict(m=20, k=257, n=65))],
-           "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
-                   Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
-           "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]},
-    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances=_TOL,
-    bytes_moved=_mm_bytes,
-    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
-    baselines={"torch bf16 F.linear": _bf16_linear},
-    bench_impl=_bench_with(ternary_matmul_into),
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x_q", "x_scale", "w_packed"),
-)
 
-MM = KernelSpec(
-    name="ternary_mm",
-    graph_timing=True,
-    summary="int8 × 2-bit ternary matmul, tensor-core path only (prefill)",
-    args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
-    make_inputs=_mm_inputs,
-    reference=_mm_reference,
-    outputs=_mm_outputs,
-    implementation=ternary_mm_into,
-    cases={"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
-           "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
-                   Case("ragged", dict(m=1000, k=4099, n=3001))],
-           "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]},
-    dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances=_TOL,
-    bytes_moved=_mm_bytes,
-    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
-    baselines={"torch bf16 F.linear": _bf16_linear},
-    bench_impl=_bench_with(ternary_mm_into),
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x_q", "x_scale", "w_packed"),
-)
+GEMV = _matmul_spec(
+    "ternary_gemv", "int8 × 2-bit ternary GEMV (decode: one row at a time)", ternary_gemv_into,
+    {"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+             Case("ragged", dict(m=3, k=1001, n=77)), Case("two blocks", dict(m=2, k=2050, n=130))],
+     "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+             Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
+     "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
+               Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]})
+
+MATMUL = _matmul_spec(
+    "ternary_matmul", "int8 × 2-bit ternary matmul (GEMV for one row, int8 tensor-core dots above)",
+    ternary_matmul_into,
+    {"cpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+             Case("prefill, two K steps", dict(m=20, k=257, n=65))],
+     "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+             Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]})
+
+MM = _matmul_spec(
+    "ternary_mm", "int8 × 2-bit ternary matmul, tensor-core path only (prefill)", ternary_mm_into,
+    {"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
+     "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+             Case("ragged", dict(m=1000, k=4099, n=3001))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
 
 
 def _q_inputs(p, dtype, device, gen):
