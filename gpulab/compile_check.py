@@ -155,6 +155,8 @@ def check_all(names=None, verbose=True, archs=None) -> Recorder:
 
 def _launch_all(rec, specs, names):
     import torch
+
+    from gpulab import runtime
     for name in names or sorted(specs):
         spec = specs[name]
         if spec.implementation is None:
@@ -164,7 +166,8 @@ def _launch_all(rec, specs, names):
         arch = next(iter(rec.targets))
         for where in (("gpu", "cpu") if arch == 75 else ("gpu",)):
             for case in spec.cases.get(where, []):
-                for dtype in spec.dtypes[where]:
+                # What each GPU really runs: no bf16 below sm_80 (runtime.supports).
+                for dtype in [d for d in spec.dtypes[where] if runtime.supports(d)]:
                     rec.context = f"{name} sm_{next(iter(rec.targets))} [{case}, {str(dtype).replace('torch.', '')}]"
                     inputs = spec.make_inputs(case.params, dtype, torch.device("cpu"),
                                               torch.Generator().manual_seed(0))

@@ -83,7 +83,7 @@ def default_dtype():
 def supports(dtype) -> bool:
     """Can this machine's kernels use ``dtype``? (bf16 needs sm_80+ on a GPU.)"""
     import torch
-    if dtype == torch.bfloat16 and mode() == "compiled":
+    if dtype == torch.bfloat16 and mode() in ("compiled", "compile-only"):
         cc = compute_capability()
         return bool(cc and cc[0] >= 8)
     return True
