@@ -124,15 +124,23 @@ def merge_softmax_states(m_a, d_a, m_b, d_b):
 # =========================================================================================
 # 2. Merging attention states (natural-log LSE)
 # =========================================================================================
-def merge_states_reference(o_a, lse_a, o_b, lse_b):
-    la, lb = lse_a.double(), lse_b.double()
-    lse = torch.logaddexp(la, lb)                     # -inf when both are empty
-    empty = torch.isneginf(lse)
-    safe = torch.where(empty, torch.zeros_like(lse), lse)
-    wa = torch.where(empty, torch.zeros_like(la), torch.exp(la - safe))
-    wb = torch.where(empty, torch.zeros_like(lb), torch.exp(lb - safe))
-    o = wa[..., None] * o_a.double() + wb[..., None] * o_b.double()
+def merge_partials_reference(o_part, lse_part):
+    """Merge S partial states in float64: o_part [..., S, D], lse_part [..., S] ->
+    {"o": [..., D], "lse": [...]}. Empty states (lse = -inf) weigh 0; all empty gives
+    o = 0, lse = -inf. The one reference behind split-KV reduces and cascade merges."""
+    lse_part = lse_part.double()
+    m = lse_part.max(dim=-1, keepdim=True).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_part - m)
+    total = w.sum(-1)
+    o = (w[..., None] * o_part.double()).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, m[..., 0] + torch.log(total), -math.inf)
     return {"o": o, "lse": lse}
+
+
+def merge_states_reference(o_a, lse_a, o_b, lse_b):
+    """Two states over disjoint keys -> the state over their union (float64)."""
+    return merge_partials_reference(torch.stack([o_a, o_b], dim=-2), torch.stack([lse_a, lse_b], dim=-1))
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

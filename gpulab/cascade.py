@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import paged, runtime
+from .attention import merge_states_reference as _merge_two_reference
 from .paged import LN2, LOG2E
 from .spec import Case, KernelSpec, bytes_of, randn
 from .validate import check_float, check_same_device, check_tensor
@@ -47,16 +48,8 @@ from .validate import check_float, check_same_device, check_tensor
 # =========================================================================================
 # References (float64)
 # =========================================================================================
-def merge_state_reference(o_a, lse_a, o_b, lse_b):
-    """Merge two attention states; empty states (lse = -inf) are the identity."""
-    lse = torch.stack([lse_a.double(), lse_b.double()])
-    m = lse.max(0).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)                       # [2, ...]
-    total = w.sum(0)
-    o = (w[0][..., None] * o_a.double() + w[1][..., None] * o_b.double()) \
-        / torch.where(total > 0, total, 1.0)[..., None]
-    return {"o": o, "lse": torch.where(total > 0, m + torch.log(total), -math.inf)}
+# Two states: notebook 04's float64 reference (empty states, lse = -inf, are the identity).
+merge_state_reference = _merge_two_reference
 
 
 def merge_states_reference(o_states, lse_states):
@@ -167,10 +160,7 @@ def _shared_prefix_kernel(
             q, m, l, acc, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out, lse = paged.finish_state(m, l, acc)
     tl.store(o_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + split * stride_ls, lse, mask=r_mask)

@@ -277,14 +277,8 @@ def paged_decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=Non
 
 def split_reduce_reference(o_part, lse_part):
     """Merge partial states along dim 2: o_part [B, H, S, D], lse_part [B, H, S]."""
-    lse_part = lse_part.double()
-    m = lse_part.max(dim=-1, keepdim=True).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse_part - m)                              # empty states weigh 0
-    total = w.sum(-1)
-    o = (w[..., None] * o_part.double()).sum(2) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, m[..., 0] + torch.log(total), -math.inf)
-    return {"o": o, "lse": lse}
+    from .attention import merge_partials_reference
+    return merge_partials_reference(o_part, lse_part)
 
 
 # =========================================================================================
@@ -320,6 +314,16 @@ def paged_block_update(q, m, l, acc, k_ptr, v_ptr, page, slot, t_mask, d, d_mask
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def finish_state(m, l, acc):
+    """(o, natural-log lse) from a running max m (base 2), sum l and accumulator acc;
+    no tokens (l = 0) gives the empty state o = 0, lse = -inf."""
+    has = l > 0
+    l_safe = tl.where(has, l, 1.0)
+    lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return acc / l_safe[:, None], lse
 
 
 @triton.jit
@@ -368,10 +372,7 @@ def _decode_partition_kernel(
             UPCAST, IEEE)
 
     # An empty partition (no tokens) is the empty state: o = 0, lse = -inf.
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out, lse = finish_state(m, l, acc)
     tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
