@@ -560,7 +560,8 @@ SCAN = KernelSpec(
     dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL},
     bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
     baselines={"torch eager loop": _eager, "torch log-step scan": _logstep},
-    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
+    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16],
+    compile_baselines=("torch log-step scan",))   # the eager loop: Dynamo would unroll 8192 steps
 
 
 # Forward + backward through autograd, the way training calls it.
@@ -605,4 +606,5 @@ SCAN_TRAIN = KernelSpec(
     baselines={"torch eager loop": lambda inp: _fwd_bwd(scan_eager_loop)(**inp),
                "torch log-step scan": lambda inp: _fwd_bwd(scan_torch)(**inp)},
     bench_impl=lambda inp: mlgru_scan_train(**inp),
-    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
+    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16],
+    compile_baselines=("torch log-step scan",))   # the eager loop: Dynamo would unroll 8192 steps

@@ -55,7 +55,10 @@ class KernelSpec:
     # Inputs a check may zero to ask "was this input read at all?"
     read_inputs: tuple[str, ...] = ()
     output_tolerances: dict[str, dict] = field(default_factory=dict)
-    compile_baselines: bool = True            # False when a baseline is itself a Triton kernel or a long loop
+    # Which baselines also run under torch.compile: True (all), False (none: a baseline
+    # that is itself a Triton kernel), or the names of those worth compiling (not a
+    # Python loop over thousands of steps, which Dynamo unrolls for minutes).
+    compile_baselines: bool | tuple[str, ...] = True
     # Spec-specific diagnosis, tried before the generic hints:
     # hint(output_name, got, expected, inputs) -> str | None
     hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
