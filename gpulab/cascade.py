@@ -571,6 +571,7 @@ CASCADE = KernelSpec(
     bytes_moved=_cascade_bytes,
     flops=_cascade_flops,
     baselines={"paged decode (no cascade)": _noncascade_baseline},
+    compile_baselines=False,   # the baseline is gpulab's own Triton kernel
     read_inputs=("q", "k_cache", "v_cache"),
     bench_dtypes=[torch.bfloat16],
     notes="baseline: gpulab's paged decode on the same requests, prefix pages in every block table",

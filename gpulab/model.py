@@ -246,8 +246,8 @@ def train(model: MatMulFreeLM, data: torch.Tensor, steps: int = 300, batch_size:
             opt.step()
             sched.step()
             losses.append(loss.item())
-            if progress:
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if progress:   # shown at the bar's next timed refresh, not one message per step
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     finally:
         torch.set_num_threads(threads)
         model.eval()
@@ -255,13 +255,15 @@ def train(model: MatMulFreeLM, data: torch.Tensor, steps: int = 300, batch_size:
 
 
 def _progress_bar(iterable):
-    """tqdm: a widget in Jupyter when ipywidgets works, else the text bar."""
+    """tqdm: a widget in Jupyter when ipywidgets works, else the text bar. Refreshed at
+    most twice a second: each refresh is a message to the notebook, and a flood of them
+    (thousands of steps) overflows the kernel's output queue, which drops messages."""
     try:
         from tqdm.auto import tqdm
-        return tqdm(iterable, desc="training", leave=True)
+        return tqdm(iterable, desc="training", leave=True, mininterval=0.5)
     except Exception:   # e.g. "IProgress not found" with a mismatched ipywidgets
         from tqdm.std import tqdm
-        return tqdm(iterable, desc="training", leave=True)
+        return tqdm(iterable, desc="training", leave=True, mininterval=0.5)
 
 
 def plot_losses(losses: list[float], ax=None, smooth: int = 20):

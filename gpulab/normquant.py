@@ -32,6 +32,8 @@ saving comes from (up to 61% in the paper).
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -322,6 +324,59 @@ def saved_bytes(fn, *args) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(seen.values())
+
+
+MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "memory" / "rmsnorm_fakequant.json"
+
+
+def gpu_activation_memory(fn, rows: int = 8192, cols: int = 4096, dtype=torch.bfloat16) -> dict:
+    """GPU only: the memory ``fn(x, w)`` keeps alive after its forward for the backward
+    (its output excluded) and its peak over forward + backward, in MiB, above what was
+    allocated before (x, w and dy)."""
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.ones(cols, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    fn(x, w).backward(dy)                     # compile and autotune outside the measurement
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = fn(x, w)
+    kept = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"kept_MiB": kept / 2**20, "peak_MiB": peak / 2**20}
+
+
+def activation_memory(save: bool = False) -> dict:
+    """Activation memory of RMSNorm + fake quantization, 8192 tokens × 4096, bf16:
+    autograd through the reference against the fused kernels. Measured on a GPU
+    (``save=True`` writes it to the repo); on a CPU, the figures saved from an H200."""
+    if runtime.mode() != "compiled":
+        return json.loads(MEMORY_RESULTS.read_text())
+    import datetime
+    rows = {name: gpu_activation_memory(fn) for name, fn in [
+        ("autograd through the reference", rmsnorm_fakequant_ref),
+        ("fused (gpulab)", lambda a, b: rmsnorm_fakequant(a, b, fused=True))]}
+    result = {"what": "RMSNorm + fake quantization forward and backward, 8192 x 4096 bfloat16",
+              "date": datetime.date.today().isoformat(), "gpu": runtime.gpu_name(),
+              "versions": runtime.versions(), "rows": rows}
+    if save:
+        MEMORY_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        MEMORY_RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def format_memory(result: dict) -> str:
+    ref, fused = result["rows"]["autograd through the reference"], result["rows"]["fused (gpulab)"]
+    lines = [f"{result['what']}, {result['gpu']} ({result['date']})"]
+    for name, r in result["rows"].items():
+        lines.append(f"  {name:32} kept after forward {r['kept_MiB']:8.2f} MiB   "
+                     f"peak over fwd+bwd {r['peak_MiB']:7.1f} MiB")
+    lines.append(f"  fused: keeps {fused['kept_MiB']:.2f} MiB (rstd) instead of {ref['kept_MiB']:.0f} MiB "
+                 f"(x, kept by both, is not counted); peak {100 * (1 - fused['peak_MiB'] / ref['peak_MiB']):.0f}% lower")
+    return "\n".join(lines)
 
 
 # -- checks (gpulab's int8 poison, -128, is a value absmax quantization never writes) ------

@@ -678,7 +678,9 @@ def _decode_outputs(inp, dtype):
     return {"o": ((B, hq, d), dtype), "lse": ((B, hq), torch.float32)}
 
 
-_DECODE_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 2e-2)}
+# float32: one program that sums a 16K-token context in 512 sequential steps (the
+# notebooks' kernels do not split) is off by up to ~4e-5 relative: rounding, not a bug.
+_DECODE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 2e-2)}
 _LSE_TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 5e-3)}
 
 _CPU_DECODE = [
