@@ -11,10 +11,6 @@ def device():
     return gpulab.device()
 
 
-def on_gpu() -> bool:
-    return gpulab.mode() == "compiled"
-
-
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 # Two xdist workers on two cores: one torch thread each, or they fight for the cores.

@@ -10,9 +10,7 @@ import gpulab
 from gpulab import attention as A
 from gpulab.checking import rejects
 
-
-def on_gpu() -> bool:
-    return gpulab.mode() == "compiled"
+from helpers import on_gpu
 
 
 def dev():

@@ -10,6 +10,8 @@ from gpulab import mlgru
 from gpulab.checking import rejects
 from gpulab.spec import Case
 
+from helpers import on_gpu
+
 SPECS = ["mlgru_scan_recurrent", "mlgru_scan_chunked", "mlgru_scan_backward_recurrent",
          "mlgru_scan_backward_chunked", "mlgru_scan", "mlgru_scan_train"]
 
@@ -21,10 +23,6 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def on_gpu():
-    return gpulab.mode() == "compiled"
 
 
 @pytest.mark.parametrize("name", SPECS)

@@ -5,18 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-import gpulab
 from gpulab import normquant as nq
 
-
-def on_gpu() -> bool:
-    return gpulab.mode() == "compiled"
-
-
-def few(name: str, labels: tuple) -> dict:
-    """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
-    cases = gpulab.spec.get(name).cases["gpu" if on_gpu() else "cpu"]
-    return dict(cases=[c for c in cases if c.label in labels], dtypes=[torch.float32])
+from helpers import few, on_gpu
 
 
 def test_forward_passes_its_check():

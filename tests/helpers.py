@@ -1,0 +1,14 @@
+"""Small helpers the test modules share (pytest puts tests/ on sys.path)."""
+import torch
+
+import gpulab
+
+
+def on_gpu() -> bool:
+    return gpulab.mode() == "compiled"
+
+
+def few(name: str, labels: tuple) -> dict:
+    """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
+    cases = gpulab.spec.get(name).cases["gpu" if on_gpu() else "cpu"]
+    return dict(cases=[c for c in cases if c.label in labels], dtypes=[torch.float32])
