@@ -3,24 +3,26 @@ and prove them correct.
 
 Importing gpulab first decides where kernels run (see :mod:`gpulab.runtime`), so
 import it before defining any ``@triton.jit`` kernel of your own.
+
+The package in layers (CONTRIBUTING.md has the map):
+
+* ``gpulab.<technique>`` (``basics``, ``bitlinear``, ``normquant``, ``mlgru``, ``model``,
+  ``attention``, ``paged``, ``cascade``): kernels and public functions;
+* ``gpulab.grading``: each technique's cases, specs and checks;
+* ``gpulab.harness``: the spec registry, checks, benchmarks, plots, compile check;
+* ``gpulab.tools``: the notebook generator, the grader, the ``gpulab`` command.
 """
 from . import runtime  # must come first: sets TRITON_INTERPRET before triton is used
-from .runtime import device, env_report, mode  # noqa: F401
+from . import grading  # registers every kernel spec
+from .harness.checking import CheckFailure, check
+from .harness.notebook import mine_or_reference, show_error
+from .harness.plots import benchmark
+from .harness.spec import Case, get as get_spec
+from .runtime import device, env_report, mode
 
 __version__ = "0.1.0"
-REPO = "gpulab-course/gpulab"   # where the Colab badges and installs point
-
-import importlib as _importlib  # noqa: E402
-
-# One module per technique; importing it registers its kernel specs.
-TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "model", "attention", "paged", "cascade")
-for _name in TECHNIQUES:
-    if _importlib.util.find_spec(f"{__name__}.{_name}") is not None:
-        _importlib.import_module(f"{__name__}.{_name}")
-
-from . import bench, checking, plots, spec, validate  # noqa: E402,F401
-from .checking import CheckFailure, check  # noqa: E402,F401
-from .notebook import mine_or_reference, show_error  # noqa: E402,F401
+__all__ = ["Case", "CheckFailure", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode",
+           "setup", "show_error"]
 
 
 def setup() -> None:

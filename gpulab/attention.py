@@ -68,10 +68,10 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .checking import CheckFailure, Guarded
-from .checking import check as _check
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import check_float, check_same_device, check_tensor
+from .harness.checking import CheckFailure, Guarded
+from .harness.checking import check as _check
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import require_float, require_same_device, require_tensor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -155,7 +155,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     for name, o, lse in (("a", o_a, lse_a), ("b", o_b, lse_b)):
         if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
             raise TypeError(f"o_{name} and lse_{name} must be torch.Tensors")
-        check_float(f"o_{name}", o)
+        require_float(f"o_{name}", o)
         if lse.dtype != torch.float32:
             raise TypeError(f"lse_{name} must be float32 (gpulab's LSE convention), got "
                             f"{str(lse.dtype).replace('torch.', '')}: convert with .float()")
@@ -164,7 +164,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
                              f"{tuple(o.shape)} and lse_{name} {tuple(lse.shape)}")
     if o_a.shape != o_b.shape:
         raise ValueError(f"o_a and o_b must have one shape, got {tuple(o_a.shape)} and {tuple(o_b.shape)}")
-    check_same_device(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    require_same_device(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
     lse = torch.maximum(lse_a, lse_b)
     empty = torch.isneginf(lse)                        # both states empty
     m = torch.where(empty, torch.zeros_like(lse), lse)
@@ -347,8 +347,8 @@ def online_softmax_into(x, y, block: int | None = None):
 
 def online_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row softmax of a 2-D tensor with rows of any length (running max and sum)."""
-    check_tensor("x", x, ndim=2)
-    check_float("x", x)
+    require_tensor("x", x, ndim=2)
+    require_float("x", x)
     if x.shape[1] == 0:
         raise ValueError("x has rows of length 0: softmax of an empty row is undefined")
     y = torch.empty_like(x)
@@ -521,10 +521,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     LSE is lse / ln 2). FA4 options: ``exp2_impl`` "native" or "poly3", ``rescale_threshold``
     τ ≥ 0 in log2 units (0: rescale whenever the max grows; 8: FA4's rule).
     """
-    check_tensor("q", q, ndim=4)
-    check_tensor("k", k, ndim=4)
-    check_tensor("v", v, ndim=4)
-    check_same_device(q=q, k=k, v=v)
+    require_tensor("q", q, ndim=4)
+    require_tensor("k", k, ndim=4)
+    require_tensor("v", v, ndim=4)
+    require_same_device(q=q, k=k, v=v)
     allowed = ((torch.float16, torch.bfloat16) if runtime.mode() != "interpreter"
                else (torch.float32, torch.float16))
     if q.dtype not in allowed:
@@ -806,7 +806,7 @@ EXP2_POLY3 = KernelSpec(
 # =========================================================================================
 def _explain(fn, cases, hypotheses, dtype=torch.float32):
     """After a failed attention check: does the output match a recognisable mistake?"""
-    from .spec import _gen
+    from .harness.spec import _gen
     dev = runtime.device()
     dtype = dtype if runtime.mode() != "compiled" else torch.float16
     for case in cases:

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import check_float, check_same_device, check_tensor
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import require_float, require_same_device, require_tensor
 
 # -- vector add ---------------------------------------------------------------------------
 ADD_BLOCK = 1024
@@ -49,9 +49,9 @@ def add_into(x, y, out):
 
 def vector_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + y for two contiguous tensors of one shape, dtype and device."""
-    check_tensor("x", x)
-    check_tensor("y", y, shape=x.shape, dtype=x.dtype)
-    check_same_device(x=x, y=y)
+    require_tensor("x", x)
+    require_tensor("y", y, shape=x.shape, dtype=x.dtype)
+    require_same_device(x=x, y=y)
     out = torch.empty_like(x)
     if x.numel():
         add_into(x, y, out)
@@ -130,8 +130,8 @@ SOFTMAX_MAX_COLS = 1 << 16
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Row softmax of a 2-D tensor (rows of up to 65536 elements) in one fused kernel."""
-    check_tensor("x", x, ndim=2)
-    check_float("x", x)
+    require_tensor("x", x, ndim=2)
+    require_float("x", x)
     if x.shape[1] == 0:
         raise ValueError("x has rows of length 0: softmax of an empty row is undefined")
     if x.shape[1] > SOFTMAX_MAX_COLS:

@@ -38,8 +38,8 @@ import triton.language as tl
 from . import runtime
 from .normquant import (ABSMAX_FLOOR, absmax_quantize, check, rejects,  # noqa: F401
                         rmsnorm_fakequant, rmsnorm_quant, round_half_away)
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import check_float, check_same_device, check_tensor
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import require_float, require_same_device, require_tensor
 
 WEIGHT_FLOOR = 1e-5
 
@@ -47,8 +47,8 @@ WEIGHT_FLOOR = 1e-5
 # -- PyTorch: quantize, pack, unpack, reference matmul ----------------------------------------
 def ternary_quantize(w: torch.Tensor):
     """Per-tensor absmean quantization: (w_t int8 in {-1,0,1}, w_scale float32 0-d tensor)."""
-    check_tensor("w", w, contiguous=False, any_device=True)   # plain PyTorch: any device
-    check_float("w", w)
+    require_tensor("w", w, contiguous=False, any_device=True)   # plain PyTorch: any device
+    require_float("w", w)
     if w.numel() == 0:
         raise ValueError("w is empty: a weight matrix needs at least one element")
     wf = w.detach().float()
@@ -58,7 +58,7 @@ def ternary_quantize(w: torch.Tensor):
 
 
 def _check_ternary(w_t):
-    check_tensor("w_t", w_t, ndim=2, dtype=torch.int8, any_device=True)
+    require_tensor("w_t", w_t, ndim=2, dtype=torch.int8, any_device=True)
     if w_t.numel() and (int(w_t.min()) < -1 or int(w_t.max()) > 1):
         bad = ((w_t < -1) | (w_t > 1)).nonzero()[0].tolist()
         raise ValueError(f"w_t{bad} = {int(w_t[tuple(bad)])}: ternary weights must be -1, 0 or 1 "
@@ -78,7 +78,7 @@ def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
 
 def unpack_ternary(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_ternary`: [N, ceil(k/4)] uint8 -> [N, k] int8."""
-    check_tensor("packed", packed, ndim=2, dtype=torch.uint8, any_device=True)
+    require_tensor("packed", packed, ndim=2, dtype=torch.uint8, any_device=True)
     if not isinstance(k, int) or k < 1 or triton.cdiv(k, 4) != packed.shape[1]:
         raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} bytes: "
                          f"k must satisfy ceil(k/4) == {packed.shape[1]}")
@@ -249,7 +249,7 @@ def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
 def _as_scale_tensor(w_scale, device):
     if isinstance(w_scale, (int, float)):
         return torch.tensor([float(w_scale)], dtype=torch.float32, device=device)
-    check_tensor("w_scale", w_scale, dtype=torch.float32)
+    require_tensor("w_scale", w_scale, dtype=torch.float32)
     if w_scale.numel() != 1:
         raise ValueError(f"w_scale must hold one number (a per-tensor scale), got shape {tuple(w_scale.shape)}")
     return w_scale.reshape(1)
@@ -262,19 +262,19 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     x_q: int8 [..., K]; x_scale: float32 [...]; w_packed: uint8 [N, ceil(K/4)] from
     :func:`pack_ternary`; w_scale: float or float32 tensor of one element.
     Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
-    check_tensor("x_q", x_q, dtype=torch.int8)
+    require_tensor("x_q", x_q, dtype=torch.int8)
     if x_q.dim() < 1 or x_q.shape[-1] == 0:
         raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
     lead, k = x_q.shape[:-1], x_q.shape[-1]
-    check_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
-    check_tensor("w_packed", w_packed, ndim=2, dtype=torch.uint8)
+    require_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
+    require_tensor("w_packed", w_packed, ndim=2, dtype=torch.uint8)
     if w_packed.shape[1] != triton.cdiv(k, 4):
         raise ValueError(f"w_packed has rows of {w_packed.shape[1]} bytes but K={k} needs "
                          f"ceil(K/4) = {triton.cdiv(k, 4)}: was it packed from a [N, {k}] matrix?")
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     ws = _as_scale_tensor(w_scale, x_q.device)
-    check_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)
+    require_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)
     n = w_packed.shape[0]
     x2 = x_q.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x_q.device)
@@ -342,7 +342,7 @@ class BitLinear(nn.Module):
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"BitLinear expects a torch.Tensor, got {type(x).__name__}")
-        check_float("x", x)
+        require_float("x", x)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"BitLinear({self.in_features}, {self.out_features}) expects input "
                              f"[..., {self.in_features}], got shape {tuple(x.shape)}")

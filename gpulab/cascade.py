@@ -42,8 +42,8 @@ import triton.language as tl
 from . import paged, runtime
 from .attention import merge_states_reference as _merge_two_reference
 from .paged import LN2, LOG2E
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import check_float, check_same_device, check_tensor
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import require_float, require_same_device, require_tensor
 
 # =========================================================================================
 # References (float64)
@@ -279,11 +279,11 @@ def cascade_decode_into(q, k_cache, v_cache, prefix_pages, prefix_len, block_tab
 # Public functions
 # =========================================================================================
 def _check_state(name_o, o, name_l, lse):
-    check_tensor(name_o, o)
-    check_float(name_o, o)
+    require_tensor(name_o, o)
+    require_float(name_o, o)
     if o.dim() < 1:
         raise ValueError(f"{name_o} must have at least one dimension (head_dim last)")
-    check_tensor(name_l, lse, shape=o.shape[:-1], dtype=torch.float32)
+    require_tensor(name_l, lse, shape=o.shape[:-1], dtype=torch.float32)
 
 
 def merge_state(o_a, lse_a, o_b, lse_b):
@@ -293,9 +293,9 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     -inf for an empty state). Returns (o [..., D] in o_a's dtype, lse float32 [...]).
     """
     _check_state("o_a", o_a, "lse_a", lse_a)
-    check_tensor("o_b", o_b, shape=o_a.shape, dtype=o_a.dtype)
-    check_tensor("lse_b", lse_b, shape=lse_a.shape, dtype=torch.float32)
-    check_same_device(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    require_tensor("o_b", o_b, shape=o_a.shape, dtype=o_a.dtype)
+    require_tensor("lse_b", lse_b, shape=lse_a.shape, dtype=torch.float32)
+    require_same_device(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
     if not bool((lse_a != math.inf).all() and (lse_b != math.inf).all()) or \
             bool(torch.isnan(lse_a).any() or torch.isnan(lse_b).any()):
         raise ValueError("lse contains NaN or +inf: an LSE is finite, or -inf for an empty state")
@@ -308,10 +308,10 @@ def merge_state(o_a, lse_a, o_b, lse_b):
 def merge_states(o_states, lse_states):
     """Merge S states per row: o_states [N, S, H, D], lse_states float32 [N, S, H]
     (FlashInfer's ``merge_states`` layout) -> (o [N, H, D], lse [N, H])."""
-    check_tensor("o_states", o_states, ndim=4)
-    check_float("o_states", o_states)
-    check_tensor("lse_states", lse_states, shape=o_states.shape[:3], dtype=torch.float32)
-    check_same_device(o_states=o_states, lse_states=lse_states)
+    require_tensor("o_states", o_states, ndim=4)
+    require_float("o_states", o_states)
+    require_tensor("lse_states", lse_states, shape=o_states.shape[:3], dtype=torch.float32)
+    require_same_device(o_states=o_states, lse_states=lse_states)
     if o_states.shape[1] == 0:
         raise ValueError("o_states has no states to merge (dim 1 is 0)")
     n, _, h, d = o_states.shape
@@ -322,7 +322,7 @@ def merge_states(o_states, lse_states):
 
 
 def _check_prefix(k_cache, prefix_pages, prefix_len):
-    check_tensor("prefix_pages", prefix_pages, ndim=1, dtype=torch.int32)
+    require_tensor("prefix_pages", prefix_pages, ndim=1, dtype=torch.int32)
     if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or prefix_len < 0:
         raise ValueError(f"prefix_len must be a non-negative int, got {prefix_len!r}")
     ps, num_pages = k_cache.shape[1], k_cache.shape[0]
@@ -341,9 +341,9 @@ def shared_prefix_attention(q, k_cache, v_cache, prefix_pages, prefix_len: int, 
     """Each query's attention state over one shared, paged prefix: (o [B, Hq, D], lse [B, Hq])."""
     B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
     empty_bt = torch.zeros((B, 1), dtype=torch.int32, device=getattr(q, "device", None))
-    paged.check_paged_inputs(q, k_cache, v_cache, empty_bt,
+    paged.require_paged_inputs(q, k_cache, v_cache, empty_bt,
                              torch.zeros(B, dtype=torch.int32, device=empty_bt.device))
-    check_same_device(q=q, prefix_pages=prefix_pages)
+    require_same_device(q=q, prefix_pages=prefix_pages)
     _check_prefix(k_cache, prefix_pages, prefix_len)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -368,8 +368,8 @@ def cascade_decode_attention(q, k_cache, v_cache, prefix_pages, prefix_len: int,
     Returns o [B, Hq, D] (and lse [B, Hq] if ``return_lse``): attention of request b over
     prefix ++ suffix_b.
     """
-    paged.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
-    check_same_device(q=q, prefix_pages=prefix_pages)
+    paged.require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    require_same_device(q=q, prefix_pages=prefix_pages)
     _check_prefix(k_cache, prefix_pages, prefix_len)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

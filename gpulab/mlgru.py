@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import FLOAT_DTYPES, require_float, require_same_device, require_tensor
 
 RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chunked
 
@@ -344,13 +344,13 @@ KERNELS = ("auto", "recurrent", "chunked", "torch")
 
 
 def _check_scan_inputs(f, i, h0):
-    check_tensor("f", f, ndim=3)
-    check_float("f", f)
-    check_tensor("i", i, shape=f.shape, dtype=f.dtype)
-    check_same_device(f=f, i=i, h0=h0)
+    require_tensor("f", f, ndim=3)
+    require_float("f", f)
+    require_tensor("i", i, shape=f.shape, dtype=f.dtype)
+    require_same_device(f=f, i=i, h0=h0)
     if h0 is not None:
-        check_tensor("h0", h0, shape=(f.shape[0], f.shape[2]))
-        check_float("h0", h0)
+        require_tensor("h0", h0, shape=(f.shape[0], f.shape[2]))
+        require_float("h0", h0)
 
 
 def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None, *,
@@ -376,14 +376,14 @@ def mlgru_step(f_t: torch.Tensor, i_t: torch.Tensor, h: torch.Tensor | None = No
     """One step of the recurrence for generation: returns f_t ⊙ h + i_t in float32.
     f_t, i_t: [B, D]; h: [B, D] state (None: zeros). Memory per sequence: D numbers."""
     for name, t in (("f_t", f_t), ("i_t", i_t)):
-        check_tensor(name, t, ndim=2, contiguous=False)
-        check_float(name, t)
+        require_tensor(name, t, ndim=2, contiguous=False)
+        require_float(name, t)
     if i_t.shape != f_t.shape:
         raise ValueError(f"i_t must have f_t's shape {tuple(f_t.shape)}, got {tuple(i_t.shape)}")
     if h is None:
         return i_t.float()
-    check_tensor("h", h, shape=f_t.shape, contiguous=False)
-    check_same_device(f_t=f_t, i_t=i_t, h=h)
+    require_tensor("h", h, shape=f_t.shape, contiguous=False)
+    require_same_device(f_t=f_t, i_t=i_t, h=h)
     return torch.addcmul(i_t.float(), f_t.float(), h.float())
 
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .mlgru import KERNELS, MLGRU, _bitlinear
-from .validate import check_index_range, check_tensor
+from .validate import require_index_range, require_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
 VOCAB = 256   # bytes
@@ -127,10 +127,10 @@ class MatMulFreeLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
 
     def _check_tokens(self, tokens):
-        check_tensor("tokens", tokens, ndim=2, dtype=torch.long, contiguous=False)
+        require_tensor("tokens", tokens, ndim=2, dtype=torch.long, contiguous=False)
         if tokens.shape[1] == 0:
             raise ValueError("tokens has no time steps: pass at least one token per sequence")
-        check_index_range("tokens", tokens, 0, self.vocab_size, "token ids must be < vocab_size")
+        require_index_range("tokens", tokens, 0, self.vocab_size, "token ids must be < vocab_size")
 
     def forward(self, tokens: torch.Tensor, states: list | None = None):
         """tokens [B, T] (int64) -> (logits [B, T, vocab] float32, per-layer states [B, d])."""

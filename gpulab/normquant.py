@@ -39,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checking, runtime
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import check_float, check_same_device, check_tensor
+from . import runtime
+from .harness import checking
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import require_float, require_same_device, require_tensor
 
 ABSMAX_FLOOR = 1e-5
 MAX_COLS = 1 << 16
@@ -232,8 +233,8 @@ def rmsnorm_quant_bwd_into(x, weight, rstd, dy, dx, dw):
 
 # -- public API -----------------------------------------------------------------------------
 def _check_norm_inputs(x, weight):
-    check_tensor("x", x)
-    check_float("x", x)
+    require_tensor("x", x)
+    require_float("x", x)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (the row being normalised)")
     n = x.shape[-1]
@@ -241,9 +242,9 @@ def _check_norm_inputs(x, weight):
         raise ValueError("x has rows of length 0: RMSNorm of an empty row is undefined")
     if n > MAX_COLS:
         raise ValueError(f"rows of {n} elements do not fit one program's registers (at most {MAX_COLS})")
-    check_tensor("weight", weight, shape=(n,))
-    check_float("weight", weight)
-    check_same_device(x=x, weight=weight)
+    require_tensor("weight", weight, shape=(n,))
+    require_float("weight", weight)
+    require_same_device(x=x, weight=weight)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):

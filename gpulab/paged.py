@@ -49,8 +49,8 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .spec import Case, KernelSpec, bytes_of, randn
-from .validate import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .validate import FLOAT_DTYPES, require_float, require_same_device, require_tensor
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -546,15 +546,15 @@ def paged_decode_split_into(q, k_cache, v_cache, block_table, seq_lens, num_spli
 # =========================================================================================
 # Public function: validate, allocate, launch
 # =========================================================================================
-def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
+def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
     """Shapes, dtypes, devices and index ranges of a paged decode call, checked on the host."""
-    check_tensor("q", q, ndim=3)
-    check_float("q", q)
-    check_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
-    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
-    check_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    require_tensor("q", q, ndim=3)
+    require_float("q", q)
+    require_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
+    require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
+    require_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
+    require_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
+    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     B, hq, d = q.shape
     num_pages, ps, hkv, dk = k_cache.shape
     if dk != d:
@@ -603,7 +603,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
 
     Returns o [B, Hq, D] (q's dtype), and lse if ``return_lse``.
     """
-    check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     B, hq, d = q.shape

@@ -28,7 +28,7 @@ def _cuda_available() -> bool:
 if not _USER_CHOSE:
     os.environ["TRITON_INTERPRET"] = "0" if _cuda_available() else "1"
 
-# Compile-only mode (set by gpulab.compile_check): launches are compiled for a
+# Compile-only mode (set by gpulab.harness.compile_check): launches are compiled for a
 # GPU target instead of run, so CPU tensors are accepted without a GPU.
 COMPILE_ONLY = os.environ.get("GPULAB_COMPILE_ONLY") == "1"
 
@@ -59,7 +59,7 @@ def gpu_name() -> str | None:
 
 
 # In compile-only mode, the GPU generation launchers should plan for (set per target by
-# gpulab.compile_check, so architecture-dependent paths are compiled too).
+# gpulab.harness.compile_check, so architecture-dependent paths are compiled too).
 COMPILE_TARGET: tuple[int, int] | None = None
 
 
@@ -125,10 +125,6 @@ def check_device(name: str, t) -> None:
                          f"move it with {name}.cuda()")
     if m == "interpreter" and t.device.type != "cpu" and not _cuda_available():
         raise ValueError(f"{name} is on {t.device}; in interpreter mode use CPU tensors")
-
-
-def in_notebook() -> bool:
-    return "ipykernel" in sys.modules
 
 
 def num_sms() -> int:

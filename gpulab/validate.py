@@ -12,7 +12,7 @@ def _dt(d) -> str:
     return str(d).replace("torch.", "")
 
 
-def check_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=None,
+def require_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=None,
                  dtypes=None, contiguous: bool = True, any_device: bool = False) -> None:
     """A tensor of the expected rank/shape/dtype, contiguous, on a device that can run
     gpulab's kernels (``any_device=True`` for plain-PyTorch functions)."""
@@ -33,19 +33,19 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=Non
         runtime.check_device(name, t)
 
 
-def check_float(name: str, t) -> None:
+def require_float(name: str, t) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {_dt(t.dtype)}")
 
 
-def check_same_device(**tensors) -> None:
+def require_same_device(**tensors) -> None:
     devices = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
-def check_index_range(name: str, t: torch.Tensor, low: int, high: int, what: str = "") -> None:
+def require_index_range(name: str, t: torch.Tensor, low: int, high: int, what: str = "") -> None:
     """Every entry of an index tensor in [low, high): checked on the host before launch,
     because an out-of-range index on the GPU reads or writes someone else's memory."""
     if t.numel() == 0:

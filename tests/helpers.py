@@ -10,5 +10,5 @@ def on_gpu() -> bool:
 
 def few(name: str, labels: tuple) -> dict:
     """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
-    cases = gpulab.spec.get(name).cases["gpu" if on_gpu() else "cpu"]
+    cases = gpulab.get_spec(name).cases["gpu" if on_gpu() else "cpu"]
     return dict(cases=[c for c in cases if c.label in labels], dtypes=[torch.float32])

@@ -8,7 +8,7 @@ import triton.language as tl
 
 import gpulab
 from gpulab import attention as A
-from gpulab.checking import rejects
+from gpulab.harness.checking import rejects
 
 from helpers import on_gpu
 
@@ -35,7 +35,7 @@ def qkv(B, Hq, Hkv, Sq, Skv, D, dtype, seed=0):
 @pytest.mark.parametrize("name", ["online_softmax", "merge_attention_states", "exp2_poly3",
                                   "flash_attention", "flash_attention_fa4"])
 def test_implementation_passes_check(name):
-    spec = gpulab.spec.get(name)
+    spec = gpulab.get_spec(name)
     gpulab.check(spec, spec.implementation, quiet=True)
 
 
@@ -282,7 +282,7 @@ def _softmax_launcher(mut):
     return launch
 
 
-_SM_CASES = [gpulab.spec.Case("blocks + tail", dict(rows=3, cols=600))]
+_SM_CASES = [gpulab.Case("blocks + tail", dict(rows=3, cols=600))]
 
 
 @pytest.mark.parametrize("mut,expected", [
@@ -365,7 +365,7 @@ def _attn_launcher(mut):
 
 
 def _c(label, **p):
-    return gpulab.spec.Case(label, dict(B=1, Hq=2, Hkv=2, D=32, causal=False) | p)
+    return gpulab.Case(label, dict(B=1, Hq=2, Hkv=2, D=32, causal=False) | p)
 
 
 _GPU_SCALE = 17   # on a GPU, cases become larger (still awkward)
@@ -374,7 +374,7 @@ _GPU_SCALE = 17   # on a GPU, cases become larger (still awkward)
 def _cases(*cases):
     if not on_gpu():
         return list(cases)
-    return [gpulab.spec.Case(c.label, c.params | dict(Sq=c.params["Sq"] * _GPU_SCALE,
+    return [gpulab.Case(c.label, c.params | dict(Sq=c.params["Sq"] * _GPU_SCALE,
                                                        Skv=c.params["Skv"] * _GPU_SCALE)) for c in cases]
 
 

@@ -2,7 +2,7 @@
 import nbformat
 import pytest
 
-from gpulab import authoring
+from gpulab.tools import authoring
 
 
 def test_python_region_becomes_not_implemented():

@@ -7,8 +7,8 @@ import triton.language as tl
 
 import gpulab
 from gpulab import basics
-from gpulab.checking import rejects
-from gpulab.spec import Case
+from gpulab.harness.checking import rejects
+from gpulab.harness.spec import Case
 
 
 def test_vector_add_passes_its_check():

@@ -6,8 +6,8 @@ import torch
 
 import gpulab
 from gpulab import cascade, paged, runtime
-from gpulab.checking import rejects
-from gpulab.spec import get
+from gpulab.harness.checking import rejects
+from gpulab.harness.spec import get
 
 DEV = runtime.device()
 GPU = runtime.mode() == "compiled"

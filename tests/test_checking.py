@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from gpulab import checking
-from gpulab.checking import CheckFailure, Guarded, diagnose
-from gpulab.spec import Case, KernelSpec, randn
+from gpulab.harness import checking
+from gpulab.harness.checking import CheckFailure, Guarded, diagnose
+from gpulab.harness.spec import Case, KernelSpec, randn
 
 
 def _copy_spec(**kw):

@@ -7,8 +7,8 @@ import triton.language as tl
 
 import gpulab
 from gpulab import mlgru
-from gpulab.checking import rejects
-from gpulab.spec import Case
+from gpulab.harness.checking import rejects
+from gpulab.harness.spec import Case
 
 from helpers import on_gpu
 
@@ -27,7 +27,7 @@ def one_cpu_thread():
 
 @pytest.mark.parametrize("name", SPECS)
 def test_package_kernels_pass_their_checks(name):
-    spec = gpulab.spec.get(name)
+    spec = gpulab.get_spec(name)
     gpulab.check(spec, spec.implementation)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gpulab import grade
-from gpulab.authoring import _nbgrader
+from gpulab.tools import grade
+from gpulab.tools.authoring import nbgrader_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 LEARNER = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -23,7 +23,7 @@ def test_every_solution_has_a_learner_notebook():
 
 def _fails_only_at_graded_cells(path):
     nb = nbformat.read(path, as_version=4)
-    graded = {_nbgrader(c).get("grade_id") for c in nb.cells if _nbgrader(c).get("grade")}
+    graded = {nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c).get("grade")}
     assert graded, f"{path.name} has no graded cells"
     result = grade.execute(path)
     failed = {c.grade_id: c for c in result.exercises if not c.passed}

@@ -5,8 +5,8 @@ import torch
 
 import gpulab
 from gpulab import paged, runtime
-from gpulab.checking import rejects
-from gpulab.spec import get
+from gpulab.harness.checking import rejects
+from gpulab.harness.spec import get
 
 DEV = runtime.device()
 GPU = runtime.mode() == "compiled"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gpulab
-from gpulab import bench, runtime
+from gpulab import runtime
+from gpulab.harness import bench
 
 
 def _mode_in_subprocess(env):
@@ -55,7 +56,7 @@ def test_benchmarks_refuse_interpreter_timings():
 def test_saved_results_are_complete_and_plot(monkeypatch):
     import matplotlib
     matplotlib.use("Agg")
-    from gpulab import plots
+    from gpulab.harness import plots
     saved = sorted(bench.RESULTS.glob("*.json"))
     if not saved:
         pytest.skip("no saved benchmark results yet")
@@ -71,7 +72,7 @@ def test_saved_results_are_complete_and_plot(monkeypatch):
 
 @pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
 def test_bench_runs_on_gpu():
-    from gpulab.spec import Case
+    from gpulab.harness.spec import Case
     result = bench.run("vector_add", cases=[Case("small", dict(n=1 << 20))], compile_baselines=False)
     ours = next(r for r in result["rows"] if r["impl"] == "gpulab")
     assert ours["ms"] > 0 and 0 < ours["roofline_pct"] < 150

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "env":
-        from .runtime import env_report
+        from ..runtime import env_report
         print(env_report())
         return 0
     if cmd == "generate":
@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     elif cmd == "grade":
         from .grade import main as m
     elif cmd == "bench":
-        from .bench import main as m
+        from ..harness.bench import main as m
     elif cmd == "compile-check":
-        from .compile_check import main as m
+        from ..harness.compile_check import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

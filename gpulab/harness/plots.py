@@ -1,6 +1,6 @@
 """Static matplotlib figures of benchmark results: live on a GPU, saved ones elsewhere.
 
-On a GPU, :func:`bench` times gpulab's kernel (and, optionally, the learner's) against
+On a GPU, :func:`benchmark` times gpulab's kernel (and, optionally, the learner's) against
 the PyTorch baselines right now. In interpreter mode it plots the results saved in
 ``gpulab/results/NAME.json``, measured on an H200, and says so in the title: the
 notebook reads the same either way.
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Callable
 
 from . import bench as _bench
-from . import runtime
+from .. import runtime
 
 
-def bench(name: str, extra: dict[str, Callable[[dict], object]] | None = None, cases=None,
+def benchmark(name: str, extra: dict[str, Callable[[dict], object]] | None = None, cases=None,
           dtypes=None, metric: str = "auto", compile_baselines: bool = True, show: bool = True) -> dict | None:
     """Benchmark (GPU) or load saved results (CPU), print the table and plot it."""
     if runtime.mode() == "compiled":

@@ -15,7 +15,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .authoring import STUB_ERRORS, _nbgrader
+from ..harness.notebook import STUB_ERRORS
+from .authoring import nbgrader_meta
 
 
 @dataclass
@@ -70,7 +71,7 @@ def execute(path: str | Path, timeout: int = 1200, env: dict | None = None) -> N
     old_env = dict(os.environ)
     os.environ.update(env or {})
     # Make the package importable from the kernel even when it is not installed.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = root + (os.pathsep + old_env["PYTHONPATH"] if old_env.get("PYTHONPATH") else "")
     try:
         client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
@@ -84,7 +85,7 @@ def execute(path: str | Path, timeout: int = 1200, env: dict | None = None) -> N
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
-        meta = _nbgrader(cell)
+        meta = nbgrader_meta(cell)
         err = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), None)
         result.cells.append(CellResult(
             index=i, grade_id=meta.get("grade_id"), points=float(meta.get("points", 0)),

@@ -22,10 +22,10 @@ from typing import Callable
 
 import torch
 
-from . import runtime
+from .. import runtime
 from .spec import Case, KernelSpec, get
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 class InterpreterTiming(RuntimeError):
@@ -36,7 +36,7 @@ def require_gpu(what: str = "timing") -> None:
     if runtime.mode() != "compiled":
         raise InterpreterTiming(
             f"{what} needs a GPU: in {runtime.mode()} mode kernels run as NumPy on the CPU, and "
-            "their timings say nothing about GPU performance. Use gpulab.plots.saved(...) to "
+            "their timings say nothing about GPU performance. Use gpulab.harness.plots.saved(...) to "
             "see figures measured on an H200.")
 
 
@@ -139,7 +139,7 @@ def measure(spec: KernelSpec, case: Case, dtype: torch.dtype,
             graph: bool = False) -> list[dict]:
     """Time each implementation (a function of the input dict) on one case."""
     require_gpu()
-    inputs = spec.make_inputs(case.params, dtype, torch.device("cuda"), _gen())
+    inputs = spec.make_inputs(case.params, dtype, torch.device("cuda"), _bench_generator())
     ceil = ceilings()
     roof = spec.roofline_s(case.params, dtype, ceil)
     nbytes = spec.bytes_moved(case.params, dtype) if spec.bytes_moved else None
@@ -184,7 +184,7 @@ def measure(spec: KernelSpec, case: Case, dtype: torch.dtype,
     return rows
 
 
-def _gen():
+def _bench_generator():
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     return g

@@ -1,6 +1,6 @@
 """Graded checks: run an implementation on fresh inputs and explain what is wrong.
 
-For every case of a :class:`~gpulab.spec.KernelSpec` a check
+For every case of a :class:`~gpulab.harness.spec.KernelSpec` a check
 
 1. makes fresh random inputs (a new seed each run, printed on failure),
 2. copies each input tensor into the middle of a larger buffer whose ends hold
@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from . import runtime
-from .spec import Case, KernelSpec, _gen, get
+from .. import runtime
+from .spec import Case, KernelSpec, generator, get
 
 # Marked NaNs: an output element still holding POISON was never written; a NaN
 # carrying GUARD came from reading past the end of an input.
@@ -50,10 +50,6 @@ class CheckReport:
     name: str
     cases: list = field(default_factory=list)   # (case, dtype, max_abs_error)
     mode: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return True
 
     def summary(self) -> str:
         dtypes = sorted({str(d).replace("torch.", "") for _, d, _ in self.cases})
@@ -179,7 +175,7 @@ def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = No
 
 
 def _check_one(spec, fn, case, dtype, device, seed, base) -> float:
-    inputs = spec.make_inputs(case.params, dtype, device, _gen(seed, device))
+    inputs = spec.make_inputs(case.params, dtype, device, generator(seed, device))
     expected = spec.reference(**inputs)
     where = (f"case {case}, dtype {str(dtype).replace('torch.', '')}, seed {seed} "
              f"(re-run with seed={base})")

@@ -13,7 +13,7 @@ files work with nbgrader itself:
 * ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``: removed.
 * Outputs and execution counts are cleared.
 
-``python -m gpulab.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
+``python -m gpulab.tools.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
 ``--check`` only reports stale or missing files and exits 1 if there are any.
 ``from-percent SRC.py OUT.ipynb`` builds a solution notebook from a py:percent script
 whose cell headers may carry ``solution id=...``, ``grade id=... points=N`` or
@@ -28,18 +28,17 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+
+ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-STUB_ERRORS = ("NotImplementedError", "CompileTimeAssertionFailure", "InterpreterError",
-               "CompilationError")
 
 
 class AuthoringError(ValueError):
     pass
 
 
-def _nbgrader(cell) -> dict:
+def nbgrader_meta(cell) -> dict:
     return cell.get("metadata", {}).get("nbgrader", {})
 
 
@@ -107,7 +106,7 @@ def strip_hidden(source: str) -> str:
 def validate_solution(nb, name: str) -> None:
     seen = set()
     for n, cell in enumerate(nb.cells):
-        meta = _nbgrader(cell)
+        meta = nbgrader_meta(cell)
         has_marker = BEGIN in cell.source
         if has_marker and not meta.get("solution"):
             raise AuthoringError(f"{name} cell {n}: has {BEGIN} but metadata.nbgrader.solution is not set")
@@ -126,7 +125,7 @@ def learner_version(nb) -> "nbformat.NotebookNode":
     nb = copy.deepcopy(nb)
     import nbformat  # noqa: F401  (only the authoring commands need it)
     for cell in nb.cells:
-        meta = _nbgrader(cell)
+        meta = nbgrader_meta(cell)
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None

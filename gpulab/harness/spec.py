@@ -16,7 +16,6 @@ A :class:`KernelSpec` says
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,7 +62,7 @@ class KernelSpec:
     # hint(output_name, got, expected, inputs) -> str | None
     hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
     # Time with CUDA graphs (no Python launch overhead): for kernels of a few µs, such as
-    # decode, whose launch cost would otherwise dominate (see gpulab.bench.time_graph_ms).
+    # decode, whose launch cost would otherwise dominate (see gpulab.harness.bench.time_graph_ms).
     graph_timing: bool = False
     bench_dtypes: list | None = None           # default: the GPU's default dtype
     bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
@@ -86,7 +85,7 @@ class KernelSpec:
     def inputs(self, case: Case | dict, dtype: torch.dtype, device=None, seed: int = 0) -> dict:
         params = case.params if isinstance(case, Case) else case
         device = torch.device(device or "cpu")
-        return self.make_inputs(params, dtype, device, _gen(seed, device))
+        return self.make_inputs(params, dtype, device, generator(seed, device))
 
     def call(self, fn: Callable, inputs: dict, outputs: dict | None = None):
         """Call ``fn`` positionally in ``args`` order."""
@@ -104,8 +103,7 @@ class KernelSpec:
 
 
 def get(name: str) -> KernelSpec:
-    """The spec called ``name`` (importing gpulab's technique modules first)."""
-    import gpulab  # noqa: F401  registers every spec
+    """The spec called ``name`` (``import gpulab`` registers every spec)."""
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -113,11 +111,10 @@ def get(name: str) -> KernelSpec:
 
 
 def all_specs() -> dict[str, KernelSpec]:
-    import gpulab  # noqa: F401
     return dict(_REGISTRY)
 
 
-def _gen(seed: int, device) -> torch.Generator:
+def generator(seed: int, device) -> torch.Generator:
     device = torch.device(device)
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -138,6 +135,3 @@ def randn(shape, dtype, device, gen, scale: float = 1.0, offset: float = 0.0) ->
 def bytes_of(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))

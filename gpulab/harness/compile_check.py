@@ -7,7 +7,7 @@ runs each spec's launcher on CPU tensors with Triton's launch replaced by
 so kernels are compiled with exactly the arguments, block sizes and autotune
 configurations their launchers would use on a GPU.
 
-Run as ``python -m gpulab.compile_check`` (it must start in a fresh process:
+Run as ``python -m gpulab.harness.compile_check`` (it must start in a fresh process:
 Triton's mode is fixed at import). Exit status 1 on any failure. Of each autotuned
 kernel's configs it compiles the first and the one with the largest tiles;
 ``GPULAB_COMPILE_ALL_CONFIGS=1`` compiles them all.
@@ -129,7 +129,7 @@ def check_all(names=None, verbose=True, archs=None) -> Recorder:
     import torch
     from gpulab import runtime
     runtime.COMPILE_ONLY = True
-    from gpulab.spec import all_specs
+    from gpulab.harness.spec import all_specs
     specs = all_specs()
     done, failures = {}, []
     for arch, smem in TARGETS.items():
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         # gpulab is already imported in interpreter mode: start over in compile-only mode.
         import subprocess
         env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1"}
-        return subprocess.call([sys.executable, "-m", "gpulab.compile_check", *argv], env=env)
+        return subprocess.call([sys.executable, "-m", "gpulab.harness.compile_check", *argv], env=env)
     archs = None
     if "--arch" in argv:        # e.g. --arch 75: one target only (CI runs the three in parallel)
         i = argv.index("--arch")
