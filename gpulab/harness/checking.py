@@ -144,6 +144,7 @@ def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = No
     """Run ``fn`` on every case of ``spec``; raise :class:`CheckFailure` with a diagnosis
     on the first wrong case, else print and return a :class:`CheckReport`."""
     spec = get(spec) if isinstance(spec, str) else spec
+    fn = spec.adapt(fn) if spec.adapt is not None else fn
     where = "gpu" if runtime.mode() == "compiled" else "cpu"
     device = torch.device(device) if device is not None else runtime.device()
     cases = cases if cases is not None else spec.cases[where]

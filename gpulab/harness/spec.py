@@ -66,6 +66,9 @@ class KernelSpec:
     graph_timing: bool = False
     bench_dtypes: list | None = None           # default: the GPU's default dtype
     bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
+    # Turns what a learner passes to a check into the launcher convention of ``args`` (e.g. a
+    # class with plan() and run(), checked by calling both); None: the learner passes a launcher.
+    adapt: Callable[[Any], Callable] | None = None
     notes: str = ""
 
     def __post_init__(self):
