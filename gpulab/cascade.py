@@ -44,8 +44,8 @@ from . import runtime
 from .attention_state import LOG2E, attention_state_reference, merge_epilogue, merge_max, state_epilogue
 from .attention_state import lse_from_base2, lse_to_base2  # noqa: F401  (the notebook's conversions)
 from .paged import (autotuned_variants, big_smem, config_list, decode_partials_into, decode_partitioning,
-                    fault_flag, fixed_splits, gather_kv, guard_pages, keep_or_allocate, min_part_len,
-                    paged_tile_update, raise_recorded_faults, record_fault, require_block_table,
+                    fault_flag, fixed_splits, gather_kv, keep_or_allocate, min_part_len,
+                    paged_tile_update, raise_recorded_faults, require_block_table,
                     require_paged_inputs, require_paged_layout, require_plan_shapes, require_run_inputs,
                     require_scale, split_reduce_into)
 from .validate import require_float, require_same_device, require_tensor
@@ -142,13 +142,13 @@ def _shared_prefix_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = tl.load(pages_ptr + t // page_size, mask=t_mask, other=0)
-        page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
-        bad_pages += n_bad
-        m, l, acc = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+        m, l, acc, n_bad = paged_tile_update(
+            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
-    record_fault(fault_ptr, tl.where(bad_pages > 0, 4, 0), -1)     # 4: FAULT_PREFIX_PAGE
+        bad_pages += n_bad
+    if bad_pages > 0:
+        tl.atomic_or(fault_ptr, 4)                 # FAULT_PREFIX_PAGE (see gpulab.paged.fault_flag)
     out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
@@ -457,11 +457,15 @@ class CascadeDecodeWrapper:
              page_size: int, num_pages: int, dtype: torch.dtype, scale: float | None = None) -> None:
         """Validate the layout, choose the partitions, allocate the buffers.
 
-        prefix_pages : int32 [n] (kept by reference), the shared prefix's pages in order.
-        prefix_len : tokens in the prefix (≤ n · page_size). block_table, seq_lens : each
-        request's own suffix, as for :class:`gpulab.paged.PagedDecodeWrapper`. The other
-        arguments give the shapes of q [B, num_qo_heads, head_dim] and of the caches
-        [num_pages, page_size, num_kv_heads, head_dim], their dtype and the softmax scale.
+        Parameters
+        ----------
+        prefix_pages : int32 [n] (kept by reference): the shared prefix's pages, in order.
+        prefix_len : tokens in the prefix, ≤ n · page_size.
+        block_table, seq_lens : int32 [B, width] and [B] (kept by reference): each request's
+            own suffix, as for :class:`gpulab.paged.PagedDecodeWrapper`.
+        num_qo_heads, num_kv_heads, head_dim, page_size, num_pages : the shapes of q
+            [B, num_qo_heads, head_dim] and of the caches [num_pages, page_size, num_kv_heads, head_dim].
+        dtype : the dtype of q and the caches. scale : softmax scale (default head_dim ** -0.5).
         """
         require_block_table(block_table, seq_lens)
         require_plan_shapes(num_qo_heads, num_kv_heads, head_dim, page_size, num_pages, dtype, scale)

@@ -278,31 +278,18 @@ def split_reduce_reference(o_part, lse_part):
 # Triton kernels
 # =========================================================================================
 @triton.jit
-def guard_pages(page, t_mask, num_pages):
-    """Page ids loaded from a block table, made safe: an id outside [0, num_pages) is
-    replaced by 0 and its token masked off, so no address outside the cache is formed.
-    Returns (page, t_mask, number of bad ids among the tokens of the tile)."""
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    return tl.where(bad, 0, page), t_mask & ~bad, tl.sum(bad.to(tl.int32), 0)
-
-
-@triton.jit
-def record_fault(fault_ptr, kinds, seq):
-    """Record fault ``kinds`` (a bitmask) met while serving sequence ``seq`` (or -1)."""
-    if kinds != 0:
-        tl.atomic_or(fault_ptr, kinds)
-        if seq >= 0:
-            tl.atomic_min(fault_ptr + 1, seq)
-
-
-@triton.jit
-def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh,
+def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh, num_pages,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One online-softmax step (:func:`gpulab.attention_state.online_update`) over a tile of
     tokens stored in pages: token i of the tile is slot ``slot[i]`` of page ``page[i]`` of
     kv head ``kvh``; tokens with ``t_mask`` False are skipped. q [M, D] holds the query rows.
-    Shared by paged decode and cascade's shared-prefix kernel."""
+    Page ids come from a table the kernel does not trust: one outside [0, num_pages) is
+    never used as an address, its token is skipped and counted. Returns (m, l, acc, number
+    of bad page ids in the tile). Shared by paged decode and cascade's shared-prefix kernel."""
+    bad = t_mask & ((page < 0) | (page >= num_pages))
+    page = tl.where(bad, 0, page)
+    t_mask = t_mask & ~bad
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
                 + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
@@ -316,7 +303,8 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-    return online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
+    m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
+    return m, l, acc, tl.sum(bad.to(tl.int32), 0)
 
 
 @triton.jit
@@ -364,14 +352,15 @@ def _decode_partition_kernel(
         t_mask = t < end
         # Through the block table: token t lives in page bt[b, t // page_size].
         page = tl.load(bt_ptr + b * stride_btb + t // page_size, mask=t_mask, other=0)
-        page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
-        bad_pages += n_bad
-        m, l, acc = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+        m, l, acc, n_bad = paged_tile_update(
+            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
+        bad_pages += n_bad
     faults = faults | tl.where(bad_pages > 0, 1, 0)
-    record_fault(fault_ptr, faults, b)
+    if faults != 0:                 # 1: FAULT_PAGE, 2: FAULT_SEQ_LEN (see fault_flag)
+        tl.atomic_or(fault_ptr, faults)
+        tl.atomic_min(fault_ptr + 1, b)
 
     # An empty partition (no tokens) is the empty state: o = 0, lse = -inf.
     out, lse = state_epilogue(m, l, acc)

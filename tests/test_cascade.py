@@ -1,4 +1,5 @@
 """Attention-state merge and cascade (shared-prefix) decode attention."""
+import doctest
 import math
 
 import pytest
@@ -278,7 +279,7 @@ def test_cascade_graph_replay_equals_eager_and_never_syncs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
-    for lens in ([2, 17, 201, 18] * 8, [0, 0, 256, 5] * 8):
+    for lens in ([2, 17, 201, 18] * 8, [0, 0, 220, 5] * 8):     # capacity: 14 pages of 16
         inp["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         expect = cascade.cascade_decode_attention(**_args(inp))
@@ -300,7 +301,6 @@ def test_cascade_bad_prefix_page_without_validation_is_skipped_and_reported():
 
 
 def test_cascade_wrapper_docstring_example_runs():
-    import doctest
     runner = doctest.DocTestRunner()
     for test in doctest.DocTestFinder().find(cascade.CascadeDecodeWrapper, globs={}):
         runner.run(test)

@@ -1,4 +1,6 @@
 """Paged KV cache, paged decode attention (split-KV + reduce): kernels, checks, validation."""
+import doctest
+import warnings
 
 import pytest
 import torch
@@ -377,7 +379,6 @@ def test_debug_switch_turns_validation_on(monkeypatch):
 
 
 def test_empty_partitions_merge_without_warnings():
-    import warnings
     inp = _inputs([0, 3, 0], page=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                     # e.g. "divide by zero encountered in log"
@@ -387,8 +388,12 @@ def test_empty_partitions_merge_without_warnings():
 
 def test_plan_run_check_rejects_syncs_and_stale_lengths():
     class Syncing(paged.PagedDecodeWrapper):
+        def plan(self, block_table, seq_lens, *args, **kw):
+            self.lengths = seq_lens
+            super().plan(block_table, seq_lens, *args, **kw)
+
         def run(self, q, k_cache, v_cache, out=None, lse=None, return_lse=False):
-            int(self._planned["seq_lens"].max())           # "how long is the longest sequence?"
+            int(self.lengths.max())                        # "how long is the longest sequence?"
             return super().run(q, k_cache, v_cache, out, lse, return_lse)
 
     class Stale(paged.PagedDecodeWrapper):
@@ -403,7 +408,6 @@ def test_plan_run_check_rejects_syncs_and_stale_lengths():
 
 
 def test_wrapper_docstring_example_runs():
-    import doctest
     for obj in (paged.PagedDecodeWrapper,):
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in doctest.DocTestFinder().find(obj, globs={}):

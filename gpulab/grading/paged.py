@@ -363,7 +363,7 @@ SPLIT_KV_REDUCE = KernelSpec(
 )
 
 
-_PLAN_RUN_CPU = [_CPU_DECODE[1], _CPU_DECODE[3]]
+_PLAN_RUN_CPU = [Case("ragged, an empty sequence", dict(lens=[0, 1, 17, 40], page=8, hq=4, hkv=2, d=16))]
 PAGED_DECODE_PLAN_RUN = KernelSpec(
     name="paged_decode_plan_run",
     summary="paged decode split into plan() and a run() without host syncs, lengths growing after plan",
