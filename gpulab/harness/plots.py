@@ -1,4 +1,5 @@
-"""Static matplotlib figures of benchmark results: live on a GPU, saved ones elsewhere.
+"""Static matplotlib figures: benchmark results (live on a GPU, saved ones elsewhere)
+and training curves.
 
 On a GPU, :func:`benchmark` times gpulab's kernel (and, optionally, the learner's) against
 the PyTorch baselines right now. In interpreter mode it plots the results saved in
@@ -7,6 +8,7 @@ notebook reads the same either way.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from . import bench as _bench
@@ -65,4 +67,25 @@ def plot(result: dict, metric: str = "auto", subtitle: str = "", ax=None):
     ax.legend(fontsize=8)
     plt.tight_layout()
     plt.show()
+    return ax
+
+
+def plot_losses(losses: list[float], ax=None, smooth: int = 20, vocab_size: int | None = None):
+    """A training curve: the loss of every step and a running mean; with ``vocab_size``,
+    the loss of a uniform guess over the vocabulary (ln vocab_size) as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(losses, alpha=0.35, lw=1, label="loss per step")
+    if len(losses) >= smooth:
+        window = [sum(losses[k - smooth:k]) / smooth for k in range(smooth, len(losses) + 1)]
+        ax.plot(range(smooth - 1, len(losses)), window, lw=2, label=f"mean of {smooth} steps")
+    if vocab_size:
+        ax.axhline(math.log(vocab_size), color="k", ls="--", lw=1,
+                   label=f"uniform guess, ln {vocab_size}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
     return ax
