@@ -188,10 +188,15 @@ def _dump(nb) -> str:
 
 
 def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
-             check: bool = False, released: Path = RELEASED_TESTS) -> list[str]:
+             check: bool = False, released: Path | None = None) -> list[str]:
     """Write (or, with check, compare) every learner notebook and released-test file.
-    Returns stale file names."""
+    Returns stale file names. The released tests go to the package's data (for the
+    course's own solutions) or, by default for other folders, next to ``notebooks``
+    in ``released_tests/``."""
     import nbformat
+    if released is None:
+        own = Path(solutions).resolve() == (ROOT / "solutions").resolve()
+        released = RELEASED_TESTS if own else Path(notebooks).parent / "released_tests"
     stale = []
     expected, expected_tests = set(), set()
 
@@ -294,7 +299,7 @@ def from_percent(text: str) -> "nbformat.NotebookNode":
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpulab generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if notebooks/ is stale")
+    p.add_argument("--check", action="store_true", help="fail if notebooks/ or the released tests are stale")
     p.add_argument("--from-percent", nargs=2, metavar=("SRC", "OUT"))
     a = p.parse_args(argv)
     if a.from_percent:
