@@ -340,3 +340,14 @@ def test_compiled_mode_tells_reads_outside_from_arithmetic(monkeypatch):
     assert "read past the end of an input" in msg
     msg = checking.rejects(_copy_spec(name="test-probe2"), lambda x, y: y.copy_(2 * x).view(-1).__setitem__(-1, float("nan")))
     assert "arithmetic" in msg and "past the end" not in msg
+
+
+def test_fresh_case_defeats_a_hard_coded_grid():
+    spec = _copy_spec(name="test-fresh", fresh_case=lambda g: Case(
+        "random", dict(rows=int(torch.randint(5, 40, (1,), generator=g)), cols=33)))
+
+    def four_rows_only(x, y):
+        y[:4].copy_(2 * x[:4])           # covers the listed case (4 rows) and nothing more
+    msg = checking.rejects(spec, four_rows_only)
+    assert "random size" in msg and "never written" in msg
+    checking.check(spec, lambda x, y: y.copy_(2 * x), quiet=True)

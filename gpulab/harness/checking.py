@@ -450,6 +450,7 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
     spec = get(spec) if isinstance(spec, str) else spec
     where = "gpu" if runtime.mode() == "compiled" else "cpu"
     device = torch.device(device) if device is not None else runtime.device()
+    cases_given = cases
     cases = list(cases) if cases is not None else list(spec.cases[where])
     dtypes = dtypes if dtypes is not None else [d for d in spec.dtypes[where] if runtime.supports(d)]
     if not cases or not dtypes:
@@ -461,6 +462,9 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
     runs = [(i, case, dtype, None) for i, case in enumerate(cases) for dtype in dtypes]
     if spec.strided:
         runs.append((len(cases) - 1, cases[-1], dtypes[0], "strided"))
+    if spec.fresh_case is not None and cases_given is None:
+        fresh = spec.fresh_case(generator(base, "cpu"))
+        runs.append((len(cases), fresh, dtypes[0], "random size"))
     if spec.edge_rows or spec.edge_data is not None:
         runs += [(i, case, dtypes[0], "edge data") for i, case in enumerate(cases)]
     failures = []   # (has_hint, size, message, short)
@@ -664,6 +668,8 @@ def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=Fals
 
 
 def _variant_note(spec, variant) -> str:
+    if variant == "random size":
+        return "sizes drawn at random"
     if variant == "strided":
         return "row-padded buffers, " + ", ".join(f"`{k}` row stride = row length + {p}"
                                                   for k, p in _strided_pads(spec).items())

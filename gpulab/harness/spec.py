@@ -89,6 +89,9 @@ class KernelSpec:
     # edge_data(inputs, params, dtype, gen) -> inputs: deliberate data for an extra run
     # per case (exact .5 ties, all-zero weights, full block tables...).
     edge_data: Callable[[dict, dict, torch.dtype, torch.Generator], dict] | None = None
+    # fresh_case(gen) -> Case: one more run per check on sizes drawn at random (within
+    # CPU-friendly bounds), so a block or grid hard-coded to cover the listed cases fails.
+    fresh_case: Callable[[torch.Generator], Case] | None = None
     # Names of each output's axes, e.g. {"o": ("batch", "head", "dim")}: diagnoses then
     # locate wrong elements in those terms.
     axes: dict[str, tuple[str, ...]] = field(default_factory=dict)
