@@ -798,6 +798,9 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                     f"zero: {'is it' if len(names) == 1 else 'are they'} ever loaded?")
     if bool((g == 0).all()) and not bool((e == 0).all()):
         return "the output is all zeros: were the results stored?"
+    axis_hint = _normalisation_axis_hint(g, e)
+    if axis_hint:
+        return axis_hint
     repeated = _broadcast_axis(g, e, atol, rtol)
     if repeated is not None:
         return (f"along axis {repeated} every slice holds one repeated value, and the answer does not: "
@@ -843,14 +846,32 @@ def _safely(probe: Callable[[], bool]) -> bool:
         return False
 
 
+def _normalisation_axis_hint(g, e) -> str | None:
+    """For outputs whose rows sum to 1 (softmax): the output sums to 1 along another axis."""
+    if g.dim() < 2 or g.shape[-1] < 2 or not bool(torch.isfinite(g).all()):
+        return None
+    if not bool(torch.allclose(e.sum(-1), torch.ones_like(e.sum(-1)), atol=1e-3)):
+        return None
+    if bool(torch.allclose(g.sum(-1), torch.ones_like(g.sum(-1)), atol=1e-3)):
+        return None
+    for axis in range(g.dim() - 1):
+        if g.shape[axis] > 1 and bool(torch.allclose(g.sum(axis), torch.ones_like(g.sum(axis)), atol=1e-3)):
+            return (f"the output sums to 1 along axis {axis}, the answer along the last axis: the "
+                    f"max and the sum run over the wrong axis (use dim=-1).")
+    return None
+
+
 def _broadcast_axis(g, e, atol, rtol) -> int | None:
-    """An axis (size > 1) along which the output is constant while the answer is not."""
+    """An axis (size > 1) along which the output is constant while the answer is not (and
+    the constants are not just 0 and 1, which a saturated result gives too)."""
     for axis in range(g.dim() - 1, -1, -1):
         if g.shape[axis] < 2:
             continue
         first_g = g.narrow(axis, 0, 1)
         first_e = e.narrow(axis, 0, 1)
-        if bool(torch.isclose(g, first_g.expand_as(g), atol=atol, rtol=rtol, equal_nan=True).all()) and \
+        trivial = bool(((first_g == 0) | (first_g.abs() == 1)).all())
+        if not trivial and \
+                bool(torch.isclose(g, first_g.expand_as(g), atol=atol, rtol=rtol, equal_nan=True).all()) and \
                 not bool(torch.isclose(e, first_e.expand_as(e), atol=atol, rtol=rtol, equal_nan=True).all()):
             return axis - g.dim()
     return None
