@@ -476,7 +476,7 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
             err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant)
         except CheckFailure as f:
             text = str(f)
-            failures.append(("Hint:" in text or "wrote" in text or "load" in text, i, text, label))
+            failures.append((getattr(f, "telling", 1 if "Hint:" in text else 0), i, text, label))
             continue
         if must_be_own and not own_kernel_seen:
             if not any(kernel_origin(k) is None for k in launched):
@@ -592,7 +592,9 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
             problems.append(f"input `{k}` was modified: a kernel must not write to its inputs.")
     problems += [f"{b}: write a result of the output's exact shape." for b in watch.broadcast.found]
     if problems:
-        raise CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
+        failure = CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
+        failure.telling = 3
+        raise failure
 
     if spec.outputs is not None:
         got = {k: g.inner for k, g in guarded_out.items()}
@@ -633,9 +635,15 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
         custom = (lambda k=k, exp=exp: spec.hint(k, got[k], exp, inputs)) if spec.hint else None
         msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k),
                             unread=_unread_inputs(spec, inputs, k, got[k]), custom_hint=custom,
-                            axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k))
+                            axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k),
+                            poisoned=spec.outputs is not None)
         if msg:
-            raise CheckFailure(f"{spec.name}: output `{k}` is wrong for {where}.\n{msg}")
+            failure = CheckFailure(f"{spec.name}: output `{k}` is wrong for {where}.\n{msg}")
+            # Which failure explains best: a hint on an output of a few elements says less
+            # than one on a real tensor.
+            big = isinstance(got[k], torch.Tensor) and got[k].numel() > 2
+            failure.telling = (2 if big else 1) if "Hint:" in msg else 0
+            raise failure
         worst = max(worst, err)
     return worst, watch.launched
 
@@ -707,8 +715,11 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
              unread: Callable[[], list[str]] | None = None,
              custom_hint: Callable[[], str | None] | None = None,
              axes: tuple[str, ...] | None = None,
-             reads_outside: Callable[[], bool] | None = None) -> tuple[str | None, float]:
-    """Compare one output with its reference. Returns (message or None, max abs error)."""
+             reads_outside: Callable[[], bool] | None = None,
+             poisoned: bool = True) -> tuple[str | None, float]:
+    """Compare one output with its reference. Returns (message or None, max abs error).
+    ``poisoned``: the output was allocated by the check and filled with poison (False for
+    results a function returns, where no element can be "never written")."""
     if not isinstance(got, torch.Tensor):
         return f"  `{name}` should be a tensor, got {type(got).__name__}.", float("inf")
     if tuple(got.shape) != tuple(exp.shape):
@@ -719,7 +730,7 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
     close = torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
     # Still holding the poison value and wrong: never written. (An integer poison is a
     # legal value, so an element that happens to be right is not counted.)
-    unwritten = _poisoned(got).cpu() & ~close
+    unwritten = (_poisoned(got).cpu() if poisoned else torch.zeros_like(close)) & ~close
     close &= ~unwritten
     diff = (g - e).abs()
     finite = torch.isfinite(diff)
@@ -791,7 +802,14 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                 f"divided by itself), inf − inf (exp(−inf − (−inf)) when a running max is still −inf, "
                 f"or an overflowed exp), or inf·0. Check the max subtraction (max, not min) and how "
                 f"empty/masked rows and lanes are handled.")
-    if unread is not None:
+    fin = bad & torch.isfinite(g) & torch.isfinite(e) & (e != 0)
+    if bool(fin.any()):
+        gb, eb = g[fin], e[fin]
+        if bool(torch.isclose(gb * eb, torch.ones_like(gb), rtol=1e-2, atol=0).all()) and \
+                not bool(torch.isclose(eb.abs(), torch.ones_like(eb), rtol=1e-2).all()):
+            return ("the wrong elements are the reciprocals of the answer: a scale (or a division) is "
+                    "inverted, e.g. mean|w| where 1/mean|w| is meant.")
+    if unread is not None and n > 2:
         names = unread()
         if names:
             return (f"the output is exactly what you get with input(s) {', '.join(names)} set to "
@@ -807,6 +825,10 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                 f"a result of size 1 on that axis (e.g. shape (rows, 1)) was broadcast into the output; "
                 f"compute the output at its full shape.")
     big = bad & (e.abs() > 10 * atol) & torch.isfinite(g)
+    if int(big.sum()) == 1 and n == 1:
+        ratio = float((g[big] / e[big]).reshape(-1)[0])
+        return (f"the single value is off by a factor {ratio:.4g} (got/expected): a scale or a "
+                f"reduction (mean, max, sum) differs from the answer's.")
     if int(big.sum()) >= 2:
         ratio = g[big] / e[big]
         med = float(ratio.median())
@@ -827,6 +849,9 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                     return ("each row is off by its own constant factor: the row's normalisation "
                             "is wrong (e.g. a stale running max, or a sum that includes "
                             "masked-out lanes).")
+    clamp = _clamp_hint(g, e, bad, atol)
+    if clamp:
+        return clamp
     region = _region_hint(bad, "wrong", axes,
                           tail="the last, partial block is mishandled: check its mask",
                           cols="the tail of each row (the last, partial block) is mishandled: "
@@ -836,7 +861,8 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
         return region
     if int(flat_bad.sum()) < n:
         return "the errors are scattered: compare your math with the reference step by step."
-    return None
+    return ("every element is wrong, with no pattern the check recognises: compare your math with "
+            "the reference step by step (on one small case).")
 
 
 def _safely(probe: Callable[[], bool]) -> bool:
@@ -844,6 +870,22 @@ def _safely(probe: Callable[[], bool]) -> bool:
         return bool(probe())
     except Exception:
         return False
+
+
+def _clamp_hint(g, e, bad, atol) -> str | None:
+    """The answer saturates at its bounds (many elements equal its min or max) and every
+    wrong element lies beyond them: a clamp is missing."""
+    finite_e = e[torch.isfinite(e)]
+    gbad = g[bad & torch.isfinite(g)]
+    if not finite_e.numel() or not gbad.numel():
+        return None
+    lo, hi = float(finite_e.min()), float(finite_e.max())
+    saturated = int(((e == lo) | (e == hi)).sum())
+    if lo < hi and saturated >= max(3, e.numel() // 100) and \
+            bool(((gbad > hi + atol) | (gbad < lo - atol)).all()):
+        return (f"every wrong element lies outside [{lo:g}, {hi:g}], the range the answer saturates "
+                f"at: a clamp to that range is missing.")
+    return None
 
 
 def _normalisation_axis_hint(g, e) -> str | None:

@@ -17,7 +17,7 @@ from typing import Callable
 from gpulab.harness import checking
 from gpulab.harness.spec import get
 
-MODULES = ("nb00",)
+MODULES = ("nb00", "nb01")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Mistake:
     expect: tuple[str, ...]       # the message names the right cause if it contains one of these
     kw: dict = field(default_factory=dict)      # extra check arguments, as in the grade cell
     needs: dict = field(default_factory=dict)   # spec fields not set yet that catch it
+    weak: str = ""    # why the generic diagnosis cannot name this cause (it counts as a miss)
 
     @property
     def id(self) -> str:
