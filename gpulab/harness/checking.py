@@ -739,15 +739,18 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
         return None, max_err
     bad = ~close
     n, nbad = bad.numel(), int(bad.sum())
-    nonfinite = int((bad & ~finite).sum())
-    if nonfinite == nbad:
+    nonfinite = int((bad & ~finite & ~unwritten).sum())
+    if bool(unwritten.any()) and int((bad & ~unwritten).sum()) == 0:
+        err_text = f"{int(unwritten.sum())} of them were never written"
+    elif nonfinite == nbad:
         err_text = (f"no wrong element is even finite ({nonfinite} NaN/Inf)" if nonfinite < n else
                     "every element is NaN or Inf")
     elif nonfinite:
         err_text = (f"largest finite error {float(diff[bad & finite].max()):.3g}, and {nonfinite} "
                     f"element(s) NaN/Inf")
     else:
-        err_text = f"largest error {float(diff[bad].max()):.3g}"
+        err_text = f"largest error {float(diff[bad & finite].max()):.3g}" if bool((bad & finite).any()) \
+            else "largest error: none finite"
     lines = [f"  {nbad} of {n} elements ({100 * nbad / n:.1f}%) are wrong; "
              f"{err_text} (tolerance: atol {atol:g}, rtol {rtol:g})."]
     idx = bad.nonzero()[:5]
@@ -939,8 +942,12 @@ def _region_hint(mask, what, axes=None, *, tail, cols, rows) -> str | None:
             return f"columns {c0}..{mask.shape[-1] - 1} of every row are {what}: {cols}."
         row_bad = m2.any(1)
         if bool(row_bad.any()) and not bool(row_bad.all()):
-            rb = row_bad.nonzero().flatten()
-            return (f"only rows {_ranges(rb.tolist())} (of {m2.shape[0]}) are {what}: {rows}.")
+            rb = row_bad.nonzero().flatten().tolist()
+            if _n_ranges(rb) > 3:
+                return (f"rows {_ranges(rb)} (of {m2.shape[0]}) are {what} and the rest right, with no "
+                        f"pattern in where they are: the mistake depends on each row's data (e.g. which "
+                        f"states are empty, which values are largest), not on its position.")
+            return (f"only rows {_ranges(rb)} (of {m2.shape[0]}) are {what}: {rows}.")
     return None
 
 
@@ -959,6 +966,10 @@ def _axes_hint(mask, what, axes) -> str | None:
     if not parts:
         return None
     return f"the {what} elements are confined to " + ", ".join(parts) + "."
+
+
+def _n_ranges(xs: list[int]) -> int:
+    return sum(1 for i, x in enumerate(xs) if i == 0 or x != xs[i - 1] + 1)
 
 
 def _ranges(xs: list[int], limit: int = 4) -> str:
