@@ -837,6 +837,12 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
         med = float(ratio.median())
         if abs(med) > 0 and float((ratio - med).abs().max()) < 1e-2 * abs(med) + rtol and \
                 abs(med - 1) > max(rtol, 1e-3):
+            rows_bad = bad.reshape(-1, bad.shape[-1]).any(1) if bad.dim() >= 2 else None
+            if rows_bad is not None and not bool(rows_bad.all()):
+                return (f"rows {_ranges(rows_bad.nonzero().flatten().tolist())} are off by a constant "
+                        f"factor (≈ {med:.4g}) and the other rows are right: those rows' normalisation is "
+                        f"wrong (e.g. a stale running max, or a sum that includes masked-out lanes: "
+                        f"each row is off by its own constant factor).")
             return (f"every wrong element is off by the same factor ≈ {med:.4g}: a scale is "
                     f"wrong or missing (a 1/sum, a 127/absmax, a softmax scale...).")
         if g.dim() >= 2:
