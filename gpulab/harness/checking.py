@@ -838,7 +838,10 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
         if abs(med) > 0 and float((ratio - med).abs().max()) < 1e-2 * abs(med) + rtol and \
                 abs(med - 1) > max(rtol, 1e-3):
             rows_bad = bad.reshape(-1, bad.shape[-1]).any(1) if bad.dim() >= 2 else None
-            if rows_bad is not None and not bool(rows_bad.all()):
+            # rows that are right although they hold values a scale would change
+            rows_right = (~rows_bad & (e.abs() > 10 * atol).reshape(-1, e.shape[-1]).any(1)
+                          if rows_bad is not None else None)
+            if rows_right is not None and bool(rows_right.any()):
                 return (f"rows {_ranges(rows_bad.nonzero().flatten().tolist())} are off by a constant "
                         f"factor (≈ {med:.4g}) and the other rows are right: those rows' normalisation is "
                         f"wrong (e.g. a stale running max, or a sum that includes masked-out lanes: "
