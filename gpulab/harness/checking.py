@@ -691,7 +691,12 @@ def _variant_note(spec, variant) -> str:
 
 
 def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
-    """Lazily: names of inputs whose zeroing reproduces the (wrong) output."""
+    """Lazily: what reproduces the (wrong) output: ["x", ...] for inputs whose zeroing
+    does, or one sentence for two inputs swapped or one read in place of the other."""
+    def same(alt) -> bool:
+        return got.shape == alt.shape and bool(torch.allclose(
+            got.double().nan_to_num(), alt.double().nan_to_num(), atol=1e-3, rtol=1e-2))
+
     def find():
         names = []
         if not isinstance(got, torch.Tensor):
@@ -703,9 +708,26 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
                 alt = spec.reference(**zeroed)[out_name]
             except Exception:
                 continue
-            if got.shape == alt.shape and torch.allclose(got.double().nan_to_num(),
-                                                         alt.double().nan_to_num(), atol=1e-3, rtol=1e-2):
+            if same(alt):
                 names.append(name)
+        if names:
+            return names
+        tensors = [k for k in spec.read_inputs if isinstance(inputs.get(k), torch.Tensor)]
+        for i, a in enumerate(tensors):
+            for b in tensors[i + 1:]:
+                va, vb = inputs[a], inputs[b]
+                if va.shape != vb.shape or va.dtype != vb.dtype:
+                    continue
+                for change, text in (({a: vb, b: va}, f"`{a}` and `{b}` swapped"),
+                                     ({b: va}, f"`{a}` read where `{b}` is meant"),
+                                     ({a: vb}, f"`{b}` read where `{a}` is meant")):
+                    try:
+                        alt = spec.reference(**{**inputs, **change})[out_name]
+                    except Exception:
+                        continue
+                    if same(alt):
+                        return [f"the output is exactly what you get with {text}: check which pointer "
+                                f"(or argument) each load uses."]
         return names
     return find
 
@@ -814,6 +836,8 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                     "inverted, e.g. mean|w| where 1/mean|w| is meant.")
     if unread is not None and n > 2:
         names = unread()
+        if len(names) == 1 and names[0].startswith("the output is exactly"):
+            return names[0]
         if names:
             return (f"the output is exactly what you get with input(s) {', '.join(names)} set to "
                     f"zero: {'is it' if len(names) == 1 else 'are they'} ever loaded?")

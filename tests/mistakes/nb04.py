@@ -97,7 +97,7 @@ MISTAKES = [
     Mistake("04/check-merge-states", "merge_attention_states", "no guard for two empty states",
             _merge("no empty-state guard"), ("arithmetic",)),
     Mistake("04/check-merge-states", "merge_attention_states", "weights swapped", _merge("swapped weights"),
-            ("weight",), weak="needs a merge-specific spec hint"),
+            ("`lse_a` and `lse_b` swapped", "`o_a` and `o_b` swapped")),
     Mistake("04/check-merge-states", "merge_attention_states", "plain average of o", _merge("average"),
             ("weight",), weak="needs a merge-specific spec hint"),
     Mistake("04/check-merge-states", "merge_attention_states", "base-2 log-sum-exp", _merge("base-2 lse"),
