@@ -13,6 +13,13 @@ files work with nbgrader itself:
 * ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``: removed.
 * Outputs and execution counts are cleared.
 
+Next to the learner notebooks it writes the released tests,
+``gpulab/data/grading/NN_topic.json``: every grade cell's full source (hidden tests
+included), its points and optional timeout (``metadata.gpulab.timeout``), and the
+imports of the course's own setup cells. ``gpulab grade`` rebuilds each test cell from
+them, so instructors can keep ``solutions/`` private and a learner cannot edit, empty or
+delete a test to change the grade.
+
 ``python -m gpulab.tools.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
 ``--check`` only reports stale or missing files and exits 1 if there are any.
 ``from-percent SRC.py OUT.ipynb`` builds a solution notebook from a py:percent script
@@ -22,6 +29,7 @@ whose cell headers may carry ``solution id=...``, ``grade id=... points=N`` or
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import json
 import re
@@ -30,6 +38,8 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[2]
+RELEASED_TESTS = Path(__file__).resolve().parents[1] / "data" / "grading"
+RELEASE_FORMAT = 1
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 
@@ -139,34 +149,107 @@ def learner_version(nb) -> "nbformat.NotebookNode":
     return nb
 
 
+def top_level_imports(source: str) -> list[str]:
+    """The import statements at the top level of a code cell (IPython magics skipped)."""
+    lines = [l for l in source.split("\n") if not l.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return []
+    return [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def released_tests(nb, name: str) -> dict:
+    """What ``gpulab grade`` needs from a solution notebook (see the module docstring)."""
+    imports, tests, solutions = [], [], []
+    for cell in nb.cells:
+        meta = nbgrader_meta(cell)
+        if cell.cell_type != "code":
+            continue
+        if meta.get("grade") and not meta.get("solution"):
+            tests.append({"grade_id": meta["grade_id"], "points": float(meta["points"]),
+                          "source": cell.source,
+                          "timeout": cell.get("metadata", {}).get("gpulab", {}).get("timeout")})
+        elif meta.get("solution"):
+            solutions.append(meta["grade_id"])
+        else:
+            imports += [i for i in top_level_imports(cell.source) if i not in imports]
+    return {"format": RELEASE_FORMAT, "notebook": name, "imports": imports, "tests": tests,
+            "solutions": solutions}
+
+
+def _dump_json(data: dict) -> str:
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+
+
 def _dump(nb) -> str:
     import nbformat
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
 
 
 def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
-             check: bool = False) -> list[str]:
-    """Write (or, with check, compare) every learner notebook. Returns stale file names."""
+             check: bool = False, released: Path | None = None) -> list[str]:
+    """Write (or, with check, compare) every learner notebook and released-test file.
+    Returns stale file names. The released tests go to the package's data (for the
+    course's own solutions) or, by default for other folders, next to ``notebooks``
+    in ``released_tests/``."""
     import nbformat
+    if released is None:
+        own = Path(solutions).resolve() == (ROOT / "solutions").resolve()
+        released = RELEASED_TESTS if own else Path(notebooks).parent / "released_tests"
     stale = []
-    expected = set()
-    for src in sorted(solutions.glob("*.ipynb")):
-        nb = nbformat.read(src, as_version=4)
-        validate_solution(nb, src.name)
-        text = _dump(learner_version(nb))
-        dst = notebooks / src.name
-        expected.add(dst.name)
+    expected, expected_tests = set(), set()
+
+    def put(dst: Path, text: str, label: str) -> None:
         if not dst.exists() or dst.read_text() != text:
-            stale.append(dst.name)
+            stale.append(label)
             if not check:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_text(text)
+
+    for src in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(src, as_version=4)
+        validate_solution(nb, src.name)
+        dst = notebooks / src.name
+        expected.add(dst.name)
+        put(dst, _dump(learner_version(nb)), dst.name)
+        tests = released / f"{src.stem}.json"
+        expected_tests.add(tests.name)
+        put(tests, _dump_json(released_tests(nb, src.name)), f"{released.name}/{tests.name}")
     for extra in sorted(notebooks.glob("*.ipynb")):
         if extra.name not in expected:
             stale.append(extra.name + " (no solution)")
             if not check:
                 extra.unlink()
+    for extra in sorted(released.glob("*.json")):
+        if extra.name not in expected_tests:
+            stale.append(f"{released.name}/{extra.name} (no solution)")
+            if not check:
+                extra.unlink()
     return stale
+
+
+def load_released(name_or_path: str | Path, released: Path = RELEASED_TESTS) -> dict | None:
+    """The released tests of a notebook: from a JSON file given by path, else the one
+    shipped for the notebook's file name (``05_paged_attention.ipynb`` -> ``05_paged_attention.json``)."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        return json.loads(p.read_text())
+    candidate = released / f"{p.stem}.json"
+    if candidate.exists():
+        return json.loads(candidate.read_text())
+    return None
+
+
+def find_released(grade_ids: set[str], released: Path = RELEASED_TESTS) -> dict | None:
+    """The released tests whose grade ids overlap most with ``grade_ids`` (a renamed file)."""
+    best, best_n = None, 0
+    for path in sorted(released.glob("*.json")):
+        data = json.loads(path.read_text())
+        n = len(grade_ids & {t["grade_id"] for t in data["tests"]} | grade_ids & set(data["solutions"]))
+        if n > best_n:
+            best, best_n = data, n
+    return best
 
 
 # -- building a solution notebook from a py:percent script ------------------------------------
@@ -216,7 +299,7 @@ def from_percent(text: str) -> "nbformat.NotebookNode":
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpulab generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if notebooks/ is stale")
+    p.add_argument("--check", action="store_true", help="fail if notebooks/ or the released tests are stale")
     p.add_argument("--from-percent", nargs=2, metavar=("SRC", "OUT"))
     a = p.parse_args(argv)
     if a.from_percent:
