@@ -13,6 +13,13 @@ files work with nbgrader itself:
 * ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``: removed.
 * Outputs and execution counts are cleared.
 
+Links are generated too (see :mod:`gpulab.tools.links`): in every solution the setup
+cell's first part (the Colab install and ``gpulab.setup()``) is rewritten from
+:data:`SETUP_TEMPLATE`, and the Colab/Binder badges under the title are rewritten to
+open that notebook's learner version in the course repository; the README's badges
+follow the same address. So ``gpulab generate`` also rewrites ``solutions/`` and
+``README.md`` when the repository address changed, and ``--check`` reports them.
+
 ``python -m gpulab.tools.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
 ``--check`` only reports stale or missing files and exits 1 if there are any.
 ``from-percent SRC.py OUT.ipynb`` builds a solution notebook from a py:percent script
@@ -27,6 +34,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from .links import GitHubRepo, course_repo
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,20 +148,81 @@ def learner_version(nb) -> "nbformat.NotebookNode":
     return nb
 
 
+# The first part of every notebook's setup cell, up to and including ``gpulab.setup()``;
+# what follows that line in a solution is the notebook's own and is kept.
+SETUP_TEMPLATE = """\
+# Setup. In Colab, install gpulab first. Everywhere: import gpulab BEFORE defining any
+# kernel, because it decides (once) whether Triton compiles or interprets.
+import subprocess
+import sys
+
+if "google.colab" in sys.modules and subprocess.call([sys.executable, "-c", "import gpulab"]) != 0:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           "{install}"])
+import gpulab
+
+gpulab.setup()"""
+SETUP_LINE = "gpulab.setup()"
+BADGE_LINE = re.compile(r"^\[!\[(Open In Colab|Binder)\]")
+
+
+def fill_links(nb, learner_path: str, repo: GitHubRepo) -> bool:
+    """Rewrite the templated parts of a solution in place: the setup cell's head and the
+    badges under the title (added after the title when missing). Returns True if changed."""
+    changed = False
+    setup = next((c for c in nb.cells if c.cell_type == "code"
+                  and any(l.strip() == SETUP_LINE for l in c.source.split("\n"))), None)
+    if setup is not None:
+        lines = setup.source.split("\n")
+        end = next(i for i, l in enumerate(lines) if l.strip() == SETUP_LINE)
+        new = "\n".join([SETUP_TEMPLATE.format(install=repo.pip_install())] + lines[end + 1:])
+        changed |= new != setup.source
+        setup.source = new
+    title = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if title is not None and title.source.lstrip().startswith("#"):
+        lines = [l for l in title.source.split("\n") if not BADGE_LINE.match(l)]
+        at = 1                     # after the title line, separated by blank lines
+        block = ["", *repo.badges(learner_path).split("\n")]
+        rest = lines[at:]
+        while rest and not rest[0].strip():
+            rest.pop(0)
+        new = "\n".join(lines[:at] + block + ([""] + rest if rest else []))
+        changed |= new != title.source
+        title.source = new
+    return changed
+
+
 def _dump(nb) -> str:
     import nbformat
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
 
 
 def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
-             check: bool = False) -> list[str]:
-    """Write (or, with check, compare) every learner notebook. Returns stale file names."""
+             check: bool = False, repo: GitHubRepo | None = None) -> list[str]:
+    """Write (or, with check, compare) every learner notebook, the links of every
+    solution and the README's badges. Returns the stale files' names."""
     import nbformat
+    repo = repo or course_repo()
+    root = solutions.parent
     stale = []
     expected = set()
+    readme = root / "README.md"
+    if readme.exists():
+        text = readme.read_text()
+        new = repo.retarget(text)
+        if new != text:
+            stale.append("README.md (links)")
+            if not check:
+                readme.write_text(new)
     for src in sorted(solutions.glob("*.ipynb")):
         nb = nbformat.read(src, as_version=4)
         validate_solution(nb, src.name)
+        learner_path = (notebooks / src.name).relative_to(root).as_posix() \
+            if notebooks.is_relative_to(root) else src.name
+        if fill_links(nb, learner_path, repo):
+            stale.append(f"{solutions.name}/{src.name} (links)")
+            if not check:
+                src.write_text(_dump(nb))
         text = _dump(learner_version(nb))
         dst = notebooks / src.name
         expected.add(dst.name)
