@@ -5,7 +5,8 @@ files work with nbgrader itself:
 
 * ``### BEGIN SOLUTION`` / ``### END SOLUTION`` in a code cell: the region becomes
   ``# YOUR CODE HERE`` plus a stub at the same indent. In ordinary Python the stub is
-  ``raise NotImplementedError()``; inside a ``@triton.jit`` function (where ``raise``
+  ``raise NotImplementedError("TODO (grade_id): ...")`` (the id lets gpulab name the
+  unfinished exercise in its short error message); inside a ``@triton.jit`` function (where ``raise``
   does not compile) it is ``tl.static_assert(False, "TODO: ...")``, which fails both in
   the interpreter and when compiled for a GPU.
 * A solution cell (``metadata.nbgrader.solution``) without markers is replaced whole;
@@ -88,13 +89,13 @@ def stub_code(source: str, grade_id: str) -> str:
             if _jit_def_at(lines, i, indent):
                 out.append(f'{pad}tl.static_assert(False, "TODO ({grade_id}): write this part of the kernel")')
             else:
-                out.append(f"{pad}raise NotImplementedError()")
+                out.append(f'{pad}raise NotImplementedError("TODO ({grade_id}): write this part")')
             i = j + 1
             continue
         out.append(line)
         i += 1
     if not found:
-        return "# YOUR CODE HERE\nraise NotImplementedError()"
+        return f'# YOUR CODE HERE\nraise NotImplementedError("TODO ({grade_id}): write this cell")'
     return "\n".join(out)
 
 
