@@ -19,11 +19,12 @@ from .harness.checking import CheckFailure, check
 from .harness.errors import verbose_errors
 from .harness.notebook import mine_or_reference, show_error
 from .harness.plots import benchmark
+from .harness.profiler import show as profile
 from .harness.spec import Case, get as get_spec
 from .runtime import device, env_report, mode
 
 __version__ = "0.1.0"
-__all__ = ["Case", "CheckFailure", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode",
+__all__ = ["Case", "CheckFailure", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode", "profile",
            "setup", "show_error", "verbose_errors"]
 
 

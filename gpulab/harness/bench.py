@@ -200,7 +200,7 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
     rows = []
     for case in cases:
         for dtype in dtypes:
-            impl = spec.bench_impl or _default_impl(spec, dtype)
+            impl = spec.bench_impl or default_impl(spec, dtype)
             rows += measure(spec, case, dtype, {"gpulab": impl, **(extra or {})}, compile_baselines,
                             graph=spec.graph_timing)
             torch.cuda.empty_cache()
@@ -210,7 +210,7 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
             f"calls over {SLOW_MS:.0f} ms: median of 3", "rows": rows}
 
 
-def _default_impl(spec: KernelSpec, dtype: torch.dtype) -> Callable[[dict], object]:
+def default_impl(spec: KernelSpec, dtype: torch.dtype) -> Callable[[dict], object]:
     """Call the package implementation with outputs allocated once, outside the timing.
     Make a new one per case: it keeps the outputs of the inputs it first saw."""
     outputs = {}
