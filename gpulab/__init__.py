@@ -22,10 +22,11 @@ from .harness.plots import benchmark
 from .harness.profiler import show as profile
 from .harness.spec import Case, get as get_spec
 from .runtime import device, env_report, mode
+from .tools.progress import show as show_progress
 
 __version__ = "0.1.0"
 __all__ = ["Case", "CheckFailure", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode", "profile",
-           "setup", "show_error", "verbose_errors"]
+           "setup", "show_error", "show_progress", "verbose_errors"]
 
 
 def setup() -> None:

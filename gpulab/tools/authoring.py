@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from .links import GitHubRepo, course_repo
+from .progress import EXERCISES
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,6 +194,29 @@ def fill_links(nb, learner_path: str, repo: GitHubRepo) -> bool:
     return changed
 
 
+def exercise_index(notebooks: list) -> list[dict]:
+    """The course's graded exercises, for ``gpulab progress``: one entry per notebook
+    ``{notebook, title, exercises: [{grade_id, points}]}``, from (solution) notebooks."""
+    index = []
+    for name, nb in notebooks:
+        title = next((c.source.split("\n")[0].lstrip("# ").strip() for c in nb.cells
+                      if c.cell_type == "markdown" and c.source.startswith("#")), Path(name).stem)
+        exercises = [{"grade_id": nbgrader_meta(c)["grade_id"], "points": nbgrader_meta(c)["points"]}
+                     for c in nb.cells if nbgrader_meta(c).get("grade")]
+        index.append({"notebook": name, "title": title, "exercises": exercises})
+    return index
+
+
+def render_index(index: list[dict]) -> str:
+    """The index as JSON, one exercise per line (readable diffs)."""
+    notebooks = []
+    for nb in index:
+        exercises = ",\n".join("   " + json.dumps(ex, ensure_ascii=False) for ex in nb["exercises"])
+        notebooks.append(f' {{"notebook": {json.dumps(nb["notebook"])}, "title": '
+                         f'{json.dumps(nb["title"], ensure_ascii=False)},\n  "exercises": [\n{exercises}]}}')
+    return "[\n" + ",\n".join(notebooks) + "\n]\n"
+
+
 def _dump(nb) -> str:
     import nbformat
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
@@ -215,9 +239,11 @@ def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "not
             stale.append("README.md (links)")
             if not check:
                 readme.write_text(new)
+    read = []
     for src in sorted(solutions.glob("*.ipynb")):
         nb = nbformat.read(src, as_version=4)
         validate_solution(nb, src.name)
+        read.append((src.name, nb))
         learner_path = (notebooks / src.name).relative_to(root).as_posix() \
             if notebooks.is_relative_to(root) else src.name
         if fill_links(nb, learner_path, repo):
@@ -232,6 +258,12 @@ def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "not
             if not check:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_text(text)
+    if solutions.resolve() == (ROOT / "solutions").resolve():
+        text = render_index(exercise_index(read))
+        if not EXERCISES.exists() or EXERCISES.read_text() != text:
+            stale.append("gpulab/data/exercises.json")
+            if not check:
+                EXERCISES.write_text(text)
     for extra in sorted(notebooks.glob("*.ipynb")):
         if extra.name not in expected:
             stale.append(extra.name + " (no solution)")
@@ -303,7 +335,7 @@ def main(argv=None) -> int:
             return 1
         print("notebooks/ is up to date")
         return 0
-    print(f"regenerated {len(stale)} notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    print(f"regenerated {len(stale)} file(s)" + (": " + ", ".join(stale) if stale else ""))
     return 0
 
 

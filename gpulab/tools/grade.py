@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..harness.notebook import STUB_ERRORS
 from .authoring import nbgrader_meta
+from .progress import record as record_progress
 
 
 @dataclass
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
                for r in results]
     Path(a.json).write_text(json.dumps(payload, indent=2))
     print(f"results written to {a.json}")
+    print(f"progress recorded in {record_progress(payload)} (see `gpulab progress`)")
     failed = any(not c.passed for r in results for c in r.exercises) or any(r.other_errors for r in results)
     return 1 if failed else 0
 
