@@ -1,6 +1,6 @@
 """What every technique shares for grading and measuring: the spec registry
 (:mod:`.spec`), graded checks (:mod:`.checking`), benchmarks (:mod:`.bench`), plots
 (:mod:`.plots`), the compile check (:mod:`.compile_check`), notebook helpers
-(:mod:`.notebook`), short error messages for learners (:mod:`.errors`) and the
-profiler summaries (:mod:`.profiler`). Nothing here imports a technique's kernels."""
-from . import bench, checking, errors, notebook, plots, profiler, spec  # noqa: E402,F401
+(:mod:`.notebook`), short error messages for learners (:mod:`.errors`), the
+profiler summaries (:mod:`.profiler`) and interactive views (:mod:`.views`). Nothing here imports a technique's kernels."""
+from . import bench, checking, errors, notebook, plots, profiler, spec, views  # noqa: E402,F401
