@@ -2,5 +2,6 @@
 (:mod:`.spec`), graded checks (:mod:`.checking`), benchmarks (:mod:`.bench`), plots
 (:mod:`.plots`), the compile check (:mod:`.compile_check`), notebook helpers
 (:mod:`.notebook`), short error messages for learners (:mod:`.errors`), the
-profiler summaries (:mod:`.profiler`) and interactive views (:mod:`.views`). Nothing here imports a technique's kernels."""
-from . import bench, checking, errors, notebook, plots, profiler, spec, views  # noqa: E402,F401
+profiler summaries (:mod:`.profiler`); interactive views (:mod:`.views`, imported
+on demand: it loads ipywidgets). Nothing here imports a technique's kernels."""
+from . import bench, checking, errors, notebook, plots, profiler, spec  # noqa: E402,F401
