@@ -108,11 +108,10 @@ def format_progress(rows: list[dict], highlight: str | None = None) -> str:
     return "\n".join(line[:88] for line in lines)
 
 
-def show(notebook: str | None = None) -> list[dict]:
-    """Notebook helper (the last cell of every notebook): print the course's progress."""
-    rows = course_progress()
-    print(format_progress(rows, highlight=notebook))
-    return rows
+def show(notebook: str | None = None) -> None:
+    """Notebook helper (the last cell of every notebook): print the course's progress,
+    marking the notebook whose name starts with ``notebook`` (e.g. "04")."""
+    print(format_progress(course_progress(), highlight=notebook))
 
 
 def main(argv=None) -> int:
