@@ -282,8 +282,7 @@ def format_table(result: dict, width: int = TABLE_WIDTH) -> str:
             f"{head} {_time(r['ms'])} {graph} {r.get('GB/s', 0):5.0f} {r.get('TFLOP/s', 0):6.1f} "
             f"{r.get('roofline_pct', 0):3.0f}% {_ratio(r.get('speedup_vs_this', float('nan')))}×")
     if any(r.get("timing", "").startswith("CUDA graph") for r in result["rows"]):
-        lines.append("g: timed in a CUDA graph, no launch overhead; last column: gpulab is "
-                     "that many times faster")
+        lines.append("g: timed in a CUDA graph; last column: how many times faster gpulab is")
     else:
         lines.append("last column: gpulab is that many times faster than the row's implementation")
     return "\n".join(lines)
