@@ -9,7 +9,7 @@ def test_python_region_becomes_not_implemented():
     src = "def f(x):\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION\n"
     out = authoring.stub_code(src, "ex")
     assert "return x + 1" not in out
-    assert "    # YOUR CODE HERE\n    raise NotImplementedError()" in out
+    assert '    # YOUR CODE HERE\n    raise NotImplementedError("TODO (ex): write this part")' in out
 
 
 def test_jit_region_becomes_static_assert():
@@ -18,12 +18,12 @@ def test_jit_region_becomes_static_assert():
            "def launch(x):\n    ### BEGIN SOLUTION\n    k[(1,)](x, BLOCK=4)\n    ### END SOLUTION\n")
     out = authoring.stub_code(src, "ex9")
     assert 'tl.static_assert(False, "TODO (ex9)' in out
-    assert out.count("raise NotImplementedError()") == 1      # the launcher is plain Python
+    assert out.count("raise NotImplementedError(") == 1      # the launcher is plain Python
     assert "tl.store(x_ptr, 1)" not in out and "pid = tl.program_id(0)" in out
 
 
 def test_cell_without_markers_is_replaced_whole():
-    assert authoring.stub_code("x = 1", "ex") == "# YOUR CODE HERE\nraise NotImplementedError()"
+    assert authoring.stub_code("x = 1", "ex") == '# YOUR CODE HERE\nraise NotImplementedError("TODO (ex): write this cell")'
 
 
 def test_unclosed_region_is_an_error():

@@ -664,7 +664,7 @@ def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=Fals
             guarded_out[k] = Guarded.wrap(shape, odt, device, pad=pads.get(k, 0))
     watch = _CallWatch(guarded_in, guarded_out)
     try:
-        with watch:
+        with watch, spec.expected_warnings():
             result = spec.call(fn, call_inputs, {k: g.inner for k, g in guarded_out.items()})
             if runtime.mode() == "compiled":
                 torch.cuda.synchronize()

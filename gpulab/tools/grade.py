@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..harness.notebook import STUB_ERRORS
 from .authoring import find_released, load_released, nbgrader_meta
+from .progress import record as record_progress
 
 DEFAULT_TIMEOUT_S = 300
 # After a timeout: how long an interrupted kernel may take to answer again before it
@@ -369,6 +370,8 @@ def main(argv=None) -> int:
         print(table(results))
         Path(a.json).write_text(json.dumps(to_json(results), indent=2))
         print(f"results written to {a.json}")
+        if results:
+            print(f"progress recorded in {record_progress(to_json(results))} (see `gpulab progress`)")
     if stopped is not None:
         raise stopped
     failed = any(not c.passed for r in results for c in r.exercises) or \
