@@ -37,11 +37,11 @@ from tqdm.auto import tqdm
 from .. import runtime
 from .block_manager import BlockManager
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
-from .model import EOS, TernaryTransformer, decode_tokens, encode_prompt, load_checkpoint
+from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
 from .runner import ModelRunner
 from .sampling import sample
 from .scheduler import Scheduler
-from .sequence import RequestError, SamplingParams, Sequence, Status, draw_seed
+from .sequence import RequestError, SamplingParams, Sequence, Status, draw_seed, validate_request
 
 
 @dataclass
@@ -110,28 +110,7 @@ class LLM:
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or a RequestError saying what is wrong."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty: give at least one character (or token)")
-            ids = encode_prompt(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids = list(prompt)
-            if not ids:
-                raise RequestError("the prompt is empty: give at least one token")
-            vocab = self.model.cfg.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
-        else:
-            raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate(self.model.cfg.vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, but the model's context is "
-                               f"{self.max_model_len}: shorten it to at most {self.max_model_len - 1} "
-                               f"tokens (one position is needed for the first new token)")
+        ids = validate_request(prompt, params, self.model.cfg.vocab_size, self.max_model_len)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_for(total)
         if need > self.config.num_blocks:
@@ -195,7 +174,7 @@ class LLM:
         self.metrics.steps.append(StepRecord(
             t0, now, len(batch.items), batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
             self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph, [s.seq_id for s, _ in batch.items]))
+            len(batch.preempted), plan.use_graph, plan.prefix is not None, [s.seq_id for s, _ in batch.items]))
         return [self._maybe_close(rid, now) for rid in touched]
 
     def _fork_completions(self, seqs: list[Sequence]):
@@ -240,31 +219,7 @@ class LLM:
     def generate(self, prompts, params=None, progress: bool = False) -> list[RequestOutput]:
         """Serve a list of prompts to completion; one output per prompt, in order. A bad
         request's output carries its ``error`` and no tokens; the others are served."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        order, results = [], {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                order.append(self.add_request(p, sp))
-            except RequestError as e:
-                key = f"rejected-{i}"
-                results[key] = RequestOutput(key, [], finished=True, error=str(e))
-                order.append(key)
-        bar = None
-        if progress:
-            bar = tqdm(total=sum(1 for k in order if k not in results), desc="requests", mininterval=0.5)
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [results[k] for k in order]
+        return generate_all(self, prompts, params, progress)
 
     # -- views ------------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -273,3 +228,30 @@ class LLM:
     def idle(self) -> bool:
         """No requests and every page free (cached pages count as free)."""
         return not self.has_unfinished() and self.block_manager.num_free == self.config.num_blocks
+
+
+def generate_all(engine, prompts, params=None, progress: bool = False) -> list[RequestOutput]:
+    """Offline serving with any engine that has add_request/step/has_unfinished."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+    order, results = [], {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            order.append(engine.add_request(p, sp))
+        except RequestError as e:
+            key = f"rejected-{i}"
+            results[key] = RequestOutput(key, [], finished=True, error=str(e))
+            order.append(key)
+    bar = tqdm(total=len(order) - len(results), desc="requests", mininterval=0.5) if progress else None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [results[k] for k in order]

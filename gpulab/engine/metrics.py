@@ -52,6 +52,7 @@ class StepRecord:
     waiting: int
     preempted: int
     graph: bool
+    cascade: bool = False
     seq_ids: list[int] = field(default_factory=list)
 
 
@@ -87,7 +88,8 @@ class EngineMetrics:
              "pages_used_max": max((r.pages_used for r in self.steps), default=0), "pages_total": self.num_pages,
              "preemptions": sum(r.preempted for r in self.steps),
              "prefix_hit_rate": hit_rate,
-             "graph_steps": sum(r.graph for r in self.steps)}
+             "graph_steps": sum(r.graph for r in self.steps),
+             "cascade_steps": sum(r.cascade for r in self.steps)}
         s.update(stats("ttft_s", [r.ttft for r in done if r.ttft is not None]))
         s.update(stats("tpot_s", [r.tpot for r in done if r.tpot is not None]))
         s.update(stats("e2e_s", [r.e2e for r in done]))

@@ -13,6 +13,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from .model import encode_prompt
+
 
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, bad sampling parameters, too big):
@@ -107,3 +109,29 @@ class Sequence:
 
 def draw_seed() -> int:
     return random.getrandbits(62)
+
+
+def validate_request(prompt, params, vocab_size: int, max_model_len: int) -> list[int]:
+    """A request's prompt token ids (a str is encoded as BOS + its UTF-8 bytes), or a
+    :class:`RequestError` that says what to change."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one character (or token)")
+        ids = encode_prompt(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    else:
+        raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    if len(ids) >= max_model_len:
+        raise RequestError(f"the prompt has {len(ids)} tokens, but the model's context is {max_model_len}: "
+                           f"shorten it to at most {max_model_len - 1} tokens (one position is needed "
+                           f"for the first new token)")
+    return ids
