@@ -11,6 +11,7 @@ commands:
   grade NB...     execute notebooks and grade their exercises (writes grades.json)
   bench [NAME...] benchmark kernels on a GPU against PyTorch (--save, --list)
   compile-check   compile every kernel for sm_75, sm_80 and sm_90 without a GPU
+  serve           an OpenAI-compatible HTTP server over the engine (--host, --port)
 """
 
 
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
         from ..harness.bench import main as m
     elif cmd == "compile-check":
         from ..harness.compile_check import main as m
+    elif cmd == "serve":
+        from ..engine.server import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
