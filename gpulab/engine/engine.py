@@ -149,32 +149,49 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns the requests that got tokens."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.schedule()
         if not batch.items:
-            if self.scheduler.has_work() and not self.scheduler.running:
-                raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
-                                   "a waiting request can never fit (this is a bug: add_request checks it)")
             return []
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
+        return self.emit(batch, self.sample_tokens(logits, seqs), t0, plan.use_graph, plan.prefix is not None)
+
+    def schedule(self):
+        """The scheduler's batch for this step (see :mod:`.scheduler`)."""
+        batch = self.scheduler.schedule()
+        if not batch.items and self.scheduler.has_work() and not self.scheduler.running:
+            raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
+                               "a waiting request can never fit (this is a bug: add_request checks it)")
+        return batch
+
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """One new token for each sequence whose row of ``logits`` is ready to sample."""
         seqs, rows = self._fork_completions(seqs)
         tokens = sample(logits[rows] if rows is not None else logits, seqs)
+        return {seq: [tok] for seq, tok in zip(seqs, tokens)}
+
+    def emit(self, batch, new_tokens: dict[Sequence, list[int]], t0: float, graph: bool = False,
+             cascade: bool = False) -> list[RequestOutput]:
+        """Append each sequence's new tokens (a speculative step may bring several),
+        retire those that hit EOS, max_tokens or the context, record the step."""
         now = time.perf_counter()
         touched = {}
-        for seq, tok in zip(seqs, tokens):
-            seq.token_ids.append(tok)
+        for seq, tokens in new_tokens.items():
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = ("eos" if seq.params.stop_at_eos and tok == EOS else
-                      "length" if seq.num_output_tokens >= seq.params.max_tokens
-                      or seq.num_tokens >= self.max_model_len else None)
-            if reason:
-                self.scheduler.finish(seq, reason)
+            for tok in tokens:
+                seq.token_ids.append(tok)
+                reason = ("eos" if seq.params.stop_at_eos and tok == EOS else
+                          "length" if seq.num_output_tokens >= seq.params.max_tokens
+                          or seq.num_tokens >= self.max_model_len else None)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    break
             touched[seq.request_id] = None
         self.metrics.steps.append(StepRecord(
             t0, now, len(batch.items), batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
             self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph, plan.prefix is not None, [s.seq_id for s, _ in batch.items]))
+            len(batch.preempted), graph, cascade, [s.seq_id for s, _ in batch.items]))
         return [self._maybe_close(rid, now) for rid in touched]
 
     def _fork_completions(self, seqs: list[Sequence]):
