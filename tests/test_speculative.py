@@ -158,3 +158,78 @@ def test_bad_arguments():
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG))
     with pytest.raises(ValueError, match="k"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), k=0)
+
+
+# -- the notebook's checks reject wrong learner code -----------------------------------------------------
+from gpulab.engine.speculative import rollback  # noqa: E402
+from gpulab.grading.speculative import check_acceptance_rule, check_rollback  # noqa: E402
+from gpulab.harness.checking import CheckFailure  # noqa: E402
+
+
+def no_bonus(draft, q, p, gen):
+    out = accept_draft(draft, q, p, gen)
+    return out[:len(draft)] if len(out) == len(draft) + 1 and out[:len(draft)] == list(draft) else out
+
+
+def residual_from_q(draft, q, p, gen):
+    for i, x in enumerate(draft):
+        if torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]:
+            continue
+        return draft[:i] + [int(torch.multinomial(q[i], 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+def keeps_going(draft, q, p, gen):           # does not stop at the first rejection
+    out = []
+    for i, x in enumerate(draft):
+        ok = torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]
+        out.append(x if ok else int(torch.multinomial((p[i] - q[i]).clamp_min(0) + 1e-12, 1, generator=gen)))
+    return out + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+@pytest.mark.parametrize("rule, says", [
+    (wrong_ratio, "never"), (wrong_residual, "max(0, p"), (no_bonus, "bonus"),
+    (residual_from_q, "max(0, p"), (keeps_going, "first rejection"),
+])
+def test_acceptance_check_names_the_mistake(rule, says):
+    with pytest.raises(CheckFailure, match=None) as e:
+        check_acceptance_rule(rule, trials=1500)
+    assert says in str(e.value), str(e.value)
+
+
+def test_acceptance_check_passes_the_package_rule(capsys):
+    check_acceptance_rule(accept_draft, trials=1500)
+    assert "✔" in capsys.readouterr().out
+
+
+def keep_all_pages(seq, bm, n_drafts, n_accepted):
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+
+
+def off_by_one(seq, bm, n_drafts, n_accepted):
+    rollback(seq, bm, n_drafts, n_accepted)
+    seq.num_computed_tokens -= 1
+
+
+def drop_table_entries(seq, bm, n_drafts, n_accepted):   # forgets pages without freeing them
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+    del seq.block_table[bm.blocks_for(seq.num_computed_tokens):]
+
+
+def cut_accepted_too(seq, bm, n_drafts, n_accepted):
+    rollback(seq, bm, n_drafts, 0)
+
+
+@pytest.mark.parametrize("fn, says", [(keep_all_pages, "pages"), (off_by_one, "num_computed_tokens"),
+                                      (drop_table_entries, "became free"), (cut_accepted_too, "token_ids")])
+def test_rollback_check_names_the_mistake(fn, says):
+    with pytest.raises(CheckFailure) as e:
+        check_rollback(fn)
+    assert says in str(e.value), str(e.value)
+
+
+def test_rollback_check_passes_the_package_rollback(capsys):
+    check_rollback(rollback)
+    assert "✔" in capsys.readouterr().out

@@ -84,12 +84,17 @@ def expected_tokens_per_pass(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def release_pages_after(bm: BlockManager, seq: Sequence) -> None:
-    """Rollback: release the pages past those ``seq``'s computed tokens occupy (they only
-    held rejected drafts: fresh pages, never in the prefix cache)."""
-    keep = bm.blocks_for(seq.num_computed_tokens)
+def rollback(seq: Sequence, block_manager: BlockManager, n_drafts: int, n_accepted: int) -> None:
+    """After the target checked ``n_drafts`` drafts at the end of ``seq.token_ids`` and
+    accepted the first ``n_accepted``: cut the rejected ones, count the last committed
+    token and the accepted drafts as computed (the target pass wrote their K and V), and
+    release the pages past those tokens (they held only rejected drafts: fresh pages,
+    never in the prefix cache), last page first."""
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+    keep = block_manager.blocks_for(seq.num_computed_tokens)
     while len(seq.block_table) > keep:
-        bm.release_block(seq.block_table.pop())
+        block_manager.release_block(seq.block_table.pop())
 
 
 # -- drafts -----------------------------------------------------------------------------------------
@@ -255,13 +260,16 @@ class SpeculativeLLM(LLM):
     >>> llm.generate(["Tyger Tyger"], SamplingParams(max_tokens=40))      # doctest: +SKIP
     """
 
-    def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4, **overrides):
+    def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
+                 accept=accept_draft, rollback=rollback, **overrides):
+        """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
+        other implementations with the same signatures (notebook 08 plugs in the learner's)."""
         if drafter is None:
             raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
         super().__init__(model, config, **overrides)
-        self.drafter, self.k = drafter, k
+        self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
         self.stats = SpeculationStats(k)
 
     def _draft_budget(self, seq: Sequence) -> int:
@@ -351,10 +359,9 @@ class SpeculativeLLM(LLM):
             out = accept_greedy(tokens, target_logits)
         else:
             p = probabilities(target_logits, seq.params)
-            out = accept_draft(tokens, q, p, _stream(seq, committed, ACCEPT_SALT))
+            out = self.accept(tokens, q, p, _stream(seq, committed, ACCEPT_SALT))
         n_acc = len(out) - 1
         self.stats.record(len(tokens), n_acc, len(out))
-        del seq.token_ids[committed:]                          # drafts out: emit() appends `out`
-        seq.num_computed_tokens += 1 + n_acc                   # the last token + accepted drafts
-        release_pages_after(self.block_manager, seq)
+        self.rollback(seq, self.block_manager, len(tokens), n_acc)
+        del seq.token_ids[committed:]              # emit() appends `out`, checking EOS and max_tokens
         return out
