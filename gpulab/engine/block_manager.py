@@ -94,7 +94,7 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def _take_free(self) -> Block:
+    def take_free_block(self) -> Block:
         """A free page: blank pages first, then the least recently used cached one
         (evicted: its hash is forgotten)."""
         if not self.free:
@@ -108,13 +108,13 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def _share(self, bid: int) -> None:
+    def share_block(self, bid: int) -> None:
         block = self.blocks[bid]
         if block.ref_count == 0:
             del self.free[bid]               # a cached free page comes back into use
         block.ref_count += 1
 
-    def _release(self, bid: int) -> None:
+    def release_block(self, bid: int) -> None:
         block = self.blocks[bid]
         if block.ref_count <= 0:
             raise RuntimeError(f"page {bid} released more often than it was taken")
@@ -142,15 +142,15 @@ class BlockManager:
             raise OutOfPages(f"out of KV pages: sequence {seq.seq_id} needs "
                              f"{self.blocks_for(num_tokens)} pages, {len(self.free)} are free")
         for bid in hits:
-            self._share(bid)
+            self.share_block(bid)
         seq.block_table = list(hits)
         while len(seq.block_table) < self.blocks_for(num_tokens):
-            seq.block_table.append(self._take_free().block_id)
+            seq.block_table.append(self.take_free_block().block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_cached_tokens
 
-    def _needs_copy(self, seq: Sequence) -> bool:
+    def needs_copy(self, seq: Sequence) -> bool:
         """Will the next write land in a page shared with another sequence?"""
         pos = seq.num_computed_tokens
         i = pos // self.block_size
@@ -159,7 +159,7 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Can ``seq`` write ``num_tokens`` more tokens (new pages + a copy on write)?"""
         need = self.blocks_for(seq.num_computed_tokens + num_tokens) - len(seq.block_table)
-        return max(0, need) + self._needs_copy(seq) <= len(self.free)
+        return max(0, need) + self.needs_copy(seq) <= len(self.free)
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Make room for ``num_tokens`` more tokens of ``seq``; returns the page copies
@@ -168,15 +168,15 @@ class BlockManager:
             raise OutOfPages(f"out of KV pages: sequence {seq.seq_id} cannot grow by {num_tokens} tokens "
                              f"({len(self.free)} pages free)")
         copies = []
-        if self._needs_copy(seq):
+        if self.needs_copy(seq):
             i = seq.num_computed_tokens // self.block_size
             src = seq.block_table[i]
-            dst = self._take_free().block_id
-            self._release(src)
+            dst = self.take_free_block().block_id
+            self.release_block(src)
             seq.block_table[i] = dst
             copies.append((src, dst))
         while len(seq.block_table) < self.blocks_for(seq.num_computed_tokens + num_tokens):
-            seq.block_table.append(self._take_free().block_id)
+            seq.block_table.append(self.take_free_block().block_id)
         return copies
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -199,7 +199,7 @@ class BlockManager:
         if child.block_table:
             raise RuntimeError(f"sequence {child.seq_id} already holds pages")
         for bid in parent.block_table:
-            self._share(bid)
+            self.share_block(bid)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -207,7 +207,7 @@ class BlockManager:
         """Release ``seq``'s pages, last page first (so a chain's tail is evicted before
         its head), and forget what was computed."""
         for bid in reversed(seq.block_table):
-            self._release(bid)
+            self.release_block(bid)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
