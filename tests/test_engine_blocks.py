@@ -110,7 +110,7 @@ def test_exhaustion_raises_and_never_hands_out_a_used_page():
     with pytest.raises(OutOfPages):
         bm.append_slots(a, 2)
     with pytest.raises(RuntimeError, match="released"):
-        bm._release(a.block_table[0]) or bm._release(a.block_table[0])
+        bm.release_block(a.block_table[0]) or bm.release_block(a.block_table[0])
 
 
 def test_scheduler_budget_chunks_and_fcfs():

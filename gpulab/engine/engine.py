@@ -89,7 +89,10 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: TernaryTransformer | None = None, config: EngineConfig | None = None,
-                 decode_hook=None, **overrides):
+                 decode_hook=None, block_manager_cls=BlockManager, scheduler_cls=Scheduler, **overrides):
+        """``decode_hook(q, k_cache, v_cache, block_table, seq_lens) -> o`` replaces the
+        paged-decode kernel; ``block_manager_cls`` and ``scheduler_cls`` swap in other
+        implementations of those parts (notebook 07 plugs in the learner's)."""
         if config is not None and overrides:
             raise TypeError("pass either config or keyword overrides, not both")
         self.config = config = config or EngineConfig(**overrides)
@@ -97,8 +100,8 @@ class LLM:
             model = load_checkpoint(device=runtime.device(), dtype=runtime.default_dtype())
         self.model = model
         self.max_model_len = model.cfg.max_seq_len
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.block_manager = block_manager_cls(config.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, self.max_model_len)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)

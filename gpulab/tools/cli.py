@@ -12,6 +12,8 @@ commands:
   bench [NAME...] benchmark kernels on a GPU against PyTorch (--save, --list)
   compile-check   compile every kernel for sm_75, sm_80 and sm_90 without a GPU
   serve           an OpenAI-compatible HTTP server over the engine (--host, --port)
+  train           train the serving engine's ternary transformer, save a 2-bit checkpoint
+  serve-bench     drive the serving engine with a generated workload (vs static batching)
 """
 
 
@@ -35,6 +37,10 @@ def main(argv=None) -> int:
         from ..harness.compile_check import main as m
     elif cmd == "serve":
         from ..engine.server import main as m
+    elif cmd == "train":
+        from ..engine.train import main as m
+    elif cmd == "serve-bench":
+        from ..engine.serve_bench import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
