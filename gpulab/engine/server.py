@@ -404,6 +404,36 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME) -> FastAPI:
     return app
 
 
+def plot_serving_timeline(llm: LLM):
+    """What the engine did while it served: sequences per step and KV pages in use over
+    time, and the distribution of time to first token and end-to-end latency."""
+    import matplotlib.pyplot as plt
+
+    steps = llm.metrics.steps
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5))
+    if steps:
+        t0 = steps[0].start
+        x = [s.start - t0 for s in steps]
+        a1.step(x, [s.num_seqs for s in steps], where="post", label="sequences in the batch")
+        a1.step(x, [s.waiting for s in steps], where="post", label="waiting")
+        a1.set_xlabel("time (s)")
+        a1.set_ylabel("requests")
+        a1.legend(fontsize=8, loc="upper left")
+        pages = a1.twinx()
+        pages.plot(x, [s.pages_used for s in steps], color="k", lw=1)
+        pages.set_ylabel(f"KV pages in use (of {llm.config.num_blocks})")
+    reqs = [m for m in llm.metrics.requests.values() if m.e2e is not None]
+    for key, label in (("ttft", "time to first token"), ("e2e", "end-to-end latency")):
+        v = sorted(getattr(m, key) * 1e3 for m in reqs if getattr(m, key) is not None)
+        if v:
+            a2.plot(v, [(i + 1) / len(v) for i in range(len(v))], marker=".", label=label)
+    a2.set_xlabel("ms")
+    a2.set_ylabel("share of requests")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+
 def main(argv=None) -> int:
     """``gpulab serve [--host H] [--port P] [--pages N]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])

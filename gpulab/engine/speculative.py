@@ -25,11 +25,15 @@ at the last accepted token and rewinds to it (:class:`Drafter`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from .. import runtime
+from ..model import MatMulFreeLM, encode, load_corpus, train
 from .block_manager import BlockManager
 from .engine import LLM
 from .model import EOS, TernaryTransformer, attention_with_history
@@ -37,6 +41,8 @@ from .sampling import filter_top_k_top_p, sample, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
 
+DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draft.pt"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "speculative.json"
 ACCEPT_SALT = 0x5EC0DE      # random streams of acceptance tests and draft samples are
 DRAFT_SALT = 0xD4AF7        # apart from the sampler's
 
@@ -181,6 +187,35 @@ class MLGRUDrafter(Drafter):
         out, states = self.model.step(torch.tensor([token], device=self.device), states)
         logits = self._widen(out[0])
         return (n_done + 1, states, logits), logits
+
+
+def train_mlgru_draft(d_model: int = 128, n_layers: int = 2, steps: int = 800, seed: int = 0,
+                      device=None, progress: bool = True) -> MatMulFreeLM:
+    """Notebook 03's MatMul-free LM trained on the same poems as the target, packed."""
+    torch.manual_seed(seed)
+    model = MatMulFreeLM(d_model=d_model, n_layers=n_layers).to(device or runtime.device())
+    train(model, encode(load_corpus()).to(model.embed.weight.device), steps=steps, batch_size=16,
+          seq_len=128, seed=seed, progress=progress)
+    return model.pack()
+
+
+def save_mlgru_draft(model: MatMulFreeLM, path=DRAFT_CHECKPOINT) -> Path:
+    """Packed 2-bit weights and 16-bit rest, like the target's checkpoint."""
+    state = {k: (v.half() if v.is_floating_point() and "w_scale" not in k else v).cpu()
+             for k, v in model.state_dict().items()}
+    torch.save({"config": {"d_model": model.d_model, "n_layers": model.n_layers}, "state": state}, Path(path))
+    return Path(path)
+
+
+def load_mlgru_draft(path=DRAFT_CHECKPOINT, device=None, dtype=torch.float32) -> MatMulFreeLM:
+    """The shipped draft: a MatMul-free LM ready to propose tokens."""
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    model = MatMulFreeLM(**blob["config"]).pack()
+    model.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in blob["state"].items()})
+    model = model.to(device or runtime.device()).eval()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 class TransformerDrafter(Drafter):
@@ -365,3 +400,26 @@ class SpeculativeLLM(LLM):
         self.rollback(seq, self.block_manager, len(tokens), n_acc)
         del seq.token_ids[committed:]              # emit() appends `out`, checking EOS and max_tokens
         return out
+
+
+# -- saved GPU results ------------------------------------------------------------------------------------
+def load_results(path=RESULTS) -> dict | None:
+    """Figures measured by ``tools/speculative_bench.py`` on a GPU, if shipped."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def format_results(result: dict) -> str:
+    """One line per (batch size, draft, k): tokens/s, speed-up over the target alone,
+    acceptance, tokens per pass; then the server's overhead."""
+    lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
+             f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
+    lines.append(f"{'batch':>5} {'draft':>12} {'k':>2} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    for r in result["rows"]:
+        lines.append(f"{r['batch']:>5} {r['draft']:>12} {r['k']:>2} {r['tokens_per_s']:>9.0f} "
+                     f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
+    if "server" in result:
+        sv = result["server"]
+        lines.append(f"server: {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s through HTTP "
+                     f"vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%})")
+    return "\n".join(lines)
