@@ -158,6 +158,8 @@ class LLM:
                 raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
                                    "a waiting request can never fit (this is a bug: add_request checks it)")
             return []
+        prefill = batch.prefill_flags          # before the step counts the tokens as computed
+        n_prefill = sum(n for (_, n), p in zip(batch.items, prefill) if p)
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
         seqs, rows = self._fork_completions(seqs)
@@ -175,9 +177,11 @@ class LLM:
                 self.scheduler.finish(seq, reason)
             touched[seq.request_id] = None
         self.metrics.steps.append(StepRecord(
-            t0, now, len(batch.items), batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
+            t0, now, len(batch.items), n_prefill, batch.num_tokens - n_prefill,
             self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph, plan.prefix is not None, [s.seq_id for s, _ in batch.items]))
+            len(batch.preempted), plan.use_graph, plan.prefix is not None,
+            [(s.seq_id, n, prefill) for (s, n), prefill in zip(batch.items, prefill)],
+            [s.seq_id for s in batch.preempted]))
         return [self._maybe_close(rid, now) for rid in touched]
 
     def _fork_completions(self, seqs: list[Sequence]):
