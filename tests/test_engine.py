@@ -176,3 +176,29 @@ def test_top_k_top_p_filter():
     keep = torch.isfinite(out)
     assert keep.tolist() == [[True, False, True, False], [True, False, False, False], [False, False, False, True]]
     torch.testing.assert_close(out[keep], logits[keep])
+
+
+def test_train_and_serve_bench_commands(tmp_path):
+    from gpulab.engine import serve_bench, train
+    from gpulab.engine.model import load_checkpoint
+    ckpt = tmp_path / "tiny.pt"
+    assert train.main(["--config", "tiny", "--steps", "3", "--seq-len", "32", "--out", str(ckpt)]) == 0
+    model = load_checkpoint(ckpt)
+    assert model.packed and model.cfg == TINY
+    out = tmp_path / "bench.json"
+    assert serve_bench.main(["--model", "tiny", "--requests", "6", "--prompt-len", "4:12", "--output-len", "2:6",
+                             "--system-len", "16", "--num-blocks", "24", "--quiet", "--json", str(out),
+                             "--plot", str(tmp_path / "bench.png")]) == 0
+    import json
+    r = json.loads(out.read_text())
+    assert r["continuous"]["requests"] == r["static"]["requests"] == 6
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_timeline_records_every_step(model):
+    from gpulab.engine import timeline
+    llm = LLM(model, EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=16))
+    frames = timeline.record(llm, PROMPTS[:4], SamplingParams(max_tokens=5))
+    assert len(frames) == len(llm.metrics.steps) and llm.idle()
+    assert all(len(f.pages) == 20 for f in frames) and any(f.preempted for f in frames)
+    timeline.draw(frames, len(frames) // 2)

@@ -155,9 +155,10 @@ class LLM:
         batch = self.schedule()
         if not batch.items:
             return []
+        prefill = batch.prefill_flags          # before the step counts the tokens as computed
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
-        return self.emit(batch, self.sample_tokens(logits, seqs), t0, plan.use_graph, plan.prefix is not None)
+        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan)
 
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""
@@ -173,10 +174,12 @@ class LLM:
         tokens = sample(logits[rows] if rows is not None else logits, seqs)
         return {seq: [tok] for seq, tok in zip(seqs, tokens)}
 
-    def emit(self, batch, new_tokens: dict[Sequence, list[int]], t0: float, graph: bool = False,
-             cascade: bool = False) -> list[RequestOutput]:
+    def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
+             plan) -> list[RequestOutput]:
         """Append each sequence's new tokens (a speculative step may bring several),
-        retire those that hit EOS, max_tokens or the context, record the step."""
+        retire those that hit EOS, max_tokens or the context, record the step
+        (``prefill``: which of the batch's items were prompt chunks)."""
+        n_prefill = sum(n for (_, n), p in zip(batch.items, prefill) if p)
         now = time.perf_counter()
         touched = {}
         for seq, tokens in new_tokens.items():
@@ -192,9 +195,11 @@ class LLM:
                     break
             touched[seq.request_id] = None
         self.metrics.steps.append(StepRecord(
-            t0, now, len(batch.items), batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
+            t0, now, len(batch.items), n_prefill, batch.num_tokens - n_prefill,
             self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), graph, cascade, [s.seq_id for s, _ in batch.items]))
+            len(batch.preempted), plan.use_graph, plan.prefix is not None,
+            [(s.seq_id, n, prefill) for (s, n), prefill in zip(batch.items, prefill)],
+            [s.seq_id for s in batch.preempted]))
         return [self._maybe_close(rid, now) for rid in touched]
 
     def _fork_completions(self, seqs: list[Sequence]):

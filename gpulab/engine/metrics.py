@@ -53,7 +53,8 @@ class StepRecord:
     preempted: int
     graph: bool
     cascade: bool = False
-    seq_ids: list[int] = field(default_factory=list)
+    scheduled: list[tuple[int, int, bool]] = field(default_factory=list)   # (seq id, tokens, prefill?)
+    preempted_ids: list[int] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float | None:

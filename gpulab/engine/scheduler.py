@@ -40,8 +40,9 @@ class ScheduledBatch:
         return sum(n for _, n in self.items)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for s, n in self.items if s.num_computed_tokens < s.num_prompt_tokens)
+    def prefill_flags(self) -> list[bool]:
+        """Per item: does it compute prompt tokens (before postprocess counts them)?"""
+        return [s.num_computed_tokens < s.num_prompt_tokens or n > 1 for s, n in self.items]
 
     def __len__(self):
         return len(self.items)

@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     config = EngineConfig(num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.budget, prefix_caching=not a.no_prefix_caching,
                           cascade=a.cascade, cuda_graphs=not a.no_cuda_graphs)
+    if runtime.mode() != "compiled":
+        torch.set_num_threads(1)   # small ops: threads only wait on each other (and on neighbours)
     model = build_model(a.model)
     result = compare(model, config, workload, static=not a.no_static, progress=not a.quiet)
     print(format_comparison(result))

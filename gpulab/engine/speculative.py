@@ -342,13 +342,14 @@ class SpeculativeLLM(LLM):
                 drafts[seq] = (tokens[:keep], None if q is None else q[:keep])
         if not batch.items:
             return []
+        prefill = batch.prefill_flags
         if not drafts:                                    # nothing to verify: a plain step
             logits, seqs, plan = self.runner.run(batch.items, batch.copies)
             self.scheduler.postprocess(batch)
             new_tokens = self.sample_tokens(logits, seqs)
         else:
             plan, new_tokens = self._verify_step(batch, drafts)
-        outputs = self.emit(batch, new_tokens, t0, plan.use_graph, plan.prefix is not None)
+        outputs = self.emit(batch, prefill, new_tokens, t0, plan)
         for seq in drafts:                # full pages of accepted tokens join the prefix cache
             if seq.status is Status.RUNNING:
                 self.block_manager.commit_full_blocks(seq)
