@@ -163,6 +163,7 @@ def test_bad_arguments():
 # -- the notebook's checks reject wrong learner code -----------------------------------------------------
 from gpulab.engine.speculative import rollback  # noqa: E402
 from gpulab.grading.speculative import check_acceptance_rule, check_rollback  # noqa: E402
+import gpulab  # noqa: E402
 from gpulab.harness.checking import CheckFailure  # noqa: E402
 
 
@@ -233,3 +234,8 @@ def test_rollback_check_names_the_mistake(fn, says):
 def test_rollback_check_passes_the_package_rollback(capsys):
     check_rollback(rollback)
     assert "✔" in capsys.readouterr().out
+
+
+def test_checks_are_called_by_name_like_kernel_checks(capsys):
+    gpulab.check("speculative-rollback", rollback)
+    assert "✔ rollback" in capsys.readouterr().out

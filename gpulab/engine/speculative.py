@@ -24,7 +24,9 @@ at the last accepted token and rewinds to it (:class:`Drafter`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -33,10 +35,11 @@ from pathlib import Path
 import torch
 
 from .. import runtime
+from ..bitlinear import BitLinear
 from ..model import MatMulFreeLM, encode, load_corpus, train
 from .block_manager import BlockManager
 from .engine import LLM
-from .model import EOS, TernaryTransformer, attention_with_history
+from .model import EOS, TernaryTransformer, attention_with_history, packed_bitlinear_reference
 from .sampling import filter_top_k_top_p, sample, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
@@ -163,6 +166,13 @@ class MLGRUDrafter(Drafter):
 
     def __init__(self, model, vocab_size: int = 258):
         super().__init__()
+        if runtime.interpreting():
+            # On a CPU run the packed BitLinears as PyTorch ops (the same arithmetic):
+            # the interpreter would run their Triton kernels a thousand times slower.
+            model = copy.deepcopy(model)
+            for m in model.modules():
+                if isinstance(m, BitLinear) and m.packed:
+                    m.forward = functools.partial(packed_bitlinear_reference, m)
         self.model, self.vocab_size = model.eval(), vocab_size
         self.device = model.embed.weight.device
 

@@ -22,7 +22,7 @@ from ..engine.engine import EngineConfig
 from ..engine.model import TINY, TernaryTransformer
 from ..engine.sequence import SamplingParams, Sequence
 from ..engine.speculative import SpeculativeLLM, TransformerDrafter
-from ..harness.checking import CheckFailure
+from ..harness.checking import CheckFailure, scenario_check
 
 _ids = itertools.count()
 
@@ -85,6 +85,7 @@ def distributions(vocab: int = 6, length: int = 3, seed: int = 1):
 
 
 # -- the acceptance rule --------------------------------------------------------------------------------
+@scenario_check("speculative-acceptance")
 def check_acceptance_rule(rule, trials: int = 3000) -> None:
     """``rule(draft, q [k, V], p [k+1, V], gen) -> tokens`` must emit tokens distributed as p."""
     part = "acceptance rule"
@@ -148,6 +149,7 @@ def _drafted_sequence(bm: BlockManager, committed: int, drafts: int) -> Sequence
     return seq
 
 
+@scenario_check("speculative-rollback")
 def check_rollback(rollback, block_size: int = 4) -> None:
     """``rollback(seq, block_manager, n_drafts, n_accepted)`` must cut the rejected drafts
     from ``seq.token_ids``, count the last token and the accepted drafts as computed, and

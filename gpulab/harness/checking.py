@@ -137,12 +137,33 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(t, dtype=torch.bool)
 
 
+# -- checks of exercises that are not kernels ---------------------------------------------------
+# Data structures, policies and distributed algorithms (a block manager, an acceptance
+# rule, a ring all-reduce) are checked by scripted scenarios, not by a KernelSpec's
+# cases. Their grading modules register them by name; gpulab.check calls them the same
+# way as kernel checks.
+SCENARIO_CHECKS: dict[str, Callable] = {}
+
+
+def scenario_check(name: str):
+    """Decorator: register ``fn(learner_object, *args)`` as the check called ``name``."""
+    def register(fn):
+        if SCENARIO_CHECKS.get(name, fn) is not fn:
+            raise ValueError(f"two checks are named {name!r}")
+        SCENARIO_CHECKS[name] = fn
+        return fn
+    return register
+
+
 # -- the check ----------------------------------------------------------------------------
-def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = None,
+def check(spec: KernelSpec | str, fn: Callable, *scenario_args, cases: list[Case] | None = None,
           dtypes: list | None = None, device=None, seed: int | None = None,
           quiet: bool = False) -> CheckReport:
     """Run ``fn`` on every case of ``spec``; raise :class:`CheckFailure` with a diagnosis
     on the first wrong case, else print and return a :class:`CheckReport`."""
+    if isinstance(spec, str) and spec in SCENARIO_CHECKS:
+        SCENARIO_CHECKS[spec](fn, *scenario_args)
+        return None
     spec = get(spec) if isinstance(spec, str) else spec
     where = "gpu" if runtime.mode() == "compiled" else "cpu"
     device = torch.device(device) if device is not None else runtime.device()
