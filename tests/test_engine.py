@@ -4,6 +4,8 @@ import re
 import pytest
 import torch
 
+import gpulab
+
 from gpulab.engine.block_manager import BlockManager
 from gpulab.engine.engine import LLM, EngineConfig
 from gpulab.engine.model import (TINY, TernaryTransformer, encode_prompt, reference_generate,
@@ -22,7 +24,7 @@ MAX_TOKENS = [9, 6, 5, 8, 7, 6]
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(1234)
-    return TernaryTransformer(TINY).pack()
+    return TernaryTransformer(TINY).pack().to(gpulab.device())   # float32 everywhere
 
 
 @pytest.fixture(scope="module")

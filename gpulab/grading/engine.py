@@ -17,6 +17,7 @@ import itertools
 
 import torch
 
+from .. import runtime
 from ..engine.block_manager import BlockManager, chain_hash
 from ..engine.engine import LLM, EngineConfig
 from ..engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
@@ -420,4 +421,4 @@ def check_decode_hook(hook) -> None:
 def _check_model() -> TernaryTransformer:
     with torch.random.fork_rng():
         torch.manual_seed(7)
-        return TernaryTransformer(TINY).pack()
+        return TernaryTransformer(TINY).pack().to(runtime.device())
