@@ -154,7 +154,7 @@ class LLM:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.items:
-            if self.scheduler.has_work() and not self.scheduler.running:
+            if self.scheduler.has_work() and not self.scheduler.running and not batch.preempted:
                 raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
                                    "a waiting request can never fit (this is a bug: add_request checks it)")
             return []

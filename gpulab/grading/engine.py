@@ -21,7 +21,6 @@ from .. import runtime
 from ..engine.block_manager import BlockManager, chain_hash
 from ..engine.engine import LLM, EngineConfig
 from ..engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
-from ..engine.scheduler import Scheduler
 from ..engine.sequence import SamplingParams, Sequence
 from ..harness.checking import CheckFailure
 from ..paged import OutOfPages
