@@ -66,7 +66,8 @@ def test_runner_logits_match_teacher_forcing_under_chunked_prefill(model):
     dict(num_blocks=20, block_size=4, max_num_batched_tokens=16),       # preemption by recompute
     dict(prefix_caching=False, block_size=4),
     dict(chunked_prefill=False, max_num_batched_tokens=256),
-], ids=["whole", "chunked", "two-seqs", "preempt", "no-prefix-cache", "no-chunking"])
+    dict(cuda_graphs=False),                                            # (graphs exist only when compiled)
+], ids=["whole", "chunked", "two-seqs", "preempt", "no-prefix-cache", "no-chunking", "no-graphs"])
 def test_greedy_matches_reference_under_any_schedule(model, expected, cfg):
     llm, outs = serve(model, **cfg)
     assert [o.token_ids for o in outs] == expected
@@ -150,6 +151,15 @@ def test_bad_requests_get_their_own_error_and_the_rest_are_served(model, expecte
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.add_request("")
     assert llm.idle()
+
+
+def test_generation_stops_at_the_context_length(model):
+    prompt = encode_prompt("x" * (TINY.max_seq_len - 6))
+    want = reference_generate(model, prompt, 50, stop_at_eos=False)
+    out = LLM(model, EngineConfig(block_size=16, max_num_batched_tokens=100)).generate(
+        [prompt], SamplingParams(max_tokens=50, stop_at_eos=False))[0]
+    assert out.token_ids == want and len(prompt) + len(want) == TINY.max_seq_len
+    assert out.completions[0].finish_reason == "length"
 
 
 def test_abort_frees_pages(model):
