@@ -32,6 +32,28 @@ def expected(model):
     return [reference_generate(model, encode_prompt(p), n) for p, n in zip(PROMPTS, MAX_TOKENS)]
 
 
+def logits_after(model, tokens):
+    with torch.no_grad():
+        h = model.hidden_states(torch.tensor(tokens, device=model.rope_cos.device),
+                                torch.arange(len(tokens), device=model.rope_cos.device),
+                                lambda layer, q, k, v: attention_with_history(q, k, v), reference=True)
+        return model.logits(h[-1])
+
+
+def assert_tokens_match(model, prompts, got, want, near_tie=1e-3):
+    """Equal tokens; on a GPU (Triton kernels vs PyTorch reference: other rounding), a
+    difference is accepted only where the reference's two candidates are a near tie."""
+    for p, g, w in zip(prompts, got, want):
+        if g == w:
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        assert gpulab.mode() == "compiled" and i < min(len(g), len(w)), f"{p!r}: {g} != reference {w}"
+        logits = logits_after(model, encode_prompt(p) + w[:i])
+        gap = float(logits[w[i]] - logits[g[i]])
+        assert gap < near_tie * max(1.0, float(logits.abs().max())), \
+            f"{p!r}: token {i} is {g[i]}, the reference's {w[i]} leads by {gap:.3g} (not a near tie)"
+
+
 def serve(model, prompts=PROMPTS, max_tokens=MAX_TOKENS, **cfg):
     llm = LLM(model, EngineConfig(**cfg))
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
@@ -70,7 +92,7 @@ def test_runner_logits_match_teacher_forcing_under_chunked_prefill(model):
 ], ids=["whole", "chunked", "two-seqs", "preempt", "no-prefix-cache", "no-chunking", "no-graphs"])
 def test_greedy_matches_reference_under_any_schedule(model, expected, cfg):
     llm, outs = serve(model, **cfg)
-    assert [o.token_ids for o in outs] == expected
+    assert_tokens_match(model, PROMPTS, [o.token_ids for o in outs], expected)
     if "num_blocks" in cfg:
         assert llm.summary()["preemptions"] > 0, "the preemption case did not preempt"
 
@@ -79,14 +101,14 @@ def test_triton_attention_and_cascade_match_reference(model, expected):
     for cascade in (False, True):
         llm, outs = serve(model, PROMPTS[3:5], MAX_TOKENS[3:5], attention="triton", block_size=8,
                           cascade=cascade, max_num_batched_tokens=40)
-        assert [o.token_ids for o in outs] == expected[3:5]
+        assert_tokens_match(model, PROMPTS[3:5], [o.token_ids for o in outs], expected[3:5])
         assert (llm.summary()["cascade_steps"] > 0) == cascade
 
 
 def test_triton_bitlinear_kernels_in_the_engine(model, expected):
     """The whole model on gpulab's kernels (slow in the interpreter: a short run)."""
     llm, outs = serve(model, PROMPTS[:2], [3, 3], attention="triton", linear="triton")
-    assert [o.token_ids for o in outs] == [e[:3] for e in expected[:2]]
+    assert_tokens_match(model, PROMPTS[:2], [o.token_ids for o in outs], [e[:3] for e in expected[:2]])
 
 
 def test_prefix_cache_hits_and_still_matches(model, expected):
