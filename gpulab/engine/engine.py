@@ -163,7 +163,8 @@ class LLM:
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""
         batch = self.scheduler.schedule()
-        if not batch.items and self.scheduler.has_work() and not self.scheduler.running:
+        if not batch.items and self.scheduler.has_work() and not self.scheduler.running \
+                and not batch.preempted:
             raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
                                "a waiting request can never fit (this is a bug: add_request checks it)")
         return batch

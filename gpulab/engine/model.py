@@ -23,7 +23,6 @@ arithmetic.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -311,7 +310,3 @@ def attention_with_history(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     allowed = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
     p = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
     return torch.einsum("htn,nhd->thd", p, v.float().repeat_interleave(g, 1)).to(q.dtype)
-
-
-def config_json(cfg: ModelConfig) -> str:
-    return json.dumps(asdict(cfg))

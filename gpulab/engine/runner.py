@@ -73,7 +73,7 @@ class ModelRunner:
         self.model, self.cfg, self.block_size = model, cfg, block_size
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
-        auto = "triton" if runtime.mode() == "compiled" else "torch"
+        auto = "triton" if runtime.mode() == "compiled" and self.device.type == "cuda" else "torch"
         self.linear = auto if linear == "auto" else linear
         self.attention = auto if attention == "auto" else attention
         self.cascade, self.decode_hook = cascade, decode_hook
@@ -85,7 +85,9 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.graphs: dict[int, tuple] = {}
         self.max_num_seqs = max_num_seqs
-        if cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda":
+        # graphs replay gpulab's decode kernels; a hook or the PyTorch reference may sync the host
+        if (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
+                and self.attention == "triton" and decode_hook is None):
             self.capture_graphs()
 
     # -- plan -------------------------------------------------------------------------------
