@@ -431,7 +431,7 @@ def _merge_mutant(kind):
     return merge
 
 
-@pytest.mark.parametrize("kind,expected", [("nan", "NaN"), ("base2", "same factor"),
+@pytest.mark.parametrize("kind,expected", [("nan", "NaN"), ("base2", "base 2"),
                                            ("unread", "o_b"), ("unnormalised", "same factor")])
 def test_merge_check_rejects(kind, expected):
     msg = rejects("merge_state_torch", _merge_mutant(kind), dtypes=[torch.float32])

@@ -34,6 +34,15 @@ def softmax_reference(x):
     return {"y": torch.softmax(x.double(), dim=-1)}
 
 
+def softmax_hint(output, got, expected, inputs):
+    """Does the output equal the softmax of x · ln 2 (exp2 used without log2(e))?"""
+    alt = torch.softmax(inputs["x"].double() * math.log(2.0), dim=-1)
+    if torch.allclose(got.double().cpu(), alt.cpu(), atol=1e-3, rtol=1e-2):
+        return ("the output equals the softmax of x · ln 2: exp2 needs its argument multiplied by "
+                "log2(e) (2^(x · log2 e) = e^x), or use exp; base 2 without the factor changes the result.")
+    return None
+
+
 ONLINE_SOFTMAX = KernelSpec(
     name="online_softmax",
     summary="row softmax of any length: running max and sum, then normalise",
@@ -58,6 +67,7 @@ ONLINE_SOFTMAX = KernelSpec(
     bytes_moved=lambda p, dtype: 3 * p["rows"] * p["cols"] * bytes_of(dtype),
     flops=lambda p, dtype: 6 * p["rows"] * p["cols"],
     baselines={"torch": lambda inp: torch.softmax(inp["x"], dim=-1)},
+    hint=softmax_hint,
     read_inputs=("x",),
     bench_dtypes=[torch.bfloat16],
 )
@@ -84,6 +94,31 @@ def make_merge_inputs(p, dtype, device, gen):
     return {"o_a": o_a.to(dtype), "lse_a": lse_a, "o_b": o_b.to(dtype), "lse_b": lse_b}
 
 
+def merge_hint(output, got, expected, inputs):
+    """Diagnoses of a two-state merge: plain average, base-2 LSE (gpulab's is natural log)."""
+    g = got.detach().double().cpu()
+    la, lb = inputs["lse_a"].double().cpu(), inputs["lse_b"].double().cpu()
+    if output == "o":
+        average = (inputs["o_a"].double().cpu() + inputs["o_b"].double().cpu()) / 2
+        both = torch.isfinite(la) & torch.isfinite(lb)      # (empty states aside)
+        if g.shape == average.shape and bool(both.any()) and \
+                torch.allclose(g[both], average[both], atol=1e-3, rtol=1e-2):
+            return ("o is the plain average of o_a and o_b: each state must count with its weight "
+                    "w = e^(lse - M) / (w_a + w_b), M = max(lse_a, lse_b): its share of the total sum.")
+        return None
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(la - m) + torch.exp(lb - m)
+    mixed = torch.where(total > 0, m + torch.log2(torch.where(total > 0, total, 1.0)), -math.inf)
+    base2 = expected.detach().double().cpu() * LOG2E
+    for alt in (mixed, base2):
+        if g.shape == alt.shape and torch.allclose(g.nan_to_num(neginf=-1e30), alt.nan_to_num(neginf=-1e30),
+                                                   atol=1e-3, rtol=1e-3):
+            return ("the LSE is in base 2 (log2 somewhere): gpulab's LSE is the natural log, "
+                    "lse = M + ln(w_a + w_b); FlashInfer's base-2 LSE is lse · log2(e), i.e. lse / ln 2.")
+    return None
+
+
 MERGE_STATE_TORCH = KernelSpec(
     name="merge_state_torch",
     summary="merge two attention states (o, natural-log lse) over disjoint key sets (PyTorch)",
@@ -92,6 +127,7 @@ MERGE_STATE_TORCH = KernelSpec(
     reference=merge_state_reference,
     returns=("o", "lse"),
     implementation=merge_state_torch,
+    hint=merge_hint,
     cases={
         "cpu": [Case("one state", dict(n=1, heads=1, dim=1)), Case("odd", dict(n=7, heads=3, dim=5)),
                 Case("many", dict(n=64, heads=8, dim=64))],
@@ -249,6 +285,11 @@ def attention_hint(output, got, expected, inputs):
             return text
     if output == "o":
         return LSE_RIGHT_O_WRONG        # reached only when the LSE passed
+    for name in ("q", "k"):             # an input never loaded: the generic hint names it
+        zeroed = {**inputs, name: torch.zeros_like(inputs[name])}
+        alt = attention_reference(zeroed["q"], zeroed["k"], zeroed["v"], inputs["causal"])[output]
+        if torch.allclose(g, alt.double().cpu(), atol=5e-3, rtol=5e-3):
+            return None
     # LSE per query row: some right (to float rounding) and others wrong points at the update.
     bad = ~torch.isclose(g, e, atol=2e-4, rtol=2e-4, equal_nan=True)
     if bool(bad.any()) and not bool(bad.all()):

@@ -16,6 +16,7 @@ from ..cascade import (CascadeDecodeWrapper, cascade_decode_attention, cascade_d
                        shared_prefix_reference)
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import paged_decode_attention, to_flashinfer
+from .attention import merge_hint
 from .paged import (DECODE_TOLERANCES, FLASHINFER_INSTALLED, GRAPH_ROW, LSE_TOLERANCES, PEER_NOTE,
                     cuda_graph_replay, decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
 
@@ -70,6 +71,7 @@ MERGE_STATE = KernelSpec(
     reference=merge_state_reference,
     outputs=lambda inp, dtype: {"o": (inp["o_a"].shape, dtype), "lse": (inp["lse_a"].shape, torch.float32)},
     implementation=merge_state_into,
+    hint=merge_hint,
     cases={
         "cpu": [Case("one state", dict(n=1, h=1, d=16, empty=0.0)),
                 Case("empty states", dict(n=5, h=3, d=24, empty=0.4, both_empty=True)),
