@@ -146,7 +146,7 @@ def flashinfer_baseline():
     return run
 
 
-def _baselines():
+def append_baselines():
     out = {"SDPA per request, contiguous KV": sdpa_per_request_baseline()}
     fi = flashinfer_baseline()
     if fi is not None:
@@ -320,7 +320,7 @@ APPEND_ATTENTION = KernelSpec(
     cases={"cpu": CPU_CASES, "gpu": GPU_CASES, "bench": BENCH_CASES},
     bytes_moved=append_bytes,
     flops=append_flops,
-    baselines=_baselines(),
+    baselines=append_baselines(),
     compile_baselines=False,            # a Python loop over requests, and a CUDA library
     bench_dtypes=[torch.bfloat16],
     notes="baselines: SDPA per request on contiguous copies of its KV (lower-right causal mask); "
