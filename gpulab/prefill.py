@@ -328,11 +328,13 @@ def _append_kv_kernel(
 # =========================================================================================
 # Launch configuration and schedules
 # =========================================================================================
-def append_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
+def append_tile_config(dtype: torch.dtype, head_dim: int, group: int, max_new: int | None = None) -> dict:
     """Tile sizes and launch options: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}.
 
-    BLOCK_M rows = BLOCK_M // group new tokens × group heads. Fixed per (GPU, dtype, head
-    dim), not autotuned: the schedule depends on BLOCK_M, and a plan must know it."""
+    BLOCK_M rows = BLOCK_M // group new tokens × group heads. Chosen per (GPU, dtype, head
+    dim), not autotuned: the schedule depends on BLOCK_M, and a plan must know it. A plan
+    that knows the longest request (``max_new`` new tokens) shrinks the tile to fit it, as
+    FlashInfer does: a batch of 1-token requests then runs 16-row tiles, not 128."""
     cc = runtime.compute_capability()
     if runtime.interpreting():
         bm, bn, warps, stages = 32, 16, 4, 1     # modest blocks: several KV blocks per tile on CPU
@@ -342,6 +344,8 @@ def append_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
         bm, bn, warps, stages = (128, 64, 8, 2) if head_dim > 64 else (128, 64, 4, 3)
     else:                                        # sm_75: 64 KiB of shared memory
         bm, bn, warps, stages = 64, 32, 4, 2
+    if max_new is not None:
+        bm = min(bm, max(16, triton.next_power_of_2(max(1, max_new) * group)))
     bm = max(bm, triton.next_power_of_2(group))  # at least one token per tile
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
@@ -386,7 +390,7 @@ def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: i
 _FAULT_FLAGS: dict = {}
 
 
-def fault_flag(device) -> torch.Tensor:
+def append_fault_flag(device) -> torch.Tensor:
     """The device-side fault flag (int32 [1]) of calls made without a plan on ``device``:
     kernels set it when they meet a page id outside the pool."""
     device = torch.device(device)
@@ -431,7 +435,7 @@ def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
     config = append_tile_config(q.dtype, d, hq // k_cache.shape[2])
     work_req, work_tile = append_schedule_device(qo_indptr, total_q, config["BLOCK_M"] // (hq // k_cache.shape[2]))
     launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
-                            o, lse, fault_flag(q.device), causal, sm_scale, config)
+                            o, lse, append_fault_flag(q.device), causal, sm_scale, config)
 
 
 def append_kv_config() -> dict:
@@ -448,7 +452,7 @@ def append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fau
         return
     cfg = append_kv_config()
     steps = max(1, (B - 1).bit_length()) if search_steps is None else search_steps
-    fault = fault_flag(k.device) if fault is None else fault
+    fault = append_fault_flag(k.device) if fault is None else fault
     _append_kv_kernel[(triton.cdiv(total, cfg["BLOCK_T"]), hkv)](
         k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fault,
         B, total, k_cache.shape[0], block_tables.shape[1], k_cache.shape[1],
@@ -480,7 +484,7 @@ def require_append_inputs(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens)
     require_append_layout_shapes(qo_indptr, block_tables, kv_lens)
     require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                         block_tables=block_tables, kv_lens=kv_lens)
-    require_heads(q.shape[1], q.shape[2], k_cache)
+    require_append_heads(q.shape[1], q.shape[2], k_cache)
 
 
 def require_append_layout_shapes(qo_indptr, block_tables, kv_lens) -> None:
@@ -496,7 +500,7 @@ def require_append_layout_shapes(qo_indptr, block_tables, kv_lens) -> None:
                          f"rows and kv_lens {kv_lens.shape[0]} entries: one row and one length per request")
 
 
-def require_heads(hq: int, d: int, k_cache) -> None:
+def require_append_heads(hq: int, d: int, k_cache) -> None:
     _, _, hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k_cache has {dk}: caches are [pages, page_size, Hkv, D]")
@@ -543,7 +547,7 @@ def require_append_layout(qo_indptr, block_tables, kv_lens, num_pages: int, page
                          f"first {int(pages_used[b])} entries must all be valid page ids")
 
 
-def raise_if_faulted(fault: torch.Tensor, where: str) -> None:
+def require_no_append_fault(fault: torch.Tensor, where: str) -> None:
     """Report (and clear) a fault recorded by an earlier kernel (reads the flag: syncs)."""
     if int(fault.item()) != 0:
         fault.zero_()
@@ -590,7 +594,7 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, c
         require_tensor("out", out, shape=q.shape, dtype=q.dtype)
         require_same_device(q=q, out=out)
     if validate:
-        raise_if_faulted(fault_flag(q.device), "append_attention or append_kv call")
+        require_no_append_fault(append_fault_flag(q.device), "append_attention or append_kv call")
         require_append_layout(qo_indptr, block_tables, kv_lens, k_cache.shape[0], k_cache.shape[1],
                               q.shape[0])
     o = torch.empty_like(q) if out is None else out
@@ -620,7 +624,7 @@ def append_kv(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, valid
     require_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                         block_tables=block_tables, kv_lens=kv_lens)
     if validate:
-        raise_if_faulted(fault_flag(k.device), "append_attention or append_kv call")
+        require_no_append_fault(append_fault_flag(k.device), "append_attention or append_kv call")
         require_append_layout(qo_indptr, block_tables, kv_lens, k_cache.shape[0], k_cache.shape[1], k.shape[0])
     append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache)
 
@@ -641,7 +645,9 @@ class AppendAttention:
     ``max_num_tokens`` and ``max_pages_per_request`` for CUDA graphs: buffers and launch
     grid then have fixed sizes, and a graph captured over ``run()`` stays valid across
     plans (q must keep the captured shape; pad it to max_num_tokens). Without them the
-    buffers are sized by each plan and a new size invalidates a captured graph.
+    buffers are sized by each plan and its tiles fitted to the batch's longest request (a
+    batch of short requests gets short tiles), so a graph captured over ``run()`` is only
+    valid until the next ``plan()``.
 
     >>> attn = AppendAttention(32, 8, 128, page_size=16, num_pages=4096)       # doctest: +SKIP
     >>> attn.plan(qo_indptr, block_tables, kv_lens)                           # doctest: +SKIP
@@ -674,8 +680,9 @@ class AppendAttention:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
         self.device = torch.device(device) if device is not None else runtime.device()
         self.fixed = maxes[0] is not None
-        self.config = append_tile_config(self.dtype, head_dim, num_qo_heads // num_kv_heads)
-        self.tile_tokens = self.config["BLOCK_M"] // (num_qo_heads // num_kv_heads)
+        self.group = num_qo_heads // num_kv_heads
+        # Fixed buffers keep one tile size for good: a captured graph holds its kernel.
+        self._set_config(append_tile_config(self.dtype, head_dim, self.group))
         self.fault = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._shape = None          # (batch, tokens, pages per request) the buffers hold
         self.planned = False
@@ -683,6 +690,10 @@ class AppendAttention:
             self._allocate(*maxes)
 
     # -- buffers ---------------------------------------------------------------------------
+    def _set_config(self, config: dict) -> None:
+        self.config = config
+        self.tile_tokens = config["BLOCK_M"] // self.group
+
     def _allocate(self, batch: int, tokens: int, pages: int) -> None:
         dev, i32 = self.device, torch.int32
         work = -(-tokens // self.tile_tokens) + batch          # any layout of `tokens` fits
@@ -716,7 +727,7 @@ class AppendAttention:
         lens = self._host("kv_lens", kv_lens, 1)
         require_append_layout_shapes(indptr, bt, lens)
         _require_scale(sm_scale)
-        raise_if_faulted(self.fault, "AppendAttention run")
+        require_no_append_fault(self.fault, "AppendAttention run")
         require_append_layout(indptr, bt, lens, self.num_pages, self.page_size)
         B, width, total = bt.shape[0], bt.shape[1], int(indptr[-1])
         if self.fixed:
@@ -725,8 +736,11 @@ class AppendAttention:
                 raise ValueError(f"this batch ({B} requests, {total} new tokens, block tables {width} pages "
                                  f"wide) does not fit the fixed buffers (max_batch_size={mb}, "
                                  f"max_num_tokens={mt}, max_pages_per_request={mp})")
-        elif self._shape != (B, total, width):
-            self._allocate(B, total, width)
+        else:   # buffers sized by this plan, tiles fitted to its longest request
+            n_max = int((indptr[1:] - indptr[:-1]).max()) if B else 1
+            self._set_config(append_tile_config(self.dtype, self.head_dim, self.group, n_max))
+            if self._shape != (B, total, width) or self.work_req.shape[0] < -(-total // self.tile_tokens) + B:
+                self._allocate(B, total, width)
         req, tile = append_schedule(indptr.numpy(), lens.numpy(), self.tile_tokens, causal)
         nb = self._shape[0]
         # Requests past B (fixed buffers) are empty: indptr repeats its last value, length 0.

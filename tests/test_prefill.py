@@ -311,7 +311,7 @@ def test_bad_layout_without_validation_stays_in_bounds_and_is_reported():
     bt[0, 0], bt[1, 1] = 10 ** 7, -(10 ** 7)
     bad = dict(qo_indptr=torch.tensor([0, 7, 50], dtype=torch.int32, device=DEV), block_tables=bt,
                kv_lens=torch.tensor([10 ** 6, -5], dtype=torch.int32, device=DEV))
-    prefill.fault_flag(DEV).zero_()
+    prefill.append_fault_flag(DEV).zero_()
     prefill.append_attention(g["q"].inner, g["k_cache"].inner, g["v_cache"].inner, **bad, out=o.inner)
     prefill.append_attention_into(g["q"].inner, g["k_cache"].inner, g["v_cache"].inner,
                                   *bad.values(), True, None, o.inner, lse.inner)
@@ -331,7 +331,7 @@ def test_bad_layout_without_validation_stays_in_bounds_and_is_reported():
     with pytest.raises(IndexError, match="outside the KV pool"):
         attn.plan(**_layout(inp))
     attn.plan(**_layout(inp))                 # reported once, then cleared
-    prefill.fault_flag(DEV).zero_()
+    prefill.append_fault_flag(DEV).zero_()
 
 
 # -- the checks reject wrong kernels ---------------------------------------------------------
