@@ -143,11 +143,12 @@ def prefill_online_update(m, l, acc, s, v, MASKED: tl.constexpr, IEEE: tl.conste
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(s - m_use[:, None])
     l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
+        acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc * alpha[:, None] + pv
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l, acc
 
 
 @triton.jit

@@ -147,6 +147,17 @@ def test_plan_run_matches_and_replans_in_place():
     assert attn.work_req.shape[0] == -(-24 // attn.tile_tokens) + 4
 
 
+def test_plan_fits_tiles_to_short_requests():
+    inp = _inputs([1, 1, 2], [30, 2, 9])
+    attn = _plan_for(inp).plan(**_layout(inp))
+    default = prefill.append_tile_config(torch.float32, 16, 2)["BLOCK_M"]
+    assert attn.config["BLOCK_M"] == 16 < default
+    _assert_matches(attn.run(inp["q"], inp["k_cache"], inp["v_cache"]), None,
+                    prefill.append_attention_reference(**inp), torch.float32)
+    fixed = _plan_for(inp, max_batch_size=3, max_num_tokens=4, max_pages_per_request=8)
+    assert fixed.plan(**_layout(inp)).config["BLOCK_M"] == default     # a graph keeps its kernel
+
+
 def test_plan_append_kv_and_lists():
     inp = _inputs([3, 6], [5, 0], page=4)
     attn = _plan_for(inp)

@@ -333,7 +333,7 @@ APPEND_ATTENTION_PLAN = KernelSpec(
     summary="append attention through AppendAttention.plan() then run() (host work list)",
     implementation=prefill.append_attention_planned_into,
     cases={"cpu": CPU_CASES[1:], "gpu": GPU_CASES},
-    **_COMMON,
+    **{**_COMMON, "dtypes": {"cpu": [torch.float32], "gpu": [torch.bfloat16, torch.float16]}},
 )
 
 APPEND_KV = KernelSpec(
