@@ -36,28 +36,35 @@ the number of SMs). A partition past the end of its sequence is an *empty state*
 (lse = −inf, o = 0): its weight is 0, and if every state is empty the result is
 o = 0, lse = −inf, never NaN.
 
-LSE convention (shared with :mod:`gpulab.attention` and :mod:`gpulab.cascade`):
-float32, natural log, shape [B, Hq]. FlashInfer stores base-2 LSE:
-``lse2 = lse / ln 2`` and ``lse = lse2 · ln 2``.
+Safety without a host sync. Checking page ids and lengths reads device data, which
+stalls the host until the GPU catches up, so the public functions do it only when asked
+(``validate=True``, ``GPULAB_DEBUG=1``, :func:`gpulab.runtime.set_debug_checks`) and
+:meth:`PagedDecodeWrapper.plan` does it once per batch layout. The kernels never rely on
+it: a page id outside the pool or a length outside [0, capacity] is masked (its tokens
+are skipped, no address outside the cache or the block table is formed) and recorded in a
+device-side fault flag (:func:`fault_flag`) that the next validating call or plan reports.
+
+The attention state (o, lse) follows :mod:`gpulab.attention_state`: float32, natural log,
+shape [B, Hq], -inf for an empty sequence.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from . import runtime
-from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .attention_state import (LOG2E, attention_state_reference, merge_epilogue, merge_max,
+                              merge_states_reference, online_update, state_epilogue)
 from .validate import FLOAT_DTYPES, require_float, require_same_device, require_tensor
-
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
 
 
 class OutOfPages(RuntimeError):
     """The page pool has no free page left for an allocation or an append."""
+
+
+class LayoutFault(RuntimeError):
+    """A kernel launched without validation met a bad block table, page list or length."""
 
 
 # =========================================================================================
@@ -249,22 +256,9 @@ def gather_kv(k_cache, v_cache, block_table, seq_len: int, b: int):
     return k, v
 
 
-def attention_state_reference(q, k, v, scale):
-    """(o, lse) of queries q [Hq, D] over keys/values [N, Hkv, D], float64, GQA."""
-    hq, hkv = q.shape[0], k.shape[1]
-    if k.shape[0] == 0:
-        return (torch.zeros(q.shape, dtype=torch.float64, device=q.device),
-                torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device))
-    k = k.double().repeat_interleave(hq // hkv, dim=1)        # [N, Hq, D]
-    v = v.double().repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("hd,nhd->hn", q.double(), k) * scale   # [Hq, N]
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.einsum("hn,nhd->hd", torch.exp(s - lse[:, None]), v)
-    return o, lse
-
-
 def paged_decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None, **_):
-    """{"o": [B, Hq, D] float64, "lse": [B, Hq] float64 (natural log)}."""
+    """{"o": [B, Hq, D] float64, "lse": [B, Hq] float64 (natural log)}: each sequence's
+    pages gathered into contiguous keys and values, then plain attention."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     outs, lses = [], []
     for b in range(q.shape[0]):
@@ -276,28 +270,45 @@ def paged_decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=Non
 
 
 def split_reduce_reference(o_part, lse_part):
-    """Merge partial states along dim 2: o_part [B, H, S, D], lse_part [B, H, S]."""
-    from .attention import merge_partials_reference
-    return merge_partials_reference(o_part, lse_part)
+    """Merge the partial states along dim 2: o_part [B, H, S, D], lse_part [B, H, S]."""
+    return merge_states_reference(o_part, lse_part)
 
 
 # =========================================================================================
 # Triton kernels
 # =========================================================================================
 @triton.jit
-def paged_block_update(q, m, l, acc, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh,
-                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                       qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step over a block of tokens stored in pages: token i of the block
-    is slot ``slot[i]`` of page ``page[i]``. Scores are in base 2 (qk_scale includes
-    log2 e); returns the updated running max m, sum l and accumulator acc. Shared by the
-    paged decode kernel and cascade's shared-prefix kernel."""
+def guard_pages(page, t_mask, num_pages):
+    """Page ids loaded from a block table, made safe: an id outside [0, num_pages) is
+    replaced by 0 and its token masked off, so no address outside the cache is formed.
+    Returns (page, t_mask, number of bad ids among the tokens of the tile)."""
+    bad = t_mask & ((page < 0) | (page >= num_pages))
+    return tl.where(bad, 0, page), t_mask & ~bad, tl.sum(bad.to(tl.int32), 0)
+
+
+@triton.jit
+def record_fault(fault_ptr, kinds, seq):
+    """Record fault ``kinds`` (a bitmask) met while serving sequence ``seq`` (or -1)."""
+    if kinds != 0:
+        tl.atomic_or(fault_ptr, kinds)
+        if seq >= 0:
+            tl.atomic_min(fault_ptr + 1, seq)
+
+
+@triton.jit
+def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh,
+                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                      qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step (:func:`gpulab.attention_state.online_update`) over a tile of
+    tokens stored in pages: token i of the tile is slot ``slot[i]`` of page ``page[i]`` of
+    kv head ``kvh``; tokens with ``t_mask`` False are skipped. q [M, D] holds the query rows.
+    Shared by paged decode and cascade's shared-prefix kernel."""
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
                 + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt
                 + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
+    if UPCAST:   # bf16 tl.dot is wrong in the interpreter: compute in fp32 there
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     if IEEE:
@@ -305,30 +316,12 @@ def paged_block_update(q, m, l, acc, k_ptr, v_ptr, page, slot, t_mask, d, d_mask
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def finish_state(m, l, acc):
-    """(o, natural-log lse) from a running max m (base 2), sum l and accumulator acc;
-    no tokens (l = 0) gives the empty state o = 0, lse = -inf."""
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    return acc / l_safe[:, None], lse
+    return online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
 
 
 @triton.jit
 def _decode_partition_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, fault_ptr,
         qk_scale,                       # softmax scale · log2(e): scores in base 2
         stride_qb, stride_qh,
         stride_kp, stride_kt, stride_kh,
@@ -336,7 +329,7 @@ def _decode_partition_kernel(
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh, stride_ls,
-        part_len, page_size, head_dim,
+        part_len, page_size, head_dim, num_pages, max_pages,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One program: one sequence, one kv head (all GROUP query heads that read it), one
@@ -344,7 +337,11 @@ def _decode_partition_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # A length outside [0, capacity] would read past the block table's row: clamp it.
     seq_len = tl.load(seq_lens_ptr + b)
+    capacity = max_pages * page_size
+    faults = tl.where((seq_len < 0) | (seq_len > capacity), 2, 0)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)
     start = split * part_len
     end = tl.minimum(seq_len, start + part_len)
 
@@ -355,24 +352,29 @@ def _decode_partition_kernel(
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:   # bf16 tl.dot is wrong in the interpreter: compute in fp32 there
+    if UPCAST:
         q = q.to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max (base-2 units)
     l = tl.zeros([BLOCK_G], tl.float32)                  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bad_pages = 0
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
         # Through the block table: token t lives in page bt[b, t // page_size].
         page = tl.load(bt_ptr + b * stride_btb + t // page_size, mask=t_mask, other=0)
-        m, l, acc = paged_block_update(
-            q, m, l, acc, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+        page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
+        bad_pages += n_bad
+        m, l, acc = paged_tile_update(
+            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
+    faults = faults | tl.where(bad_pages > 0, 1, 0)
+    record_fault(fault_ptr, faults, b)
 
     # An empty partition (no tokens) is the empty state: o = 0, lse = -inf.
-    out, lse = finish_state(m, l, acc)
+    out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
@@ -393,14 +395,12 @@ def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, num_splits, n
     s_mask = s < num_splits
     lse_p = tl.load(lse_part_ptr + b * stride_lpb + h * stride_lph + s * stride_lps,
                     mask=s_mask, other=float("-inf"))
-    m = tl.max(lse_p, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)        # all empty: weights exp(-inf) = 0
-    w = tl.exp(lse_p - m)
-    total = tl.sum(w, axis=0)
+    m = merge_max(tl.max(lse_p, axis=0))
+    w = tl.exp(lse_p - m)                            # 0 for an empty state
+    inv, lse = merge_epilogue(m, tl.sum(w, axis=0))
     o_p = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                   mask=s_mask[:, None] & (d[None, :] < head_dim), other=0.0).to(tl.float32)
-    o = tl.sum(w[:, None] * o_p, axis=0) / tl.where(total > 0, total, 1.0)
-    lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
+    o = tl.sum(w[:, None] * o_p, axis=0) * inv
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < head_dim)
     tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
 
@@ -420,14 +420,15 @@ def big_smem() -> bool:
     return bool(cc) and cc[0] >= 8
 
 
-def _autotuned(kernel, lists: dict, make, key, interp):
-    """{name: autotuned ``kernel``} for each config list (one config in the interpreter)."""
+def autotuned_variants(kernel, lists: dict, make, key, interp):
+    """{list name: ``kernel`` autotuned over that list of configs} (``make(*config)`` builds
+    a ``triton.Config``); in the interpreter, which cannot autotune, the one config
+    ``interp`` for every name. Paged decode and cascade's prefix kernel use it."""
     if runtime.interpreting():
         one = triton.autotune(configs=[make(*interp)], key=key)(kernel)
         return {name: one for name in lists}
     return {name: triton.autotune(configs=[make(*c) for c in cs], key=key)(kernel)
             for name, cs in lists.items()}
-
 
 def config_list(dtype) -> str:
     """Which config list fits this GPU and dtype: "big" for 16-bit tiles on sm_80+,
@@ -438,7 +439,7 @@ def config_list(dtype) -> str:
     return "big" if big_smem() else "small"
 
 
-_decode_tuned = _autotuned(
+_decode_tuned = autotuned_variants(
     _decode_partition_kernel,
     {"small": _DECODE_SMALL, "small_fp32": _DECODE_SMALL_FP32, "big": _DECODE_BIG},
     lambda bn, w, st: triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st),
@@ -477,10 +478,68 @@ def fixed_splits(capacity: int, num_splits: int) -> tuple[int, int]:
     return -(-max(1, capacity) // part), part
 
 
-def _block_g(group: int) -> int:
-    return max(16, triton.next_power_of_2(group))     # tl.dot needs M ≥ 16
+def group_block(group: int) -> int:
+    """Rows of the query tile for GROUP query heads: tl.dot needs at least 16."""
+    return max(16, triton.next_power_of_2(group))
 
 
+# -- the fault flag --------------------------------------------------------------------------
+FAULT_PAGE = 1          # a block-table entry that a sequence uses is not a page of the pool
+FAULT_SEQ_LEN = 2       # a length below 0 or above the block table's capacity
+FAULT_PREFIX_PAGE = 4   # a page of a shared prefix (gpulab.cascade) is not a page of the pool
+_NO_SEQUENCE = 2 ** 31 - 1
+_FAULT_FLAGS: dict = {}
+
+
+def _flag_key(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def fault_flag(device) -> torch.Tensor:
+    """The fault flag of ``device``: int32 [2] = [bitmask of the faults kernels met
+    (FAULT_PAGE, FAULT_SEQ_LEN, FAULT_PREFIX_PAGE), lowest sequence index that met one].
+    Allocated on first use without a host sync, then shared by every launch on the device
+    (a captured CUDA graph keeps pointing at it)."""
+    key = _flag_key(device)
+    flag = _FAULT_FLAGS.get(key)
+    if flag is None:
+        flag = torch.empty(2, dtype=torch.int32, device=key)
+        flag[0:1].fill_(0)
+        flag[1:2].fill_(_NO_SEQUENCE)
+        _FAULT_FLAGS[key] = flag
+    return flag
+
+
+def raise_recorded_faults(device) -> None:
+    """Raise :class:`LayoutFault` if a kernel on ``device`` met a bad layout since the last
+    report, and clear the flag. Reads the flag: a host sync (plan and validating calls only)."""
+    flag = _FAULT_FLAGS.get(_flag_key(device))
+    if flag is None:
+        return
+    kinds, seq = flag.tolist()
+    if kinds == 0:
+        return
+    flag[0:1].fill_(0)
+    flag[1:2].fill_(_NO_SEQUENCE)
+    what = [text for bit, text in ((FAULT_PAGE, "a block-table entry was not a page of the cache"),
+                                   (FAULT_SEQ_LEN, "a sequence length was negative or above the block "
+                                                   "table's capacity (width × page_size)"),
+                                   (FAULT_PREFIX_PAGE, "a shared-prefix page was not a page of the cache"))
+            if kinds & bit]
+    where = f" (first sequence affected: {seq})" if seq != _NO_SEQUENCE else ""
+    raise LayoutFault(
+        "an earlier paged attention call ran without validation on a bad layout: " + "; ".join(what)
+        + where + ". The kernels skipped those tokens (nothing outside the cache was read), so that "
+        "call's output is wrong for the sequences affected. Re-run it with validate=True, or "
+        "GPULAB_DEBUG=1, to get the exact entry; a serving engine re-plans after changing the layout.")
+
+
+# =========================================================================================
+# Launchers (no validation: the public functions and plan() validate)
+# =========================================================================================
 def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
                          part_len: int, scale: float | None = None):
     """Launch the partition kernel: o_part [B, Hq, S, D] and lse_part [B, Hq, S] (any
@@ -494,15 +553,15 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
     upcast = runtime.interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
     _decode_tuned[config_list(q.dtype)][(B, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, scale * LOG2E,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        part_len, k_cache.shape[1], d,
-        GROUP=hq // hkv, BLOCK_G=_block_g(hq // hkv), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        part_len, k_cache.shape[1], d, k_cache.shape[0], block_table.shape[1],
+        GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, triton.next_power_of_2(d)),
         UPCAST=upcast, IEEE=ieee)
 
 
@@ -519,15 +578,19 @@ def split_reduce_into(o_part, lse_part, o, lse):
         BLOCK_S=triton.next_power_of_2(max(1, s)), BLOCK_D=triton.next_power_of_2(d), num_warps=4)
 
 
+def decode_partitioning(batch: int, kv_heads: int, capacity: int, num_splits: int | None = None):
+    """(num_splits, part_len): planned from the batch and the SMs, or ``num_splits`` forced."""
+    if num_splits is None:
+        return plan_splits(batch, kv_heads, capacity)
+    return fixed_splits(capacity, num_splits)
+
+
 def paged_decode_into(q, k_cache, v_cache, block_table, seq_lens, o, lse, scale=None,
                       num_splits: int | None = None):
     """Launcher (no validation): decode attention into o [B, Hq, D] and lse [B, Hq]."""
     B, hq, d = q.shape
     capacity = block_table.shape[1] * k_cache.shape[1]
-    if num_splits is None:
-        splits, part = plan_splits(B, k_cache.shape[2], capacity)
-    else:
-        splits, part = fixed_splits(capacity, num_splits)
+    splits, part = decode_partitioning(B, k_cache.shape[2], capacity, num_splits)
     if splits == 1:   # one partition: the kernel writes the final state directly
         decode_partials_into(q, k_cache, v_cache, block_table, seq_lens,
                              o[:, :, None, :], lse[:, :, None], part, scale)
@@ -544,41 +607,60 @@ def paged_decode_split_into(q, k_cache, v_cache, block_table, seq_lens, num_spli
 
 
 # =========================================================================================
-# Public function: validate, allocate, launch
+# Public API: validation, the convenience function, plan/run
 # =========================================================================================
+def require_block_table(block_table, seq_lens, batch: int | None = None) -> None:
+    """Dtypes, shapes and devices of a block table and its lengths (host-side only)."""
+    require_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
+    require_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
+    require_same_device(block_table=block_table, seq_lens=seq_lens)
+    if batch is not None and (block_table.shape[0] != batch or seq_lens.shape[0] != batch):
+        raise ValueError(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} "
+                         f"entries; both must equal the batch size {batch} (q.shape[0])")
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} "
+                         f"entries: one row and one length per sequence")
+
+
 def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
-    """Shapes, dtypes, devices and index ranges of a paged decode call, checked on the host."""
+    """Shapes, dtypes and devices of a paged decode call. Host-side only: reads no device
+    data, so it never waits for the GPU (:func:`require_paged_layout` checks the values)."""
     require_tensor("q", q, ndim=3)
     require_float("q", q)
     require_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
     require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
-    require_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
-    require_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
+    require_block_table(block_table, seq_lens, q.shape[0])
     require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
-    B, hq, d = q.shape
-    num_pages, ps, hkv, dk = k_cache.shape
+    _, hq, d = q.shape
+    _, _, hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k_cache has {dk}: caches are [pages, page_size, Hkv, D]")
     if d > 256:
         raise ValueError(f"head_dim {d} > 256 is not supported (one program holds a query row in registers)")
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} kv heads (GQA needs Hq = G·Hkv)")
-    if block_table.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} "
-                         f"entries; both must equal the batch size {B} (q.shape[0])")
-    if B == 0:
+
+
+def require_paged_layout(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                         num_pages: int) -> None:
+    """Every length in [0, capacity] (capacity = block-table width × page_size) and every
+    block-table entry a sequence uses (its first ceil(len / page_size)) a page of the pool.
+    Entries past a sequence's pages are padding and never read. Reads device data: a host
+    sync, so plan() and validating calls run it, not the hot path."""
+    if seq_lens.numel() == 0:
         return
-    capacity = block_table.shape[1] * ps
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    width = block_table.shape[1]
+    capacity = width * page_size
+    lo, hi = (int(x) for x in torch.stack([seq_lens.min(), seq_lens.max()]).tolist())
     if lo < 0:
         b = int((seq_lens < 0).nonzero()[0, 0])
         raise ValueError(f"seq_lens[{b}] = {int(seq_lens[b])} is negative")
     if hi > capacity:
         b = int((seq_lens > capacity).nonzero()[0, 0])
         raise ValueError(f"seq_lens[{b}] = {int(seq_lens[b])} exceeds the block table's capacity of "
-                         f"{block_table.shape[1]} pages × {ps} tokens = {capacity}")
-    n_pages = (seq_lens.long() + ps - 1) // ps
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < n_pages[:, None]
+                         f"{width} pages × {page_size} tokens = {capacity}")
+    n_pages = (seq_lens.long() + page_size - 1) // page_size
+    used = torch.arange(width, device=block_table.device)[None, :] < n_pages[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
@@ -587,8 +669,21 @@ def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
                          f"so its first {int(n_pages[b])} entries must all be valid page ids")
 
 
+def require_scale(scale) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not scale == scale or abs(scale) == float("inf")):
+        raise ValueError(f"scale must be a finite number or None (head_dim ** -0.5), got {scale!r}")
+
+
+def require_num_splits(num_splits) -> None:
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float | None = None,
-                           return_lse: bool = False, num_splits: int | None = None):
+                           return_lse: bool = False, num_splits: int | None = None,
+                           validate: bool | None = None):
     """Decode attention over a paged KV cache.
 
     Parameters
@@ -600,12 +695,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     scale : softmax scale, default D ** -0.5.
     return_lse : also return lse [B, Hq] (float32, natural log; -inf for an empty sequence).
     num_splits : partitions per sequence (default: planned from the batch and the SM count).
+    validate : check the layout's values (page ids in range, lengths within capacity) and
+        report faults recorded by earlier unvalidated calls. This reads device data, a host
+        sync; the default (None) follows :func:`gpulab.runtime.debug_checks` (``GPULAB_DEBUG``).
+        Without it a bad entry is skipped by the kernel and recorded in :func:`fault_flag`.
 
-    Returns o [B, Hq, D] (q's dtype), and lse if ``return_lse``.
+    Returns o [B, Hq, D] (q's dtype), and lse if ``return_lse``. For repeated calls on one
+    batch layout (a serving loop), :class:`PagedDecodeWrapper` plans once and runs with no
+    allocation, capturable in a CUDA graph.
     """
     require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    require_num_splits(num_splits)
+    require_scale(scale)
+    if runtime.debug_checks() if validate is None else validate:
+        raise_recorded_faults(q.device)
+        require_paged_layout(block_table, seq_lens, k_cache.shape[1], k_cache.shape[0])
     B, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((B, hq), dtype=torch.float32, device=q.device)
@@ -614,171 +718,137 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     return (o, lse) if return_lse else o
 
 
-# =========================================================================================
-# Specs
-# =========================================================================================
-def make_paged_inputs(p, dtype, device, gen):
-    """A paged cache with the given sequence lengths, its pages in shuffled order, spare
-    pages full of other data, and block-table padding past each sequence's pages."""
-    lens = list(p["lens"])
-    ps, hq, hkv, d = p["page"], p["hq"], p["hkv"], p["d"]
-    n_pages = [-(-n // ps) for n in lens]
-    total = sum(n_pages) + p.get("spare", 3)
-    width = max(n_pages + [1]) + p.get("pad", 1)
-    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
-    bt = torch.randint(0, total, (len(lens), width), generator=gen, device=device, dtype=torch.int32)
-    pos = 0
-    for b, n in enumerate(n_pages):
-        bt[b, :n] = perm[pos:pos + n]
-        pos += n
-    k = randn((total, ps, hkv, d), dtype, device, gen)
-    v = randn((total, ps, hkv, d), dtype, device, gen, offset=0.3)
-    q = randn((len(lens), hq, d), dtype, device, gen, scale=1.5)
-    inputs = {"q": q, "k_cache": k, "v_cache": v, "block_table": bt,
-              "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
-    if "splits" in p:
-        inputs["num_splits"] = p["splits"]
-    return inputs
+class PagedDecodeWrapper:
+    """Paged decode attention planned once per batch layout and run without host syncs.
 
+    :meth:`plan` takes the batch layout, validates it (the only place that reads device
+    data), chooses the split-KV partitioning and allocates the workspace and the outputs.
+    :meth:`run` then only launches kernels: no host sync, no allocation, so a serving loop
+    can capture it in a CUDA graph and replay it every step, for every layer.
 
-def sdpa_contiguous_baseline():
-    """SDPA on the same KV stored contiguously [B, Hkv, L, D] (built once per input dict,
-    outside the timing): what a paged kernel has to match."""
-    cache = {}
+    **What may change between runs without a new plan**: the *contents* of the
+    ``block_table`` and ``seq_lens`` tensors given to :meth:`plan` (a serving engine
+    appends a token or gives a sequence a new page in place), provided every length stays
+    in [0, width × page_size] and every used entry is a page of the pool (otherwise the
+    kernel skips the bad tokens and records a fault that the next plan reports); and the
+    contents of q, k_cache and v_cache (eagerly, any tensors of the planned shapes; in a
+    graph, the captured ones). **What needs a new plan**: the batch size, the block table's
+    width, the numbers of heads, the head dim, the page size, the pool size, the dtype,
+    ``scale``, ``num_splits``, or other ``block_table`` / ``seq_lens`` tensors (the plan keeps
+    the two it was given). Re-planning with unchanged shapes keeps every buffer, so a graph
+    captured before stays valid.
 
-    def run(inp):
-        key = id(inp)
-        if key not in cache:
-            cache.clear()
-            B = inp["q"].shape[0]
-            L = int(inp["seq_lens"].max())
-            ks, vs = [], []
-            for b in range(B):
-                k, v = gather_kv(inp["k_cache"], inp["v_cache"], inp["block_table"], L, b)
-                ks.append(k.transpose(0, 1))
-                vs.append(v.transpose(0, 1))
-            cache[key] = (torch.stack(ks).contiguous(), torch.stack(vs).contiguous())
-        kc, vc = cache[key]
-        return torch.nn.functional.scaled_dot_product_attention(
-            inp["q"][:, :, None, :], kc, vc, enable_gqa=True)
-    return run
+    Examples
+    --------
+    >>> import torch, gpulab
+    >>> from gpulab.paged import PagedDecodeWrapper, PagedKVCache
+    >>> dev = gpulab.device()
+    >>> cache = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=16, device=dev)
+    >>> seqs = [cache.allocate() for _ in range(2)]
+    >>> for s, n in zip(seqs, (5, 9)):
+    ...     cache.append(s, torch.randn(n, 2, 16), torch.randn(n, 2, 16))
+    >>> block_table, seq_lens = cache.block_table(seqs, width=4), cache.seq_lens(seqs)
+    >>> decode = PagedDecodeWrapper()
+    >>> decode.plan(block_table, seq_lens, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+    ...             page_size=4, num_pages=8, dtype=torch.float32)
+    >>> o = decode.run(torch.randn(2, 4, 16, device=dev), cache.k_cache, cache.v_cache)
+    >>> o.shape
+    torch.Size([2, 4, 16])
+    >>> seq_lens += 1                     # one more token each (its K, V written to the cache)
+    >>> o = decode.run(torch.randn(2, 4, 16, device=dev), cache.k_cache, cache.v_cache)
+    """
 
+    def __init__(self):
+        self._planned = None
+        self._buffers: dict = {}
 
-def _decode_bytes(p, dtype):
-    B, L = len(p["lens"]), sum(p["lens"])
-    return (2 * L * p["hkv"] * p["d"] + 2 * B * p["hq"] * p["d"]) * bytes_of(dtype) + 4 * B * p["hq"]
+    def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+             dtype: torch.dtype, scale: float | None = None, num_splits: int | None = None) -> None:
+        """Validate the batch layout, choose the partitioning, allocate the buffers.
 
+        Parameters
+        ----------
+        block_table : int32 [B, width]; row b lists the pages of sequence b (kept by reference).
+        seq_lens : int32 [B] (kept by reference): 0 ≤ seq_lens[b] ≤ width · page_size.
+        num_qo_heads, num_kv_heads, head_dim, page_size, num_pages : the shapes of q
+            [B, num_qo_heads, head_dim] and of the caches [num_pages, page_size, num_kv_heads, head_dim].
+        dtype : the dtype of q and the caches (float32, float16 or bfloat16).
+        scale : softmax scale (default head_dim ** -0.5). num_splits : forced partitions per
+            sequence (default: planned from the batch and the number of SMs).
+        """
+        require_block_table(block_table, seq_lens)
+        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("page_size", page_size), ("num_pages", num_pages)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads = {num_qo_heads} is not a multiple of num_kv_heads = "
+                             f"{num_kv_heads} (GQA needs Hq = G·Hkv)")
+        if head_dim > 256:
+            raise ValueError(f"head_dim {head_dim} > 256 is not supported")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        require_scale(scale)
+        require_num_splits(num_splits)
+        device = block_table.device
+        raise_recorded_faults(device)
+        require_paged_layout(block_table, seq_lens, page_size, num_pages)
+        B, width = block_table.shape
+        splits, part = decode_partitioning(B, num_kv_heads, width * page_size, num_splits)
+        shapes = {"o": ((B, num_qo_heads, head_dim), dtype), "lse": ((B, num_qo_heads), torch.float32),
+                  "o_part": ((B, num_qo_heads, splits, head_dim), torch.float32),
+                  "lse_part": ((B, num_qo_heads, splits), torch.float32)}
+        if splits == 1:
+            del shapes["o_part"], shapes["lse_part"]
+        for name, (shape, dt) in shapes.items():
+            old = self._buffers.get(name)
+            if old is None or old.shape != shape or old.dtype != dt or old.device != device:
+                self._buffers[name] = torch.empty(shape, dtype=dt, device=device)
+        fault_flag(device)                  # allocated now, not inside a capture
+        self._planned = dict(block_table=block_table, seq_lens=seq_lens, splits=splits, part=part,
+                             scale=scale, dtype=dtype, device=device,
+                             q_shape=(B, num_qo_heads, head_dim),
+                             cache_shape=(num_pages, page_size, num_kv_heads, head_dim))
 
-def _decode_flops(p, dtype):
-    return 4 * sum(p["lens"]) * p["hq"] * p["d"]
+    @property
+    def num_splits(self) -> int:
+        """Partitions per sequence chosen by the last plan."""
+        return self._require_plan()["splits"]
 
+    def _require_plan(self) -> dict:
+        if self._planned is None:
+            raise RuntimeError("run() before plan(): call plan(block_table, seq_lens, ...) first")
+        return self._planned
 
-def _decode_outputs(inp, dtype):
-    B, hq, d = inp["q"].shape
-    return {"o": ((B, hq, d), dtype), "lse": ((B, hq), torch.float32)}
-
-
-# float32: one program that sums a 16K-token context in 512 sequential steps (the
-# notebooks' kernels do not split) is off by up to ~4e-5 relative: rounding, not a bug.
-_DECODE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 2e-2)}
-_LSE_TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 5e-3)}
-
-_CPU_DECODE = [
-    Case("one token", dict(lens=[1], page=16, hq=4, hkv=2, d=16)),
-    Case("ragged: 1, page, page+1, long", dict(lens=[1, 16, 17, 75], page=16, hq=4, hkv=2, d=16)),
-    Case("GQA 6/2, D=24, page 5", dict(lens=[13, 5, 31], page=5, hq=6, hkv=2, d=24)),
-    Case("MHA, empty sequence", dict(lens=[0, 9, 40], page=8, hq=3, hkv=3, d=32)),
-]
-_GPU_DECODE = [
-    Case("one token", dict(lens=[1], page=16, hq=32, hkv=8, d=128)),
-    Case("ragged", dict(lens=[1, 16, 17, 1000, 4099], page=16, hq=32, hkv=8, d=128)),
-    Case("GQA 6/2, D=24, page 5", dict(lens=[13, 5, 310], page=5, hq=6, hkv=2, d=24)),
-    Case("MHA, empty sequence", dict(lens=[0, 9, 4000], page=8, hq=12, hkv=12, d=64)),
-    Case("few long", dict(lens=[20000, 777], page=16, hq=32, hkv=8, d=128)),
-]
-
-DECODE = KernelSpec(
-    name="paged_decode_attention",
-    graph_timing=True,
-    summary="decode attention through a block table (GQA, split-KV planned from the batch)",
-    args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "o", "lse"),
-    make_inputs=make_paged_inputs,
-    reference=paged_decode_reference,
-    outputs=_decode_outputs,
-    implementation=paged_decode_into,
-    cases={
-        "cpu": _CPU_DECODE,
-        "gpu": _GPU_DECODE,
-        "bench": [Case("B64 L4096", dict(lens=[4096] * 64, page=16, hq=32, hkv=8, d=128, spare=0, pad=0)),
-                  Case("B4 L32768", dict(lens=[32768] * 4, page=16, hq=32, hkv=8, d=128, spare=0, pad=0))],
-    },
-    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]},
-    tolerances=_DECODE_TOL,
-    output_tolerances={"lse": _LSE_TOL},
-    bytes_moved=_decode_bytes,
-    flops=_decode_flops,
-    baselines={"SDPA, contiguous KV": sdpa_contiguous_baseline()},
-    read_inputs=("q", "k_cache", "v_cache"),
-    bench_dtypes=[torch.bfloat16],
-    notes="baseline: SDPA on the same KV copied into a contiguous [B, Hkv, L, D] tensor",
-)
-
-
-def _split_cases(cases, splits):
-    return [Case(c.label, {**c.params, "splits": s}) for c, s in zip(cases, splits)]
-
-
-DECODE_SPLIT = KernelSpec(
-    name="paged_decode_split",
-    summary="paged decode with a forced number of KV partitions and a reduce",
-    args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "num_splits", "o", "lse"),
-    make_inputs=make_paged_inputs,
-    reference=paged_decode_reference,
-    outputs=_decode_outputs,
-    implementation=paged_decode_split_into,
-    cases={
-        "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4]),
-        "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16]),
-    },
-    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances=_DECODE_TOL,
-    output_tolerances={"lse": _LSE_TOL},
-    read_inputs=("q", "k_cache", "v_cache"),
-)
-
-
-def make_partials(p, dtype, device, gen):
-    """Partial states of a split-KV decode: normalised outputs and LSEs with a wide
-    spread (an exp without the max subtracted overflows) and empty states (-inf)."""
-    B, h, s, d = p["b"], p["h"], p["s"], p["d"]
-    o = randn((B, h, s, d), torch.float32, device, gen)
-    lse = randn((B, h, s), torch.float32, device, gen, scale=p.get("spread", 30.0), offset=40.0)
-    empty = torch.rand((B, h, s), generator=gen, device=device) < p.get("empty", 0.25)
-    if p.get("all_empty_row", False):
-        empty[0, 0, :] = True
-    lse = torch.where(empty, -math.inf, lse)
-    o = torch.where(empty[..., None], 0.0, o)
-    return {"o_part": o.contiguous(), "lse_part": lse.contiguous()}
-
-
-SPLIT_REDUCE = KernelSpec(
-    name="split_kv_reduce",
-    summary="merge split-KV partial states (o_p, lse_p) into (o, lse)",
-    args=("o_part", "lse_part", "o", "lse"),
-    make_inputs=make_partials,
-    reference=split_reduce_reference,
-    outputs=lambda inp, dtype: {"o": (inp["o_part"].shape[:2] + inp["o_part"].shape[3:], torch.float32),
-                                "lse": (inp["lse_part"].shape[:2], torch.float32)},
-    implementation=split_reduce_into,
-    cases={
-        "cpu": [Case("one split", dict(b=1, h=1, s=1, d=16, empty=0.0)),
-                Case("ragged, empty states", dict(b=3, h=5, s=7, d=24, all_empty_row=True)),
-                Case("many splits", dict(b=2, h=4, s=33, d=128, spread=60.0))],
-        "gpu": [Case("one split", dict(b=1, h=1, s=1, d=16, empty=0.0)),
-                Case("ragged, empty states", dict(b=33, h=32, s=7, d=24, all_empty_row=True)),
-                Case("many splits", dict(b=4, h=32, s=64, d=128, spread=60.0))],
-    },
-    dtypes={"cpu": [torch.float32], "gpu": [torch.float32]},
-    tolerances={torch.float32: (1e-5, 1e-5)},
-    read_inputs=("o_part", "lse_part"),
-)
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False):
+        """Decode attention for the planned layout: o [B, Hq, D] (and lse [B, Hq] with
+        ``return_lse``). No host sync and no allocation: without ``out``/``lse`` the plan's
+        own buffers are returned (overwritten by the next run). Shapes and dtypes are
+        checked against the plan on the host; the layout's values are not (see the class)."""
+        p = self._require_plan()
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != p["q_shape"] or q.dtype != p["dtype"]:
+            raise ValueError(f"q must be {p['dtype']} of the planned shape {p['q_shape']}, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, torch.Tensor) or tuple(c.shape) != p["cache_shape"] or c.dtype != p["dtype"]:
+                raise ValueError(f"{name} must be {p['dtype']} of the planned shape {p['cache_shape']}, "
+                                 f"got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}"
+                                 ": plan again for another cache")
+        out = self._buffers["o"] if out is None else out
+        lse = self._buffers["lse"] if lse is None else lse
+        if out.shape != q.shape or out.dtype != q.dtype or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
+            raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} and lse float32 {tuple(q.shape[:2])}")
+        if any(t.device != p["device"] for t in (q, k_cache, v_cache, out, lse)):
+            raise ValueError(f"q, k_cache, v_cache, out and lse must be on {p['device']}, where the plan is")
+        bt, sl = p["block_table"], p["seq_lens"]
+        if p["splits"] == 1:
+            decode_partials_into(q, k_cache, v_cache, bt, sl, out[:, :, None, :], lse[:, :, None],
+                                 p["part"], p["scale"])
+        else:
+            o_part, lse_part = self._buffers["o_part"], self._buffers["lse_part"]
+            decode_partials_into(q, k_cache, v_cache, bt, sl, o_part, lse_part, p["part"], p["scale"])
+            split_reduce_into(o_part, lse_part, out, lse)
+        return (out, lse) if return_lse else out

@@ -140,3 +140,24 @@ def fast() -> bool:
     """True under CI (``CI`` set) or ``GPULAB_FAST=1``: notebooks shorten long demos
     such as training runs; checks and results are unchanged."""
     return bool(os.environ.get("CI")) or os.environ.get("GPULAB_FAST") == "1"
+
+
+# Data-dependent input validation (page ids in range, lengths within capacity) reads
+# device data and so synchronises the host with the GPU. Public functions skip it by
+# default; GPULAB_DEBUG=1 or set_debug_checks(True) turns it on for every call.
+_DEBUG_CHECKS: bool | None = None
+
+
+def debug_checks() -> bool:
+    """True when public functions run their data-dependent validation on every call
+    (``GPULAB_DEBUG=1`` in the environment, or :func:`set_debug_checks`)."""
+    if _DEBUG_CHECKS is not None:
+        return _DEBUG_CHECKS
+    return os.environ.get("GPULAB_DEBUG", "") not in ("", "0", "false", "False")
+
+
+def set_debug_checks(on: bool | None) -> None:
+    """Switch the data-dependent validation of every call on or off (None: follow
+    ``GPULAB_DEBUG`` again)."""
+    global _DEBUG_CHECKS
+    _DEBUG_CHECKS = None if on is None else bool(on)

@@ -8,6 +8,8 @@ import triton.language as tl
 
 import gpulab
 from gpulab import attention as A
+from gpulab import attention_state as S
+from gpulab.grading import attention as AG
 from gpulab.harness.checking import rejects
 
 from helpers import on_gpu
@@ -22,18 +24,19 @@ def attn_dtypes():
 
 
 def tol(dtype):
-    return A.FLASH_ATTENTION.tolerance(dtype)
+    return gpulab.get_spec("flash_attention").tolerance(dtype)
 
 
 def qkv(B, Hq, Hkv, Sq, Skv, D, dtype, seed=0):
     g = torch.Generator(device=dev()).manual_seed(seed)
-    inp = A._attn_inputs(dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D), dtype, dev(), g)
+    inp = AG.make_attention_inputs(dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D), dtype, dev(), g)
     return inp["q"], inp["k"], inp["v"]
 
 
 # -- the package's kernels pass their own checks ------------------------------------------
-@pytest.mark.parametrize("name", ["online_softmax", "merge_attention_states", "exp2_poly3",
-                                  "flash_attention", "flash_attention_fa4"])
+@pytest.mark.parametrize("name", ["online_softmax", "merge_state_torch", "exp2_poly3",
+                                  "flash_attention", "flash_attention_noncausal",
+                                  "flash_attention_fa4"])
 def test_implementation_passes_check(name):
     spec = gpulab.get_spec(name)
     gpulab.check(spec, spec.implementation, quiet=True)
@@ -51,7 +54,7 @@ def test_softmax_torch_versions():
     x = torch.randn(5, 300) * 3
     x[0, 5] = 100.0                      # overflows exp in float32
     ref = torch.softmax(x.double(), -1)
-    assert not torch.isfinite(A.softmax_naive(x)).all()
+    assert not torch.isfinite(A.softmax_unsafe(x)).all()
     torch.testing.assert_close(A.softmax_safe(x).double(), ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(A.softmax_online_torch(x, block=64).double(), ref, atol=1e-6, rtol=1e-5)
     # merging (m, d) of two halves gives the state of the whole row
@@ -91,7 +94,7 @@ def test_flash_attention_matches_fp64(dtype, B, Hq, Hkv, Sq, Skv, D, causal):
     torch.testing.assert_close(o.double(), ref["o"], atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), ref["lse"], atol=1e-4, rtol=1e-5)
     # the LSE is the natural log of the sum of exponentials of the scaled scores
-    s = (q.double() @ A._expand_kv(k.double(), Hq).transpose(-1, -2)) / math.sqrt(D)
+    s = (q.double() @ A.repeat_kv(k.double(), Hq).transpose(-1, -2)) / math.sqrt(D)
     if causal:
         s = s.masked_fill(~A.causal_mask(Sq, Skv, q.device), -math.inf)
     torch.testing.assert_close(lse.double(), torch.log(torch.exp(s).sum(-1)), atol=1e-4, rtol=1e-5)
@@ -118,35 +121,35 @@ def test_merge_states_associative_and_matches_full_attention():
              for a, b in ((0, 17), (17, 60), (60, 90))]
     # fold left and fold right, in float32
     (oa, la), (ob, lb), (oc, lc) = [(o.float(), lse) for o, lse in parts]
-    left = A.merge_states(*A.merge_states(oa, la, ob, lb), oc, lc)
-    right = A.merge_states(oa, la, *A.merge_states(ob, lb, oc, lc))
-    swapped = A.merge_states(oc, lc, *A.merge_states(ob, lb, oa, la))
+    left = A.merge_state_torch(*A.merge_state_torch(oa, la, ob, lb), oc, lc)
+    right = A.merge_state_torch(oa, la, *A.merge_state_torch(ob, lb, oc, lc))
+    swapped = A.merge_state_torch(oc, lc, *A.merge_state_torch(ob, lb, oa, la))
     for o, lse in (left, right, swapped):
         torch.testing.assert_close(o, left[0], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(lse, full_lse, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(o, full_o.float(), atol=2 * tol(dtype)[0], rtol=2 * tol(dtype)[1])
     # an empty state is the identity, two empty states stay empty (never NaN)
     empty_o, empty_lse = torch.zeros_like(oa), torch.full_like(la, -math.inf)
-    o, lse = A.merge_states(oa, la, empty_o, empty_lse)
+    o, lse = A.merge_state_torch(oa, la, empty_o, empty_lse)
     assert torch.equal(lse, la) and torch.allclose(o, oa, atol=1e-7, rtol=1e-6)
-    o, lse = A.merge_states(empty_o, empty_lse, empty_o, empty_lse)
+    o, lse = A.merge_state_torch(empty_o, empty_lse, empty_o, empty_lse)
     assert (o == 0).all() and torch.isneginf(lse).all()
     # FlashInfer's base-2 LSE: log2 of the sum of 2^(scores·log2 e)
-    s = (q.double() @ A._expand_kv(k.double(), 4).transpose(-1, -2)) / 8.0
+    s = (q.double() @ A.repeat_kv(k.double(), 4).transpose(-1, -2)) / 8.0
     torch.testing.assert_close((full_lse / math.log(2)).double(),
-                               torch.log2(torch.exp2(s * A.LOG2E).sum(-1)), atol=1e-4, rtol=1e-5)
+                               torch.log2(torch.exp2(s * S.LOG2E).sum(-1)), atol=1e-4, rtol=1e-5)
 
 
 def test_merge_states_rejects_bad_input():
     o, lse = torch.zeros(3, 4, 8), torch.zeros(3, 4)
     with pytest.raises(TypeError, match="float32"):
-        A.merge_states(o, lse.double(), o, lse)
+        A.merge_state_torch(o, lse.double(), o, lse)
     with pytest.raises(ValueError, match=r"lse_b.shape \+ \(D,\)"):
-        A.merge_states(o, lse, o, torch.zeros(3, 5))
+        A.merge_state_torch(o, lse, o, torch.zeros(3, 5))
     with pytest.raises(ValueError, match="one shape"):
-        A.merge_states(o, lse, torch.zeros(3, 4, 9), lse)
+        A.merge_state_torch(o, lse, torch.zeros(3, 4, 9), lse)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        A.merge_states(o.int(), lse, o, lse)
+        A.merge_state_torch(o.int(), lse, o, lse)
 
 
 def test_flash_attention_rejects_bad_input():
@@ -179,12 +182,12 @@ def test_flash_attention_rejects_bad_input():
 def test_exp2_poly3_torch_and_triton_agree_within_documented_error():
     x = torch.linspace(-126, 30, 20001)
     ref = torch.exp2(x.double())
-    for y in (A.exp2_poly3_torch(x), A.exp2_poly3_torch(x.to(dev())).cpu()):
-        assert float(((y.double() - ref) / ref).abs().max()) < A.POLY3_MAX_REL_ERROR
+    for y in (S.exp2_poly3_torch(x), S.exp2_poly3_torch(x.to(dev())).cpu()):
+        assert float(((y.double() - ref) / ref).abs().max()) < S.POLY3_MAX_REL_ERROR
     y = torch.empty_like(x, device=dev())
     A.exp2_poly3_into(x.to(dev()), y)
-    assert torch.equal(y.cpu(), A.exp2_poly3_torch(x)) or \
-        float(((y.cpu().double() - ref) / ref).abs().max()) < A.POLY3_MAX_REL_ERROR
+    assert torch.equal(y.cpu(), S.exp2_poly3_torch(x)) or \
+        float(((y.cpu().double() - ref) / ref).abs().max()) < S.POLY3_MAX_REL_ERROR
 
 
 def test_fa4_options_error_budget():
@@ -290,7 +293,7 @@ _SM_CASES = [gpulab.Case("blocks + tail", dict(rows=3, cols=600))]
     (4, "ever loaded"), (5, "wrong"), (6, "same factor"),
 ])
 def test_online_softmax_check_rejects(mut, expected):
-    msg = rejects(A.ONLINE_SOFTMAX, _softmax_launcher(mut), cases=_SM_CASES, dtypes=[torch.float32])
+    msg = rejects("online_softmax", _softmax_launcher(mut), cases=_SM_CASES, dtypes=[torch.float32])
     assert expected in msg, msg
 
 
@@ -359,7 +362,7 @@ def _attn_launcher(mut):
     def launch(q, k, v, causal, o, lse):
         B, H, Sq, D = q.shape
         _attn_mutant[(triton.cdiv(Sq, 32), B * H)](q, k, v, o, lse, H, H // k.shape[1], Sq, k.shape[2],
-                                                   A.LOG2E / math.sqrt(D), HEAD_DIM=D, CAUSAL=bool(causal),
+                                                   S.LOG2E / math.sqrt(D), HEAD_DIM=D, CAUSAL=bool(causal),
                                                    BLOCK_M=32, BLOCK_N=32, MUT=mut)
     return launch
 
@@ -380,7 +383,7 @@ def _cases(*cases):
 
 def test_attention_mutant_template_is_correct():
     # The mutant kernel with no bug passes: every rejection below is about the bug.
-    gpulab.check(A.FLASH_ATTENTION, _attn_launcher(0), cases=_cases(
+    gpulab.check("flash_attention", _attn_launcher(0), cases=_cases(
         _c("tail", Sq=37, Skv=45), _c("causal GQA", Hq=4, Hkv=2, Sq=20, Skv=67, causal=True)),
         dtypes=[attn_dtypes()[0]], quiet=True)
 
@@ -398,17 +401,18 @@ def test_attention_mutant_template_is_correct():
 def test_attention_check_rejects(mut, case, expected):
     # Through the notebook's check, which adds attention-specific hints to gpulab.check's.
     with pytest.raises(gpulab.CheckFailure) as info:
-        A.check_flash_attention(_attn_launcher(mut), cases=_cases(case), dtypes=[attn_dtypes()[0]], quiet=True)
+        gpulab.check("flash_attention", _attn_launcher(mut), cases=_cases(case), dtypes=[attn_dtypes()[0]],
+                     quiet=True)
     msg = str(info.value)
     assert expected in msg, msg
     if mut == 3:   # the generic harness alone already explains this one
-        assert expected in rejects(A.FLASH_ATTENTION, _attn_launcher(mut), cases=_cases(case),
+        assert expected in rejects("flash_attention", _attn_launcher(mut), cases=_cases(case),
                                    dtypes=[attn_dtypes()[0]])
 
 
 def test_attention_check_hints_through_public_checks():
     with pytest.raises(gpulab.CheckFailure, match="scale × ln 2"):
-        A.check_attention_noncausal(_attn_launcher(2), cases=_cases(_c("tail", Sq=37, Skv=45)))
+        gpulab.check("flash_attention_noncausal", _attn_launcher(2), cases=_cases(_c("tail", Sq=37, Skv=45)))
 
 
 def _merge_mutant(kind):
@@ -417,11 +421,11 @@ def _merge_mutant(kind):
             lse = torch.logaddexp(lse_a, lse_b)
             wa, wb = torch.exp(lse_a - lse), torch.exp(lse_b - lse)
             return (wa[..., None] * o_a.float() + wb[..., None] * o_b.float()).to(o_a.dtype), lse
-        o, lse = A.merge_states(o_a, lse_a, o_b, lse_b)
+        o, lse = A.merge_state_torch(o_a, lse_a, o_b, lse_b)
         if kind == "base2":      # returns FlashInfer's base-2 LSE
             return o, lse / math.log(2)
         if kind == "unread":     # o_b never used
-            o, lse = A.merge_states(o_a, lse_a, torch.zeros_like(o_b), lse_b)
+            o, lse = A.merge_state_torch(o_a, lse_a, torch.zeros_like(o_b), lse_b)
         if kind == "unnormalised":
             o = o * 2
         return o, lse
@@ -431,7 +435,7 @@ def _merge_mutant(kind):
 @pytest.mark.parametrize("kind,expected", [("nan", "NaN"), ("base2", "same factor"),
                                            ("unread", "o_b"), ("unnormalised", "same factor")])
 def test_merge_check_rejects(kind, expected):
-    msg = rejects(A.MERGE_STATES, _merge_mutant(kind), dtypes=[torch.float32])
+    msg = rejects("merge_state_torch", _merge_mutant(kind), dtypes=[torch.float32])
     assert expected in msg, msg
 
 
@@ -460,5 +464,5 @@ def _exp2_mutant(x_ptr, y_ptr, n, BLOCK: tl.constexpr, MUT: tl.constexpr):
 def test_exp2_check_rejects(mut, expected):
     def launch(x, y):
         _exp2_mutant[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024, MUT=mut)
-    msg = rejects(A.EXP2_POLY3, launch)
+    msg = rejects("exp2_poly3", launch)
     assert expected in msg, msg

@@ -6,6 +6,8 @@ import torch
 
 import gpulab
 from gpulab import cascade, paged, runtime
+from gpulab.grading import cascade as CG
+from gpulab.grading import paged as PG
 from gpulab.harness.checking import rejects
 from gpulab.harness.spec import get
 
@@ -89,7 +91,7 @@ def test_merge_validation():
     bad = lse.clone()
     bad[0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN"):
-        cascade.merge_state(o, lse, o, bad)
+        cascade.merge_state(o, lse, o, bad, validate=True)
     with pytest.raises(ValueError, match="no states"):
         cascade.merge_states(o[:, :0, None].expand(2, 0, 3, 16).contiguous(), torch.zeros(2, 0, 3, device=DEV))
 
@@ -97,7 +99,7 @@ def test_merge_validation():
 # -- cascade decode ---------------------------------------------------------------------------
 def _cascade_inputs(prefix, lens, page=4, hq=4, hkv=2, d=16, dtype=torch.float32, full=False):
     g = torch.Generator(device=DEV).manual_seed(3)
-    return cascade.make_cascade_inputs(dict(prefix=prefix, lens=lens, page=page, hq=hq, hkv=hkv, d=d,
+    return CG.make_cascade_inputs(dict(prefix=prefix, lens=lens, page=page, hq=hq, hkv=hkv, d=d,
                                             full=full), dtype, DEV, g)
 
 
@@ -109,10 +111,10 @@ def test_cascade_equals_noncascade_paged_decode(dtype):
     o2, lse2 = paged.paged_decode_attention(inp["q"], inp["k_cache"], inp["v_cache"],
                                             inp["full_block_table"], inp["full_seq_lens"], return_lse=True)
     ref = cascade.cascade_reference(**inp)
-    atol, rtol = paged._DECODE_TOL[dtype]
+    atol, rtol = PG.DECODE_TOLERANCES[dtype]
     torch.testing.assert_close(o.double(), ref["o"], atol=atol, rtol=rtol)
     torch.testing.assert_close(o.double(), o2.double(), atol=2 * atol, rtol=rtol)
-    torch.testing.assert_close(lse, lse2, atol=paged._LSE_TOL[dtype][0], rtol=1e-3)
+    torch.testing.assert_close(lse, lse2, atol=PG.LSE_TOLERANCES[dtype][0], rtol=1e-3)
 
 
 def test_cascade_validation():
@@ -121,7 +123,7 @@ def test_cascade_validation():
     pages = inp["prefix_pages"].clone()
     pages[1] = P + 5
     with pytest.raises(IndexError, match=r"prefix_pages\[1\]"):
-        cascade.cascade_decode_attention(**{**inp, "prefix_pages": pages})
+        cascade.cascade_decode_attention(**{**inp, "prefix_pages": pages}, validate=True)
     with pytest.raises(ValueError, match="needs 4 pages"):
         cascade.cascade_decode_attention(**{**inp, "prefix_len": 13})
     with pytest.raises(ValueError, match="non-negative int"):
@@ -129,7 +131,7 @@ def test_cascade_validation():
     bt = inp["block_table"].clone()
     bt[0, 0] = -3
     with pytest.raises(IndexError, match=r"block_table\[0, 0\]"):
-        cascade.cascade_decode_attention(**{**inp, "block_table": bt})
+        cascade.cascade_decode_attention(**{**inp, "block_table": bt}, validate=True)
     with pytest.raises(TypeError, match="int32"):
         cascade.shared_prefix_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["prefix_pages"].long(), 10)
 

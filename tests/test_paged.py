@@ -5,6 +5,7 @@ import torch
 
 import gpulab
 from gpulab import paged, runtime
+from gpulab.grading import paged as PG
 from gpulab.harness.checking import rejects
 from gpulab.harness.spec import get
 
@@ -21,19 +22,19 @@ def test_implementation_passes(name):
 # -- public function ------------------------------------------------------------------------
 def _inputs(lens, page=16, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return paged.make_paged_inputs(dict(lens=lens, page=page, hq=hq, hkv=hkv, d=d), dtype, DEV, g)
+    return PG.make_paged_inputs(dict(lens=lens, page=page, hq=hq, hkv=hkv, d=d), dtype, DEV, g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_public_matches_reference_every_split(dtype):
     inp = _inputs([1, 16, 17, 70, 0], page=16, hq=6, hkv=2, d=24, dtype=dtype)
     ref = paged.paged_decode_reference(**inp)
-    atol, rtol = paged._DECODE_TOL[dtype]
+    atol, rtol = PG.DECODE_TOLERANCES[dtype]
     for splits in (None, 1, 5):
         o, lse = paged.paged_decode_attention(**inp, return_lse=True, num_splits=splits)
         assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == inp["q"].shape
         torch.testing.assert_close(o.double(), ref["o"], atol=atol, rtol=rtol)
-        torch.testing.assert_close(lse.double(), ref["lse"], atol=paged._LSE_TOL[dtype][0], rtol=1e-3)
+        torch.testing.assert_close(lse.double(), ref["lse"], atol=PG.LSE_TOLERANCES[dtype][0], rtol=1e-3)
     assert torch.isneginf(lse[4]).all() and (o[4] == 0).all()     # the empty sequence
 
 
@@ -124,20 +125,20 @@ def test_bad_block_tables_and_inputs_rejected():
     bt = inp["block_table"].clone()
     bt[1, 3] = P                                   # a page past the pool
     with pytest.raises(IndexError, match=rf"block_table\[1, 3\] = {P} is not a page"):
-        paged.paged_decode_attention(**{**inp, "block_table": bt})
+        paged.paged_decode_attention(**{**inp, "block_table": bt}, validate=True)
     bt[1, 3] = -1
     with pytest.raises(IndexError, match="block_table"):
-        paged.paged_decode_attention(**{**inp, "block_table": bt})
+        paged.paged_decode_attention(**{**inp, "block_table": bt}, validate=True)
     # entries past a sequence's pages are never read: garbage there is fine
     bt = inp["block_table"].clone()
     bt[0, 2:] = 10 ** 6
-    paged.paged_decode_attention(**{**inp, "block_table": bt})
+    paged.paged_decode_attention(**{**inp, "block_table": bt}, validate=True)
     with pytest.raises(ValueError, match="exceeds the block table's capacity"):
         paged.paged_decode_attention(**{**inp, "seq_lens": torch.tensor([5, 10 ** 4], dtype=torch.int32,
-                                                                          device=DEV)})
+                                                                          device=DEV)}, validate=True)
     with pytest.raises(ValueError, match="negative"):
         paged.paged_decode_attention(**{**inp, "seq_lens": torch.tensor([5, -1], dtype=torch.int32,
-                                                                          device=DEV)})
+                                                                          device=DEV)}, validate=True)
     with pytest.raises(TypeError, match="int32"):
         paged.paged_decode_attention(**{**inp, "block_table": inp["block_table"].long()})
     with pytest.raises(TypeError, match="k_cache must be float16"):

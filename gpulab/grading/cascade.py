@@ -1,2 +1,236 @@
-"""Grading of gpulab.cascade: inputs, cases, specs, checks (being split out of the kernel file)."""
-from ..cascade import *  # noqa: F401,F403
+"""Grading of notebook 06 (gpulab.cascade): inputs, cases, specs, baselines.
+
+Specs (``gpulab.check(NAME, fn)``): ``merge_state`` (a launcher
+``fn(o_a, lse_a, o_b, lse_b, o, lse)``), ``merge_states`` (S states, FlashInfer's layout),
+``shared_prefix_attention``, ``cascade_decode_attention``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention_state import merge_state_reference, merge_states_reference
+from ..cascade import (cascade_decode_into, cascade_reference, merge_state_into, merge_states_into,
+                       shared_prefix_into, shared_prefix_reference)
+from ..harness.spec import Case, KernelSpec, bytes_of, randn
+from ..paged import paged_decode_into
+from .paged import DECODE_TOLERANCES, LSE_TOLERANCES, decode_outputs, make_paged_inputs, make_partials
+
+
+def make_states(p, dtype, device, gen):
+    """Two states per (row, head) with a wide LSE spread (exp without a max overflows)
+    and empty states (-inf, o = 0) on either side, sometimes both."""
+    n, h, d = p["n"], p["h"], p["d"]
+    out = {}
+    for side, off in (("a", 20.0), ("b", -10.0)):
+        o = randn((n, h, d), torch.float32, device, gen)
+        lse = randn((n, h), torch.float32, device, gen, scale=p.get("spread", 40.0), offset=off)
+        empty = torch.rand((n, h), generator=gen, device=device) < p.get("empty", 0.2)
+        lse = torch.where(empty, -math.inf, lse)
+        out[f"o_{side}"] = torch.where(empty[..., None], 0.0, o).to(dtype)
+        out[f"lse_{side}"] = lse
+    if p.get("both_empty") and n * h:
+        out["lse_a"][0, 0] = -math.inf
+        out["lse_b"][0, 0] = -math.inf
+        out["o_a"][0, 0] = 0
+        out["o_b"][0, 0] = 0
+    return {"o_a": out["o_a"], "lse_a": out["lse_a"], "o_b": out["o_b"], "lse_b": out["lse_b"]}
+
+
+def torch_merge(inp):
+    """The merge in eager PyTorch (the benchmark's baseline)."""
+    lse = torch.logaddexp(inp["lse_a"], inp["lse_b"])
+    wa = torch.exp(inp["lse_a"] - lse)[..., None]
+    wb = torch.exp(inp["lse_b"] - lse)[..., None]
+    return (wa * inp["o_a"] + wb * inp["o_b"]).to(inp["o_a"].dtype), lse
+
+
+MERGE_STATE = KernelSpec(
+    name="merge_state",
+    summary="merge two attention states (o, lse) over disjoint key sets",
+    args=("o_a", "lse_a", "o_b", "lse_b", "o", "lse"),
+    make_inputs=make_states,
+    reference=merge_state_reference,
+    outputs=lambda inp, dtype: {"o": (inp["o_a"].shape, dtype), "lse": (inp["lse_a"].shape, torch.float32)},
+    implementation=merge_state_into,
+    cases={
+        "cpu": [Case("one state", dict(n=1, h=1, d=16, empty=0.0)),
+                Case("empty states", dict(n=5, h=3, d=24, empty=0.4, both_empty=True)),
+                Case("wide spread", dict(n=37, h=4, d=128, spread=80.0))],
+        "gpu": [Case("one state", dict(n=1, h=1, d=16, empty=0.0)),
+                Case("empty states", dict(n=5, h=3, d=24, empty=0.4, both_empty=True)),
+                Case("batch", dict(n=1000, h=32, d=128, spread=80.0))],
+        "bench": [Case("256 x 32 x 128", dict(n=256, h=32, d=128, empty=0.0)),
+                  Case("8192 x 32 x 128", dict(n=8192, h=32, d=128, empty=0.0))],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (8e-3, 1e-2)},
+    output_tolerances={"lse": {torch.float32: (1e-5, 1e-6), torch.float16: (1e-5, 1e-6),
+                               torch.bfloat16: (1e-5, 1e-6)}},
+    bytes_moved=lambda p, dt: p["n"] * p["h"] * (3 * p["d"] * bytes_of(dt) + 12),
+    baselines={"torch": torch_merge},
+    read_inputs=("o_a", "lse_a", "o_b", "lse_b"),
+    bench_dtypes=[torch.bfloat16],
+)
+
+
+def merge_states_flashinfer_layout_reference(o_states, lse_states):
+    """S states in FlashInfer's layout: o_states [N, S, H, D], lse_states [N, S, H]."""
+    return merge_states_reference(o_states.transpose(1, 2), lse_states.transpose(1, 2))
+
+
+def make_multi_states(p, dtype, device, gen):
+    n, s, h, d = p["n"], p["s"], p["h"], p["d"]
+    parts = make_partials(dict(b=n, h=s, s=h, d=d, empty=p.get("empty", 0.25),
+                                     all_empty_row=p.get("all_empty_row", False)),
+                                dtype, device, gen)
+    # make_partials builds [B, H, S, D]-shaped data; here dims 1 and 2 are (states, heads)
+    return {"o_states": parts["o_part"].to(dtype), "lse_states": parts["lse_part"]}
+
+
+MERGE_STATES = KernelSpec(
+    name="merge_states",
+    summary="merge S attention states per row (FlashInfer's merge_states layout)",
+    args=("o_states", "lse_states", "o", "lse"),
+    make_inputs=make_multi_states,
+    reference=merge_states_flashinfer_layout_reference,
+    outputs=lambda inp, dtype: {"o": ((inp["o_states"].shape[0],) + tuple(inp["o_states"].shape[2:]), dtype),
+                                "lse": ((inp["o_states"].shape[0], inp["o_states"].shape[2]), torch.float32)},
+    implementation=merge_states_into,
+    cases={
+        "cpu": [Case("one state", dict(n=1, s=1, h=1, d=16, empty=0.0)),
+                Case("ragged, empty states", dict(n=3, s=5, h=6, d=24)),
+                Case("many states", dict(n=2, s=17, h=4, d=128))],
+        "gpu": [Case("one state", dict(n=1, s=1, h=1, d=16, empty=0.0)),
+                Case("ragged, empty states", dict(n=33, s=5, h=6, d=24)),
+                Case("many states", dict(n=256, s=17, h=32, d=128))],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (8e-3, 1e-2)},
+    output_tolerances={"lse": {torch.float32: (1e-5, 1e-6), torch.float16: (1e-5, 1e-6),
+                               torch.bfloat16: (1e-5, 1e-6)}},
+    read_inputs=("o_states", "lse_states"),
+)
+
+
+def make_cascade_inputs(p, dtype, device, gen):
+    """A shared prefix of ``prefix`` tokens and per-request suffixes of ``lens`` tokens,
+    all in one pool of shuffled pages. With ``full=True`` (benchmarks) also the block
+    tables of the same requests without sharing (prefix pages ++ suffix pages), for
+    the non-cascade baseline."""
+    ps = p["page"]
+    P = p["prefix"]
+    n_pre = -(-P // ps)
+    base = make_paged_inputs({**p, "spare": p.get("spare", 2) + n_pre}, dtype, device, gen)
+    total = base["k_cache"].shape[0]
+    # The suffix pages are perm[:sum]; the prefix takes pages from the spare ones.
+    n_suffix_pages = sum(-(-n // ps) for n in p["lens"])
+    in_use = torch.zeros(total, dtype=torch.bool, device=device)
+    for b, n in enumerate(p["lens"]):
+        in_use[base["block_table"][b, :-(-n // ps)].long()] = True
+    free = (~in_use).nonzero().flatten()
+    pick = free[torch.randperm(free.numel(), generator=gen, device=device)[:n_pre]]
+    assert pick.numel() == n_pre and n_suffix_pages + n_pre <= total
+    inputs = {"q": base["q"], "k_cache": base["k_cache"], "v_cache": base["v_cache"],
+              "prefix_pages": pick.to(torch.int32), "prefix_len": P,
+              "block_table": base["block_table"], "seq_lens": base["seq_lens"]}
+    if p.get("full"):
+        if P % ps:
+            raise ValueError("the non-cascade baseline needs prefix % page == 0")
+        bt = torch.cat([inputs["prefix_pages"][None, :].expand(len(p["lens"]), -1),
+                        base["block_table"]], dim=1).contiguous()
+        inputs["full_block_table"] = bt
+        inputs["full_seq_lens"] = base["seq_lens"] + P
+    return inputs
+
+
+def noncascade_baseline(inp):
+    """gpulab's paged decode on the same requests, each reading the prefix itself."""
+    q = inp["q"]
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    paged_decode_into(q, inp["k_cache"], inp["v_cache"], inp["full_block_table"],
+                            inp["full_seq_lens"], o, lse)
+    return o
+
+
+def cascade_bytes(p, dtype):
+    kv = (p["prefix"] + sum(p["lens"])) * p["hkv"] * p["d"] * 2
+    return (kv + 2 * len(p["lens"]) * p["hq"] * p["d"]) * bytes_of(dtype)
+
+
+def cascade_flops(p, dtype):
+    return 4 * p["hq"] * p["d"] * (len(p["lens"]) * p["prefix"] + sum(p["lens"]))
+
+
+def bench_lens(n, hi, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, hi + 1, (n,), generator=g).tolist()
+
+
+_CASCADE_CPU = [
+    Case("one request", dict(prefix=20, lens=[3], page=16, hq=4, hkv=2, d=16)),
+    Case("ragged suffixes, partial prefix page",
+         dict(prefix=37, lens=[0, 1, 16, 17, 40], page=16, hq=4, hkv=2, d=16)),
+    Case("MHA, D=24, page 5", dict(prefix=23, lens=[5, 11, 2], page=5, hq=3, hkv=3, d=24)),
+    Case("no prefix", dict(prefix=0, lens=[4, 9], page=8, hq=4, hkv=1, d=32)),
+]
+_CASCADE_GPU = [
+    Case("one request", dict(prefix=20, lens=[3], page=16, hq=32, hkv=8, d=128)),
+    Case("ragged suffixes, partial prefix page",
+         dict(prefix=3000 + 7, lens=[0, 1, 16, 17, 256] * 9, page=16, hq=32, hkv=8, d=128)),
+    Case("MHA, D=24, page 5", dict(prefix=2323, lens=[5, 11, 2], page=5, hq=3, hkv=3, d=24)),
+    Case("no prefix", dict(prefix=0, lens=[4, 900], page=8, hq=4, hkv=1, d=64)),
+    Case("long prefix, many requests", dict(prefix=16384, lens=bench_lens(130, 256), page=16,
+                                            hq=32, hkv=8, d=128)),
+]
+
+CASCADE_DECODE_ATTENTION = KernelSpec(
+    name="cascade_decode_attention",
+    graph_timing=True,
+    summary="decode for requests sharing a prefix: prefix read once (multi-query), suffixes paged, merged",
+    args=("q", "k_cache", "v_cache", "prefix_pages", "prefix_len", "block_table", "seq_lens", "o", "lse"),
+    make_inputs=make_cascade_inputs,
+    reference=cascade_reference,
+    outputs=decode_outputs,
+    implementation=cascade_decode_into,
+    cases={
+        "cpu": _CASCADE_CPU,
+        "gpu": _CASCADE_GPU,
+        # The issue's sizes first (GQA 32/8 and MHA 32/32), then a sweep over batch and
+        # prefix length for the speed-up plot of notebook 06.
+        "bench": [Case(f"P{P} B{B} {hq}/{hkv}",
+                       dict(prefix=P, lens=bench_lens(B, 256), page=16, hq=hq, hkv=hkv, d=128,
+                            spare=0, pad=0, full=True))
+                  for P, B, hq, hkv in ((32768, 256, 32, 8), (32768, 256, 32, 32), (32768, 64, 32, 8),
+                                        (32768, 16, 32, 8), (8192, 256, 32, 8), (8192, 64, 32, 8),
+                                        (8192, 16, 32, 8), (2048, 256, 32, 8))],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances=DECODE_TOLERANCES,
+    output_tolerances={"lse": LSE_TOLERANCES},
+    bytes_moved=cascade_bytes,
+    flops=cascade_flops,
+    baselines={"paged decode (no cascade)": noncascade_baseline},
+    compile_baselines=False,   # the baseline is gpulab's own Triton kernel
+    read_inputs=("q", "k_cache", "v_cache"),
+    bench_dtypes=[torch.bfloat16],
+    notes="baseline: gpulab's paged decode on the same requests, prefix pages in every block table",
+)
+
+
+SHARED_PREFIX_ATTENTION = KernelSpec(
+    name="shared_prefix_attention",
+    summary="multi-query attention of all requests' queries over one shared paged prefix",
+    args=("q", "k_cache", "v_cache", "prefix_pages", "prefix_len", "o", "lse"),
+    make_inputs=make_cascade_inputs,
+    reference=shared_prefix_reference,
+    outputs=decode_outputs,
+    implementation=shared_prefix_into,
+    cases={"cpu": _CASCADE_CPU[:3], "gpu": _CASCADE_GPU[1:3] + _CASCADE_GPU[4:]},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances=DECODE_TOLERANCES,
+    output_tolerances={"lse": LSE_TOLERANCES},
+    read_inputs=("q", "k_cache", "v_cache"),
+)
