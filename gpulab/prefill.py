@@ -55,12 +55,18 @@ build it:
   ops (a cumulative sum and a search over the tile counts), for an upper bound of
   ⌈total_q / tile⌉ + B items; surplus items do nothing. No host sync either.
 
-**Safety.** Validation that needs the data (page ids, lengths) is host work: ``plan()``
-does it, and :func:`append_attention` does it on request (``validate=True``). Without it
-the kernels stay inside their buffers whatever the layout holds: lengths are clamped to
-the block table's capacity, rows to ``q``, and page ids to the pool (reads) or skipped
-(writes); a page id outside the pool sets a device-side fault flag that the next
-``plan()`` or validating call reports.
+**Safety** (as in :mod:`gpulab.paged`). Validation that needs the data (page ids,
+lengths, indptr) reads device memory, a host sync: ``plan()`` does it once per batch, and
+:func:`append_attention` / :func:`append_kv` do it on request (``validate=True``,
+``GPULAB_DEBUG=1`` or :func:`gpulab.runtime.set_debug_checks`). Without it the kernels stay
+inside their buffers whatever the layout holds: lengths are clamped to the block table's
+capacity, rows to ``q``, and a page id outside the pool is never followed (its tokens read
+as zeros, or are not written); bad page ids and lengths are recorded in the shared
+device-side fault flag (:func:`gpulab.paged.fault_flag`) that the next ``plan()`` or
+validating call reports as a :class:`gpulab.paged.LayoutFault`.
+
+The attention state (o, lse) follows :mod:`gpulab.attention_state` (its online update and
+epilogue run inside the kernel).
 """
 from __future__ import annotations
 
@@ -72,10 +78,11 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .paged import LOG2E, gather_kv
+from .attention_state import LOG2E, online_update, state_epilogue
+from .paged import (FAULT_PAGE, FAULT_SEQ_LEN, fault_flag, gather_kv, guard_pages,
+                    raise_recorded_faults, record_fault)
 from .validate import require_float, require_same_device, require_tensor
 
-LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
 
 
@@ -128,50 +135,17 @@ def append_kv_reference(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens
 
 
 # =========================================================================================
-# Online-softmax state helpers (jit). Kept apart from the kernel: they are the shared
-# attention-state step (running max m and sum l in base 2, unnormalised accumulator).
-# =========================================================================================
-@triton.jit
-def prefill_online_update(m, l, acc, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """Fold one block of scores s [BLOCK_M, BLOCK_N] (base 2, -inf where masked) and
-    values v [BLOCK_N, D] into the state (m, l, acc) of BLOCK_M query rows."""
-    m_new = tl.maximum(m, tl.max(s, 1))
-    if MASKED:   # a row that has seen only masked keys keeps m = -inf: subtract 0 (no NaN)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p, v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_new, l, acc
-
-
-@triton.jit
-def prefill_epilogue(m, l, acc):
-    """(o, natural-log lse) of the state; a row with no visible key (l = 0) gives the
-    empty state o = 0, lse = -inf."""
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    return acc / l_safe[:, None], lse
-
-
-# =========================================================================================
 # Triton kernels
 # =========================================================================================
 @triton.jit
 def _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, num_pages,
               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, UPCAST: tl.constexpr):
-    """K and V [BLOCK_N, BLOCK_D] of KV positions t through one request's block-table row;
-    page ids outside the pool are clamped into it (and reported in ``bad``)."""
+    """K and V [BLOCK_N, BLOCK_D] of KV positions t through one request's block-table row.
+    A page id outside the pool is not followed: its tokens load as zeros and are counted
+    in ``n_bad`` (:func:`gpulab.paged.guard_pages`)."""
     page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+    page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
+    page = page.to(tl.int64)
     slot = t % page_size
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
@@ -181,7 +155,7 @@ def _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, nu
     if UPCAST:   # bf16 tl.dot is wrong in the interpreter: compute in fp32 there
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return k, v, bad
+    return k, v, n_bad
 
 
 @triton.jit
@@ -196,7 +170,7 @@ def _append_attention_kernel(
         stride_btb, stride_ot, stride_oh, stride_lt, stride_lh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PAGE_FAULT: tl.constexpr, LEN_FAULT: tl.constexpr):
     """Program (w, kvh): work item w = (request b, q tile) and kv head kvh. Rows of the
     tile are (new token, query head) pairs: row r = token t0 + r // GROUP of request b,
     query head kvh·GROUP + r % GROUP."""
@@ -212,7 +186,9 @@ def _append_attention_kernel(
     q_start = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + b), 0), total_q)
     q_end = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + b + 1), q_start), total_q)
     n_new = tl.where(has_work, q_end - q_start, 0)
-    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), bt_width * page_size)
+    kv_len = tl.load(kv_lens_ptr + b)
+    faults = tl.where(has_work & ((kv_len < 0) | (kv_len > bt_width * page_size)), LEN_FAULT, 0)
+    kv_len = tl.minimum(tl.maximum(kv_len, 0), bt_width * page_size)
     history = kv_len - n_new                      # KV positions before the first new token
     t0 = tile * TILE
     n_tile = tl.where(has_work, tl.maximum(tl.minimum(n_new - t0, TILE), 0), 0)   # its new tokens
@@ -245,41 +221,44 @@ def _append_attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    faults = tl.zeros([BLOCK_N], tl.int32)
+    bad_pages = 0
     cols = tl.arange(0, BLOCK_N)
-    for start in range(0, full, BLOCK_N):       # visible to every row: no mask
+    # Visible to every row: no score mask. (A bad page's tokens load as zeros here and
+    # still get a score: the result is wrong, as it must be for a bad layout, but no
+    # address outside the cache is formed, and the fault is recorded.)
+    for start in range(0, full, BLOCK_N):
         t = start + cols
-        k, v, bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh, page_size,
-                              num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                              stride_vh, UPCAST)
-        faults = tl.maximum(faults, bad.to(tl.int32))
+        k, v, n_bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh, page_size,
+                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                stride_vh, UPCAST)
+        bad_pages += n_bad
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
-        m, l, acc = prefill_online_update(m, l, acc, s, v, False, IEEE)
+        m, l, acc = online_update(m, l, acc, s, v, False, False, 0.0, IEEE)
     for start in range(full, hi, BLOCK_N):      # the diagonal and the tail: masked per row
         t = start + cols
-        t_mask = t < hi
-        k, v, bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size,
-                              num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                              stride_vh, UPCAST)
-        faults = tl.maximum(faults, bad.to(tl.int32))
+        k, v, n_bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh, page_size,
+                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                stride_vh, UPCAST)
+        bad_pages += n_bad
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = t_mask[None, :] & (t[None, :] < limit[:, None])
+        visible = (t[None, :] < hi) & (t[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m, l, acc = prefill_online_update(m, l, acc, s, v, True, IEEE)
+        m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
+    faults = faults | tl.where(bad_pages > 0, PAGE_FAULT, 0)
+    if kvh == 0:
+        record_fault(fault_ptr, faults, b)
 
-    out, lse = prefill_epilogue(m, l, acc)
+    out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     if HAS_LSE:
         tl.store(lse_ptr + row * stride_lt + head * stride_lh, lse, mask=row_ok)
-    if tl.max(faults, 0) > 0:
-        tl.atomic_or(fault_ptr, 1)
 
 
 @triton.jit
@@ -288,10 +267,12 @@ def _append_kv_kernel(
         num_req, total_new, num_pages, bt_width, page_size,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_btb,
         stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
-        HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        PAGE_FAULT: tl.constexpr, LEN_FAULT: tl.constexpr):
     """Program (i, kvh): new tokens i·BLOCK_T ... of kv head kvh. Each token finds its
     request by binary search in qo_indptr, then its page and slot; it is written only if
-    its position and page id are valid (a bad page id is reported, never written)."""
+    its position and page id are valid (otherwise nothing is written and the fault is
+    recorded)."""
     kvh = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < total_new
@@ -307,12 +288,13 @@ def _append_kv_kernel(
     start = tl.load(qo_indptr_ptr + b, mask=t_ok, other=0)
     end = tl.load(qo_indptr_ptr + b + 1, mask=t_ok, other=0)
     pos = tl.load(kv_lens_ptr + b, mask=t_ok, other=0) - (end - t)     # KV position of token t
-    ok = t_ok & (t >= start) & (t < end) & (pos >= 0) & (pos < bt_width * page_size)
+    mine = t_ok & (t >= start) & (t < end)
+    ok = mine & (pos >= 0) & (pos < bt_width * page_size)
     page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + pos // page_size, mask=ok, other=0)
-    page_ok = (page >= 0) & (page < num_pages)
-    if tl.max((ok & ~page_ok).to(tl.int32), 0) > 0:
-        tl.atomic_or(fault_ptr, 1)
-    ok = ok & page_ok
+    page, ok, n_bad = guard_pages(page, ok, num_pages)
+    n_bad_len = tl.sum((mine & ((pos < 0) | (pos >= bt_width * page_size))).to(tl.int32), 0)
+    if kvh == 0:
+        record_fault(fault_ptr, tl.where(n_bad > 0, PAGE_FAULT, 0) | tl.where(n_bad_len > 0, LEN_FAULT, 0), -1)
     page = page.to(tl.int64)
     slot = pos % page_size
     d = tl.arange(0, BLOCK_D)
@@ -388,18 +370,6 @@ def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: i
     return torch.where(inside, req, -1).to(torch.int32), tile.to(torch.int32)
 
 
-_FAULT_FLAGS: dict = {}
-
-
-def append_fault_flag(device) -> torch.Tensor:
-    """The device-side fault flag (int32 [1]) of calls made without a plan on ``device``:
-    kernels set it when they meet a page id outside the pool."""
-    device = torch.device(device)
-    if device not in _FAULT_FLAGS:
-        _FAULT_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _FAULT_FLAGS[device]
-
-
 # =========================================================================================
 # Launchers (no validation)
 # =========================================================================================
@@ -423,6 +393,7 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=lse is not None,
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
@@ -436,15 +407,14 @@ def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
     config = append_tile_config(q.dtype, d, hq // k_cache.shape[2])
     work_req, work_tile = append_schedule_device(qo_indptr, total_q, config["BLOCK_M"] // (hq // k_cache.shape[2]))
     launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
-                            o, lse, append_fault_flag(q.device), causal, sm_scale, config)
+                            o, lse, fault_flag(q.device), causal, sm_scale, config)
 
 
 def append_kv_config() -> dict:
     return {"BLOCK_T": 16 if runtime.interpreting() else 32, "num_warps": 4}
 
 
-def append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fault=None,
-                   search_steps: int | None = None):
+def append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, search_steps: int | None = None):
     """Launcher: write new token j of request b (rows of k, v [total_new, Hkv, D]) into
     the caches at KV position kv_lens[b] − n_b + j, in place."""
     B = qo_indptr.shape[0] - 1
@@ -453,15 +423,14 @@ def append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fau
         return
     cfg = append_kv_config()
     steps = max(1, (B - 1).bit_length()) if search_steps is None else search_steps
-    fault = append_fault_flag(k.device) if fault is None else fault
     _append_kv_kernel[(triton.cdiv(total, cfg["BLOCK_T"]), hkv)](
-        k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fault,
+        k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fault_flag(k.device),
         B, total, k_cache.shape[0], block_tables.shape[1], k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=d, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=max(16, triton.next_power_of_2(d)),
-        SEARCH_STEPS=steps, num_warps=cfg["num_warps"])
+        SEARCH_STEPS=steps, PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN, num_warps=cfg["num_warps"])
 
 
 def append_kv_copy_into(k, v, qo_indptr, block_tables, kv_lens, k_cache_before, v_cache_before,
@@ -548,15 +517,6 @@ def require_append_layout(qo_indptr, block_tables, kv_lens, num_pages: int, page
                          f"first {int(pages_used[b])} entries must all be valid page ids")
 
 
-def require_no_append_fault(fault: torch.Tensor, where: str) -> None:
-    """Report (and clear) a fault recorded by an earlier kernel (reads the flag: syncs)."""
-    if int(fault.item()) != 0:
-        fault.zero_()
-        raise IndexError(f"an earlier {where} met a page id outside the KV pool (it was clamped on "
-                         f"read, skipped on write, so nothing outside the cache was touched, but that "
-                         f"result is wrong): a block table or kv_lens changed without validation")
-
-
 def _require_scale(sm_scale) -> None:
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale must be a finite number or None (1/sqrt(D)), got {sm_scale!r}")
@@ -567,7 +527,7 @@ def _require_scale(sm_scale) -> None:
 # =========================================================================================
 def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, causal: bool = True,
                      sm_scale: float | None = None, out: torch.Tensor | None = None,
-                     return_lse: bool = False, validate: bool = False):
+                     return_lse: bool = False, validate: bool | None = None):
     """Attention of each request's new query tokens over its paged KV (history + new).
 
     Parameters
@@ -581,9 +541,11 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, c
     sm_scale : softmax scale, default D ** -0.5.
     out : optional [total_q, Hq, D] output (q's dtype) to write into.
     return_lse : also return lse [total_q, Hq] (float32, natural log, -inf for no key).
-    validate : also run the data-dependent checks (page ids, lengths, indptr), which read
-        the layout and so sync the host; default off: only shapes, dtypes and devices are
-        checked, and the kernel stays in bounds whatever the layout holds.
+    validate : also run the data-dependent checks (page ids, lengths, indptr) and report
+        faults recorded by earlier unvalidated calls; they read the layout, a host sync. The
+        default (None) follows :func:`gpulab.runtime.debug_checks` (``GPULAB_DEBUG``): off,
+        so only shapes, dtypes and devices are checked, and the kernel stays in bounds
+        whatever the layout holds.
 
     Returns o (and lse). Rows of q past qo_indptr[-1] are left as they are in ``out``.
 
@@ -594,8 +556,8 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, c
     if out is not None:
         require_tensor("out", out, shape=q.shape, dtype=q.dtype)
         require_same_device(q=q, out=out)
-    if validate:
-        require_no_append_fault(append_fault_flag(q.device), "append_attention or append_kv call")
+    if runtime.debug_checks() if validate is None else validate:
+        raise_recorded_faults(q.device)
         require_append_layout(qo_indptr, block_tables, kv_lens, k_cache.shape[0], k_cache.shape[1],
                               q.shape[0])
     o = torch.empty_like(q) if out is None else out
@@ -604,14 +566,15 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, c
     return (o, lse) if return_lse else o
 
 
-def append_kv(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, validate: bool = False) -> None:
+def append_kv(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *,
+              validate: bool | None = None) -> None:
     """Write the new tokens' keys and values into the paged caches, in place.
 
     k, v : [total_new, Hkv, D], the caches' dtype; request b's tokens are rows
     qo_indptr[b]:qo_indptr[b+1]; token j of request b goes to KV position
     kv_lens[b] − n_b + j (kv_lens already counts them). Host-only checks by default;
-    ``validate=True`` adds the data-dependent ones. Tokens whose page id is outside the
-    pool are not written (and set the fault flag)."""
+    ``validate=True`` (or ``GPULAB_DEBUG=1``) adds the data-dependent ones. Tokens whose
+    page id is outside the pool are not written (and recorded in the fault flag)."""
     require_tensor("k_cache", k_cache, ndim=4)
     require_float("k_cache", k_cache)
     require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=k_cache.dtype)
@@ -624,8 +587,8 @@ def append_kv(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, valid
     require_append_layout_shapes(qo_indptr, block_tables, kv_lens)
     require_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                         block_tables=block_tables, kv_lens=kv_lens)
-    if validate:
-        require_no_append_fault(append_fault_flag(k.device), "append_attention or append_kv call")
+    if runtime.debug_checks() if validate is None else validate:
+        raise_recorded_faults(k.device)
         require_append_layout(qo_indptr, block_tables, kv_lens, k_cache.shape[0], k_cache.shape[1], k.shape[0])
     append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache)
 
@@ -684,7 +647,7 @@ class AppendAttention:
         self.group = num_qo_heads // num_kv_heads
         # Fixed buffers keep one tile size for good: a captured graph holds its kernel.
         self._set_config(append_tile_config(self.dtype, head_dim, self.group))
-        self.fault = torch.zeros(1, dtype=torch.int32, device=self.device)
+        fault_flag(self.device)             # allocated now, not inside a graph capture
         self._shape = None          # (batch, tokens, pages per request) the buffers hold
         self.planned = False
         if self.fixed:
@@ -728,7 +691,7 @@ class AppendAttention:
         lens = self._host("kv_lens", kv_lens, 1)
         require_append_layout_shapes(indptr, bt, lens)
         _require_scale(sm_scale)
-        require_no_append_fault(self.fault, "AppendAttention run")
+        raise_recorded_faults(self.device)
         require_append_layout(indptr, bt, lens, self.num_pages, self.page_size)
         B, width, total = bt.shape[0], bt.shape[1], int(indptr[-1])
         if self.fixed:
@@ -794,7 +757,7 @@ class AppendAttention:
         elif lse is not None:
             require_tensor("lse", lse, shape=q.shape[:2], dtype=torch.float32)
         launch_append_attention(q, k_cache, v_cache, self.qo_indptr, self.block_tables, self.kv_lens,
-                                self.work_req, self.work_tile, out, lse, self.fault, self.causal,
+                                self.work_req, self.work_tile, out, lse, fault_flag(self.device), self.causal,
                                 self.sm_scale, self.config)
         return (out, lse) if lse is not None else out
 
@@ -804,7 +767,7 @@ class AppendAttention:
         self._require_run(k, k_cache, v_cache, what="k")
         require_tensor("v", v, shape=k.shape, dtype=self.dtype)
         append_kv_into(k, v, self.qo_indptr, self.block_tables, self.kv_lens,
-                       k_cache, v_cache, fault=self.fault,
+                       k_cache, v_cache,
                        search_steps=max(1, (self._shape[0] - 1).bit_length()))
 
 

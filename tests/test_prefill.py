@@ -3,6 +3,7 @@ and the checks against wrong kernels."""
 import contextlib
 import importlib.util
 import math
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -322,13 +323,13 @@ def test_bad_layout_without_validation_stays_in_bounds_and_is_reported():
     bt[0, 0], bt[1, 1] = 10 ** 7, -(10 ** 7)
     bad = dict(qo_indptr=torch.tensor([0, 7, 50], dtype=torch.int32, device=DEV), block_tables=bt,
                kv_lens=torch.tensor([10 ** 6, -5], dtype=torch.int32, device=DEV))
-    prefill.append_fault_flag(DEV).zero_()
+    _clear_faults()
     prefill.append_attention(g["q"].inner, g["k_cache"].inner, g["v_cache"].inner, **bad, out=o.inner)
     prefill.append_attention_into(g["q"].inner, g["k_cache"].inner, g["v_cache"].inner,
                                   *bad.values(), True, None, o.inner, lse.inner)
     for buf in (*g.values(), o, lse):
         assert buf.guard_damage() == (0, 0)
-    with pytest.raises(IndexError, match="outside the KV pool"):
+    with pytest.raises(paged.LayoutFault, match="block-table entry was not a page.*negative or above"):
         prefill.append_attention(inp["q"], inp["k_cache"], inp["v_cache"], **_layout(inp), validate=True)
     # append_kv with bad page ids: nothing written outside the cache, nothing to a bad page
     kc = Guarded.wrap(inp["k_cache"].shape, inp["k_cache"].dtype, DEV, like=inp["k_cache"])
@@ -336,13 +337,21 @@ def test_bad_layout_without_validation_stays_in_bounds_and_is_reported():
     k = torch.randn(9, 2, 16, device=DEV)
     prefill.append_kv(k, k, kc.inner, vc.inner, **bad)
     assert kc.guard_damage() == (0, 0) and vc.guard_damage() == (0, 0)
+    with pytest.raises(paged.LayoutFault):
+        paged.raise_recorded_faults(DEV)
     attn = _plan_for(inp).plan(**_layout(inp))
     attn.block_tables[0, 0] = P + 3           # the plan's own buffer corrupted after plan()
     attn.run(inp["q"], inp["k_cache"], inp["v_cache"])
-    with pytest.raises(IndexError, match="outside the KV pool"):
+    with pytest.raises(paged.LayoutFault, match="first sequence affected: 0"):
         attn.plan(**_layout(inp))
     attn.plan(**_layout(inp))                 # reported once, then cleared
-    prefill.append_fault_flag(DEV).zero_()
+
+
+def _clear_faults():
+    try:
+        paged.raise_recorded_faults(DEV)
+    except paged.LayoutFault:
+        pass
 
 
 # -- the checks reject wrong kernels ---------------------------------------------------------
@@ -352,8 +361,8 @@ _MUTANT_DIR = Path(tempfile.mkdtemp(prefix="gpulab_prefill_mutants_"))
 
 def _mutant_module(name, *edits):
     """The package's own kernel file with source edits: a real wrong kernel."""
-    src = _SRC.replace("from . import runtime", "from gpulab import runtime")
-    src = src.replace("from .paged import", "from gpulab.paged import").replace("from .validate", "from gpulab.validate")
+    src = re.sub(r"^from \.(\w*) import", lambda m: f"from gpulab{'.' if m[1] else ''}{m[1]} import", _SRC,
+                 flags=re.M)
     for old, new in edits:
         assert src.count(old) >= 1, old
         src = src.replace(old, new)
@@ -375,10 +384,10 @@ KERNEL_MUTANTS = {
     "gqa_modulo": [("head = kvh * GROUP + r % GROUP", "head = kvh + (r % GROUP) * tl.num_programs(1)")],
     "no_table_row": [("bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb", "bt_row_ptr = bt_ptr")],
     "no_tail_mask": [("row_ok = (r < TILE * GROUP) & (tok < t0 + n_tile)", "row_ok = r < TILE * GROUP")],
-    "lse_base2": [("lse = tl.where(has, (m + tl.log2(l_safe)) * 0.6931471805599453",
-                   "lse = tl.where(has, (m + tl.log2(l_safe))")],
+    "lse_base2": [("out, lse = state_epilogue(m, l, acc)",
+                   "out, lse = state_epilogue(m, l, acc)\n    lse = lse * 1.4426950408889634")],
     "scale_natural": [("scale * LOG2E, qo_indptr.shape[0] - 1", "scale, qo_indptr.shape[0] - 1")],
-    "v_unread": [("        v = v.to(tl.float32)\n    return k, v, bad", "        v = v.to(tl.float32)\n    return k, v * 0, bad")],
+    "v_unread": [("return k, v, n_bad", "return k, v * 0, n_bad")],
 }
 
 
