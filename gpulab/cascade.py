@@ -44,8 +44,9 @@ from . import runtime
 from .attention_state import LOG2E, attention_state_reference, merge_epilogue, merge_max, state_epilogue
 from .attention_state import lse_from_base2, lse_to_base2  # noqa: F401  (the notebook's conversions)
 from .paged import (autotuned_variants, big_smem, config_list, decode_partials_into, decode_partitioning,
-                    fault_flag, fixed_splits, gather_kv, guard_pages, min_part_len, paged_tile_update,
-                    raise_recorded_faults, record_fault, require_paged_inputs, require_paged_layout,
+                    fault_flag, fixed_splits, gather_kv, keep_or_allocate, min_part_len,
+                    paged_tile_update, raise_recorded_faults, require_block_table,
+                    require_paged_inputs, require_paged_layout, require_plan_shapes, require_run_inputs,
                     require_scale, split_reduce_into)
 from .validate import require_float, require_same_device, require_tensor
 
@@ -141,13 +142,13 @@ def _shared_prefix_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = tl.load(pages_ptr + t // page_size, mask=t_mask, other=0)
-        page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
-        bad_pages += n_bad
-        m, l, acc = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+        m, l, acc, n_bad = paged_tile_update(
+            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
-    record_fault(fault_ptr, tl.where(bad_pages > 0, 4, 0), -1)     # 4: FAULT_PREFIX_PAGE
+        bad_pages += n_bad
+    if bad_pages > 0:
+        tl.atomic_or(fault_ptr, 4)                 # FAULT_PREFIX_PAGE (see gpulab.paged.fault_flag)
     out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
@@ -412,3 +413,94 @@ def cascade_decode_attention(q, k_cache, v_cache, prefix_pages, prefix_len: int,
         cascade_decode_into(q, k_cache, v_cache, prefix_pages, prefix_len, block_table, seq_lens,
                             o, lse, scale)
     return (o, lse) if return_lse else o
+
+
+class CascadeDecodeWrapper:
+    """Cascade decode planned once per batch layout and run without host syncs.
+
+    :meth:`plan` validates the shared prefix's pages and the suffixes' block tables (the
+    only reads of device data), chooses the prefix and suffix partitions and allocates the
+    buffer of partial states and the outputs; :meth:`run` launches the prefix kernel, the
+    suffix decode and one reduce: no host sync, no allocation, capturable in a CUDA graph.
+
+    **What may change between runs without a new plan**: the contents of ``prefix_pages``,
+    ``block_table`` and ``seq_lens`` (the tensors given to plan), with the prefix still
+    ``prefix_len`` tokens, every suffix length in [0, width × page_size] and every used
+    entry a page of the pool (otherwise the bad tokens are skipped and a fault recorded for
+    the next plan); and the contents of q, k_cache, v_cache. **What needs a new plan**:
+    ``prefix_len``, the batch size, the block table's width, heads, head dim, page size,
+    pool size, dtype, ``scale``, or other tensors for the layout.
+
+    Examples
+    --------
+    >>> import torch, gpulab
+    >>> from gpulab.cascade import CascadeDecodeWrapper
+    >>> dev = gpulab.device()
+    >>> k_cache, v_cache = (torch.randn(12, 4, 2, 16, device=dev) for _ in range(2))
+    >>> prefix_pages = torch.tensor([3, 7, 1], dtype=torch.int32, device=dev)      # 10 shared tokens
+    >>> block_table = torch.tensor([[0, 2], [5, 6]], dtype=torch.int32, device=dev)
+    >>> seq_lens = torch.tensor([3, 6], dtype=torch.int32, device=dev)             # own tokens
+    >>> cascade = CascadeDecodeWrapper()
+    >>> cascade.plan(prefix_pages, 10, block_table, seq_lens, num_qo_heads=4, num_kv_heads=2,
+    ...              head_dim=16, page_size=4, num_pages=12, dtype=torch.float32)
+    >>> o = cascade.run(torch.randn(2, 4, 16, device=dev), k_cache, v_cache)
+    >>> o.shape
+    torch.Size([2, 4, 16])
+    """
+
+    def __init__(self):
+        self._planned = None
+        self._buffers: dict = {}
+
+    def plan(self, prefix_pages: torch.Tensor, prefix_len: int, block_table: torch.Tensor,
+             seq_lens: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, num_pages: int, dtype: torch.dtype, scale: float | None = None) -> None:
+        """Validate the layout, choose the partitions, allocate the buffers.
+
+        Parameters
+        ----------
+        prefix_pages : int32 [n] (kept by reference): the shared prefix's pages, in order.
+        prefix_len : tokens in the prefix, ≤ n · page_size.
+        block_table, seq_lens : int32 [B, width] and [B] (kept by reference): each request's
+            own suffix, as for :class:`gpulab.paged.PagedDecodeWrapper`.
+        num_qo_heads, num_kv_heads, head_dim, page_size, num_pages : the shapes of q
+            [B, num_qo_heads, head_dim] and of the caches [num_pages, page_size, num_kv_heads, head_dim].
+        dtype : the dtype of q and the caches. scale : softmax scale (default head_dim ** -0.5).
+        """
+        require_block_table(block_table, seq_lens)
+        require_plan_shapes(num_qo_heads, num_kv_heads, head_dim, page_size, num_pages, dtype, scale)
+        require_prefix(prefix_pages, prefix_len, page_size)
+        require_same_device(prefix_pages=prefix_pages, block_table=block_table)
+        device = block_table.device
+        raise_recorded_faults(device)
+        require_prefix_pages(prefix_pages, prefix_len, page_size, num_pages)
+        require_paged_layout(block_table, seq_lens, page_size, num_pages)
+        B, width = block_table.shape
+        prefix_part, suffix_part = cascade_partitioning(B, num_qo_heads, num_kv_heads, prefix_len,
+                                                        width * page_size)
+        splits = prefix_part[0] + suffix_part[0]
+        keep_or_allocate(self._buffers, {
+            "o": ((B, num_qo_heads, head_dim), dtype), "lse": ((B, num_qo_heads), torch.float32),
+            "o_part": ((B, num_qo_heads, splits, head_dim), torch.float32),
+            "lse_part": ((B, num_qo_heads, splits), torch.float32)}, device)
+        self._planned = dict(prefix_pages=prefix_pages, prefix_len=prefix_len, block_table=block_table,
+                             seq_lens=seq_lens, prefix_part=prefix_part, suffix_part=suffix_part,
+                             scale=scale, dtype=dtype, device=device, q_shape=(B, num_qo_heads, head_dim),
+                             cache_shape=(num_pages, page_size, num_kv_heads, head_dim))
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False):
+        """Cascade decode for the planned layout: o [B, Hq, D] (and lse with ``return_lse``).
+        No host sync, no allocation; without ``out``/``lse`` the plan's buffers are returned
+        (overwritten by the next run)."""
+        p = self._planned
+        if p is None:
+            raise RuntimeError("run() before plan(): call plan(prefix_pages, prefix_len, block_table, ...) first")
+        out, lse = require_run_inputs(p, self._buffers, q, k_cache, v_cache, out, lse)
+        o_part, lse_part = self._buffers["o_part"], self._buffers["lse_part"]
+        if q.shape[0]:
+            cascade_partials_into(q, k_cache, v_cache, p["prefix_pages"], p["prefix_len"], p["block_table"],
+                                  p["seq_lens"], o_part, lse_part, p["prefix_part"], p["suffix_part"], p["scale"])
+            split_reduce_into(o_part, lse_part, out, lse)
+        return (out, lse) if return_lse else out

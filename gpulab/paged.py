@@ -278,31 +278,18 @@ def split_reduce_reference(o_part, lse_part):
 # Triton kernels
 # =========================================================================================
 @triton.jit
-def guard_pages(page, t_mask, num_pages):
-    """Page ids loaded from a block table, made safe: an id outside [0, num_pages) is
-    replaced by 0 and its token masked off, so no address outside the cache is formed.
-    Returns (page, t_mask, number of bad ids among the tokens of the tile)."""
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    return tl.where(bad, 0, page), t_mask & ~bad, tl.sum(bad.to(tl.int32), 0)
-
-
-@triton.jit
-def record_fault(fault_ptr, kinds, seq):
-    """Record fault ``kinds`` (a bitmask) met while serving sequence ``seq`` (or -1)."""
-    if kinds != 0:
-        tl.atomic_or(fault_ptr, kinds)
-        if seq >= 0:
-            tl.atomic_min(fault_ptr + 1, seq)
-
-
-@triton.jit
-def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh,
+def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh, num_pages,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One online-softmax step (:func:`gpulab.attention_state.online_update`) over a tile of
     tokens stored in pages: token i of the tile is slot ``slot[i]`` of page ``page[i]`` of
     kv head ``kvh``; tokens with ``t_mask`` False are skipped. q [M, D] holds the query rows.
-    Shared by paged decode and cascade's shared-prefix kernel."""
+    Page ids come from a table the kernel does not trust: one outside [0, num_pages) is
+    never used as an address, its token is skipped and counted. Returns (m, l, acc, number
+    of bad page ids in the tile). Shared by paged decode and cascade's shared-prefix kernel."""
+    bad = t_mask & ((page < 0) | (page >= num_pages))
+    page = tl.where(bad, 0, page)
+    t_mask = t_mask & ~bad
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
                 + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
@@ -316,7 +303,8 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-    return online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
+    m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
+    return m, l, acc, tl.sum(bad.to(tl.int32), 0)
 
 
 @triton.jit
@@ -364,14 +352,15 @@ def _decode_partition_kernel(
         t_mask = t < end
         # Through the block table: token t lives in page bt[b, t // page_size].
         page = tl.load(bt_ptr + b * stride_btb + t // page_size, mask=t_mask, other=0)
-        page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
-        bad_pages += n_bad
-        m, l, acc = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh,
+        m, l, acc, n_bad = paged_tile_update(
+            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
+        bad_pages += n_bad
     faults = faults | tl.where(bad_pages > 0, 1, 0)
-    record_fault(fault_ptr, faults, b)
+    if faults != 0:                 # 1: FAULT_PAGE, 2: FAULT_SEQ_LEN (see fault_flag)
+        tl.atomic_or(fault_ptr, faults)
+        tl.atomic_min(fault_ptr + 1, b)
 
     # An empty partition (no tokens) is the empty state: o = 0, lse = -inf.
     out, lse = state_epilogue(m, l, acc)
@@ -718,6 +707,62 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     return (o, lse) if return_lse else o
 
 
+def require_plan_shapes(num_qo_heads, num_kv_heads, head_dim, page_size, num_pages, dtype, scale) -> None:
+    """The sizes a plan is made for: positive ints, Hq a multiple of Hkv, a float dtype."""
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim), ("page_size", page_size), ("num_pages", num_pages)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads = {num_qo_heads} is not a multiple of num_kv_heads = "
+                         f"{num_kv_heads} (GQA needs Hq = G·Hkv)")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} > 256 is not supported")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    require_scale(scale)
+
+
+def plan_buffer_shapes(batch: int, num_qo_heads: int, head_dim: int, splits: int, dtype) -> dict:
+    """{name: (shape, dtype)} of the buffers a decode plan owns: outputs, and partial
+    states when there is more than one partition."""
+    shapes = {"o": ((batch, num_qo_heads, head_dim), dtype), "lse": ((batch, num_qo_heads), torch.float32)}
+    if splits > 1:
+        shapes["o_part"] = ((batch, num_qo_heads, splits, head_dim), torch.float32)
+        shapes["lse_part"] = ((batch, num_qo_heads, splits), torch.float32)
+    return shapes
+
+
+def keep_or_allocate(buffers: dict, shapes: dict, device) -> None:
+    """Allocate the buffers of a plan, keeping those whose shape, dtype and device did not
+    change (so a CUDA graph captured before a re-plan of the same shapes stays valid)."""
+    for name, (shape, dt) in shapes.items():
+        old = buffers.get(name)
+        if old is None or tuple(old.shape) != tuple(shape) or old.dtype != dt or old.device != device:
+            buffers[name] = torch.empty(shape, dtype=dt, device=device)
+    fault_flag(device)                  # allocated at plan time too, never inside a capture
+
+
+def require_run_inputs(plan: dict, buffers: dict, q, k_cache, v_cache, out, lse):
+    """run()'s host-side checks against the plan (no device data read); returns (out, lse),
+    the plan's own buffers where None was given."""
+    if not isinstance(q, torch.Tensor) or tuple(q.shape) != plan["q_shape"] or q.dtype != plan["dtype"]:
+        raise ValueError(f"q must be {plan['dtype']} of the planned shape {plan['q_shape']}, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != plan["cache_shape"] or c.dtype != plan["dtype"]:
+            raise ValueError(f"{name} must be {plan['dtype']} of the planned shape {plan['cache_shape']}, "
+                             f"got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}"
+                             ": plan again for another cache")
+    out = buffers["o"] if out is None else out
+    lse = buffers["lse"] if lse is None else lse
+    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} and lse float32 {tuple(q.shape[:2])}")
+    if any(t.device != plan["device"] for t in (q, k_cache, v_cache, out, lse)):
+        raise ValueError(f"q, k_cache, v_cache, out and lse must be on {plan['device']}, where the plan is")
+    return out, lse
+
+
 class PagedDecodeWrapper:
     """Paged decode attention planned once per batch layout and run without host syncs.
 
@@ -778,34 +823,14 @@ class PagedDecodeWrapper:
             sequence (default: planned from the batch and the number of SMs).
         """
         require_block_table(block_table, seq_lens)
-        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("page_size", page_size), ("num_pages", num_pages)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads = {num_qo_heads} is not a multiple of num_kv_heads = "
-                             f"{num_kv_heads} (GQA needs Hq = G·Hkv)")
-        if head_dim > 256:
-            raise ValueError(f"head_dim {head_dim} > 256 is not supported")
-        if dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-        require_scale(scale)
+        require_plan_shapes(num_qo_heads, num_kv_heads, head_dim, page_size, num_pages, dtype, scale)
         require_num_splits(num_splits)
         device = block_table.device
         raise_recorded_faults(device)
         require_paged_layout(block_table, seq_lens, page_size, num_pages)
         B, width = block_table.shape
         splits, part = decode_partitioning(B, num_kv_heads, width * page_size, num_splits)
-        shapes = {"o": ((B, num_qo_heads, head_dim), dtype), "lse": ((B, num_qo_heads), torch.float32),
-                  "o_part": ((B, num_qo_heads, splits, head_dim), torch.float32),
-                  "lse_part": ((B, num_qo_heads, splits), torch.float32)}
-        if splits == 1:
-            del shapes["o_part"], shapes["lse_part"]
-        for name, (shape, dt) in shapes.items():
-            old = self._buffers.get(name)
-            if old is None or old.shape != shape or old.dtype != dt or old.device != device:
-                self._buffers[name] = torch.empty(shape, dtype=dt, device=device)
-        fault_flag(device)                  # allocated now, not inside a capture
+        keep_or_allocate(self._buffers, plan_buffer_shapes(B, num_qo_heads, head_dim, splits, dtype), device)
         self._planned = dict(block_table=block_table, seq_lens=seq_lens, splits=splits, part=part,
                              scale=scale, dtype=dtype, device=device,
                              q_shape=(B, num_qo_heads, head_dim),
@@ -829,20 +854,7 @@ class PagedDecodeWrapper:
         own buffers are returned (overwritten by the next run). Shapes and dtypes are
         checked against the plan on the host; the layout's values are not (see the class)."""
         p = self._require_plan()
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != p["q_shape"] or q.dtype != p["dtype"]:
-            raise ValueError(f"q must be {p['dtype']} of the planned shape {p['q_shape']}, got "
-                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(c, torch.Tensor) or tuple(c.shape) != p["cache_shape"] or c.dtype != p["dtype"]:
-                raise ValueError(f"{name} must be {p['dtype']} of the planned shape {p['cache_shape']}, "
-                                 f"got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}"
-                                 ": plan again for another cache")
-        out = self._buffers["o"] if out is None else out
-        lse = self._buffers["lse"] if lse is None else lse
-        if out.shape != q.shape or out.dtype != q.dtype or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
-            raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} and lse float32 {tuple(q.shape[:2])}")
-        if any(t.device != p["device"] for t in (q, k_cache, v_cache, out, lse)):
-            raise ValueError(f"q, k_cache, v_cache, out and lse must be on {p['device']}, where the plan is")
+        out, lse = require_run_inputs(p, self._buffers, q, k_cache, v_cache, out, lse)
         bt, sl = p["block_table"], p["seq_lens"]
         if p["splits"] == 1:
             decode_partials_into(q, k_cache, v_cache, bt, sl, out[:, :, None, :], lse[:, :, None],

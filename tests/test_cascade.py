@@ -1,4 +1,5 @@
 """Attention-state merge and cascade (shared-prefix) decode attention."""
+import doctest
 import math
 
 import pytest
@@ -226,3 +227,81 @@ def test_cascade_check_rejects_prefix_only_and_suffix_only():
     for fn in (prefix_only, suffix_only, unmerged_sum):
         msg = rejects("cascade_decode_attention", fn, cases=cases, dtypes=[torch.float32])
         assert "wrong" in msg, msg
+
+
+# -- plan/run --------------------------------------------------------------------------------
+def _cascade_planned(inp):
+    q, kc = inp["q"], inp["k_cache"]
+    casc = cascade.CascadeDecodeWrapper()
+    casc.plan(inp["prefix_pages"], inp["prefix_len"], inp["block_table"], inp["seq_lens"], q.shape[1],
+              kc.shape[2], q.shape[2], kc.shape[1], kc.shape[0], q.dtype)
+    return casc
+
+
+def _args(inp):
+    return {k: inp[k] for k in ("q", "k_cache", "v_cache", "prefix_pages", "prefix_len", "block_table",
+                                "seq_lens")}
+
+
+def test_cascade_run_reads_no_device_value_on_the_host_while_the_layout_changes():
+    inp = _cascade_inputs(prefix=37, lens=[0, 1, 16, 17, 9], page=4)
+    real = inp["seq_lens"].clone()
+    inp["seq_lens"].copy_(torch.div(real, 2, rounding_mode="floor"))
+    casc = _cascade_planned(inp)
+    casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    inp["seq_lens"].copy_(real)
+    for step in range(2):
+        if step == 1:                                     # the prefix moves to other pages, in place
+            ref_pages = inp["prefix_pages"].clone()
+            inp["k_cache"][inp["prefix_pages"].long()] = inp["k_cache"][ref_pages.flip(0).long()]
+            inp["v_cache"][inp["prefix_pages"].long()] = inp["v_cache"][ref_pages.flip(0).long()]
+            inp["prefix_pages"].copy_(ref_pages.flip(0))
+        with PG.no_host_sync("run()"):
+            o, lse = casc.run(inp["q"], inp["k_cache"], inp["v_cache"], return_lse=True)
+        ref = cascade.cascade_reference(**_args(inp))
+        torch.testing.assert_close(o.double(), ref["o"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse.double(), ref["lse"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs and sync debug mode need a GPU")
+def test_cascade_graph_replay_equals_eager_and_never_syncs():
+    inp = _cascade_inputs(prefix=3000, lens=[1, 16, 200, 17] * 8, page=16, hq=32, hkv=8, d=128,
+                          dtype=torch.bfloat16)
+    casc = _cascade_planned(inp)
+    casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
+        cascade.cascade_decode_attention(**_args(inp))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    for lens in ([2, 17, 201, 18] * 8, [0, 0, 220, 5] * 8):     # capacity: 14 pages of 16
+        inp["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        expect = cascade.cascade_decode_attention(**_args(inp))
+        torch.testing.assert_close(out, expect, atol=0, rtol=0)
+
+
+def test_cascade_bad_prefix_page_without_validation_is_skipped_and_reported():
+    inp = _cascade_inputs(prefix=10, lens=[3, 7])
+    P = inp["k_cache"].shape[0]
+    bad = inp["prefix_pages"].clone()
+    bad[1] = P + 5
+    o = cascade.cascade_decode_attention(**{**_args(inp), "prefix_pages": bad})
+    assert torch.isfinite(o).all()
+    assert paged.fault_flag(DEV).tolist()[0] == paged.FAULT_PREFIX_PAGE
+    with pytest.raises(paged.LayoutFault, match="shared-prefix page"):
+        cascade.cascade_decode_attention(**_args(inp), validate=True)
+    with pytest.raises(IndexError, match=r"prefix_pages\[1\]"):
+        _cascade_planned({**inp, "prefix_pages": bad})
+
+
+def test_cascade_wrapper_docstring_example_runs():
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(cascade.CascadeDecodeWrapper, globs={}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0

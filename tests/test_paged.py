@@ -1,4 +1,6 @@
 """Paged KV cache, paged decode attention (split-KV + reduce): kernels, checks, validation."""
+import doctest
+import warnings
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch
 import gpulab
 from gpulab import paged, runtime
 from gpulab.grading import paged as PG
-from gpulab.harness.checking import rejects
+from gpulab.harness.checking import Guarded, rejects
 from gpulab.harness.spec import get
 
 DEV = runtime.device()
@@ -30,7 +32,7 @@ def test_public_matches_reference_every_split(dtype):
     inp = _inputs([1, 16, 17, 70, 0], page=16, hq=6, hkv=2, d=24, dtype=dtype)
     ref = paged.paged_decode_reference(**inp)
     atol, rtol = PG.DECODE_TOLERANCES[dtype]
-    for splits in (None, 1, 5):
+    for splits in (None, 1):                    # None plans 3 partitions here: the reduce runs
         o, lse = paged.paged_decode_attention(**inp, return_lse=True, num_splits=splits)
         assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == inp["q"].shape
         torch.testing.assert_close(o.double(), ref["o"], atol=atol, rtol=rtol)
@@ -251,3 +253,163 @@ def test_split_check_rejects_single_partition_reduce():
     cases = get("paged_decode_split").cases["gpu" if GPU else "cpu"][1:3]
     msg = rejects("paged_decode_split", fn, cases=cases, dtypes=[torch.float32])
     assert "wrong" in msg, msg
+
+
+# -- plan/run: no host sync, lengths changing in place, CUDA graphs ---------------------------
+def _planned(inp, **kw):
+    q, kc = inp["q"], inp["k_cache"]
+    decode = paged.PagedDecodeWrapper()
+    decode.plan(inp["block_table"], inp["seq_lens"], q.shape[1], kc.shape[2], q.shape[2], kc.shape[1],
+                kc.shape[0], q.dtype, **kw)
+    return decode
+
+
+def test_run_reads_no_device_value_on_the_host_while_lengths_change():
+    inp = _inputs([1, 16, 17, 70, 0], page=16, hq=6, hkv=2, d=24)
+    real = inp["seq_lens"].clone()
+    inp["seq_lens"].copy_(torch.tensor([0, 3, 17, 20, 0], dtype=torch.int32))
+    for splits in (None,):                      # 3 partitions planned: partial states and the reduce
+        decode = _planned(inp, num_splits=splits)
+        decode.run(inp["q"], inp["k_cache"], inp["v_cache"])            # warm-up
+        inp["seq_lens"].copy_(real)                                     # grown in place after plan()
+        with PG.no_host_sync("run()"):
+            o, lse = decode.run(inp["q"], inp["k_cache"], inp["v_cache"], return_lse=True)
+        ref = paged.paged_decode_reference(**inp)
+        torch.testing.assert_close(o.double(), ref["o"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref["lse"], atol=1e-5, rtol=1e-5)
+    # the check itself: a run() that reads a length on the host is refused
+    with pytest.raises(PG.HostSyncError, match=r"Tensor\.__int__"):
+        with PG.no_host_sync("run()"):
+            int(inp["seq_lens"].max())
+    assert int(inp["seq_lens"][0]) == 1            # conversions work again afterwards
+
+
+@pytest.mark.skipif(not GPU, reason="torch.cuda.set_sync_debug_mode needs a GPU")
+def test_run_raises_nothing_under_cuda_sync_debug_error():
+    inp = _inputs([1, 160, 4000, 33], page=16, hq=32, hkv=8, d=128, dtype=torch.bfloat16)
+    decode = _planned(inp)
+    decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
+        paged.paged_decode_attention(**inp)           # the convenience function does not sync either
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inp["seq_lens"].max().item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("splits", [None, 1, 6])
+def test_graph_replay_equals_eager_while_lengths_change(splits):
+    inp = _inputs([5, 700, 3000, 64], page=16, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=4)
+    bt, sl = inp["block_table"], inp["seq_lens"]
+    decode = _planned(inp, num_splits=splits)
+    decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    eager = paged.PagedDecodeWrapper()
+    for step, lens in enumerate(([5, 700, 3000, 64], [6, 701, 3001, 65], [0, 1, 2999, 400])):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        if step == 2:                                  # a sequence moves to other pages, in place
+            bt[3].copy_(bt[3].flip(0))
+        graph.replay()
+        eager.plan(bt, sl, 32, 8, 128, 16, inp["k_cache"].shape[0], torch.bfloat16, num_splits=splits)
+        expect = eager.run(inp["q"], inp["k_cache"], inp["v_cache"])
+        torch.testing.assert_close(out, expect, atol=0, rtol=0)
+        ref = paged.paged_decode_reference(**inp)["o"]
+        torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=2e-2)
+
+
+# -- a bad block table: a clear error with validation; without it, no access outside the cache
+def test_bad_layout_without_validation_stays_in_the_cache_and_is_reported():
+    inp = _inputs([5, 20, 9], page=4)
+    P = inp["k_cache"].shape[0]
+    guarded = {k: Guarded.wrap(inp[k].shape, inp[k].dtype, DEV, like=inp[k])
+               for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens")}
+    args = {k: g.inner for k, g in guarded.items()}
+    args["block_table"][1, 2] = P + 1000                 # past the pool
+    args["block_table"][2, 0] = -7                       # before it
+    for g in guarded.values():
+        g.pristine = g.buf.clone()
+    o, lse = paged.paged_decode_attention(**args, return_lse=True, num_splits=2)
+    assert torch.isfinite(o).all() and torch.isfinite(lse[:2]).all(), "a guard (NaN) was read"
+    for name, g in guarded.items():
+        assert g.guard_damage() == (0, 0), name
+    assert paged.fault_flag(DEV).tolist() == [paged.FAULT_PAGE, 1]
+    with pytest.raises(paged.LayoutFault, match=r"block-table entry was not a page.*first sequence affected: 1"):
+        paged.paged_decode_attention(**inp, validate=True)
+    paged.paged_decode_attention(**inp, validate=True)     # reported once, then cleared
+    # a length beyond the table's capacity: clamped, the table never read past its row
+    args["block_table"].copy_(inp["block_table"])
+    args["seq_lens"][0] = 10 ** 6
+    paged.paged_decode_attention(**args)
+    assert paged.fault_flag(DEV).tolist() == [paged.FAULT_SEQ_LEN, 0]
+    with pytest.raises(paged.LayoutFault, match="length"):
+        _planned(inp)                                      # plan() reports it too
+    with pytest.raises(IndexError, match=r"block_table\[1, 2\]"):
+        bad = inp["block_table"].clone()
+        bad[1, 2] = P
+        _planned({**inp, "block_table": bad})
+
+
+def test_debug_switch_turns_validation_on(monkeypatch):
+    inp = _inputs([5, 20], page=4)
+    bad = inp["block_table"].clone()
+    bad[1, 3] = inp["k_cache"].shape[0]
+    try:
+        runtime.set_debug_checks(True)
+        with pytest.raises(IndexError, match=r"block_table\[1, 3\]"):
+            paged.paged_decode_attention(**{**inp, "block_table": bad})
+        paged.paged_decode_attention(**{**inp, "block_table": bad}, validate=False)
+    finally:
+        runtime.set_debug_checks(None)
+    monkeypatch.setenv("GPULAB_DEBUG", "1")
+    with pytest.raises(paged.LayoutFault):                 # the unvalidated call above recorded it
+        paged.paged_decode_attention(**inp)
+    monkeypatch.setenv("GPULAB_DEBUG", "0")
+    assert not runtime.debug_checks()
+
+
+def test_empty_partitions_merge_without_warnings():
+    inp = _inputs([0, 3, 0], page=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # e.g. "divide by zero encountered in log"
+        o, lse = paged.paged_decode_attention(**inp, return_lse=True, num_splits=4)
+    assert torch.isneginf(lse[0]).all() and (o[0] == 0).all()
+
+
+def test_plan_run_check_rejects_syncs_and_stale_lengths():
+    class Syncing(paged.PagedDecodeWrapper):
+        def plan(self, block_table, seq_lens, *args, **kw):
+            self.lengths = seq_lens
+            super().plan(block_table, seq_lens, *args, **kw)
+
+        def run(self, q, k_cache, v_cache, out=None, lse=None, return_lse=False):
+            int(self.lengths.max())                        # "how long is the longest sequence?"
+            return super().run(q, k_cache, v_cache, out, lse, return_lse)
+
+    class Stale(paged.PagedDecodeWrapper):
+        def plan(self, block_table, seq_lens, *args, **kw):
+            super().plan(block_table, seq_lens.clone(), *args, **kw)   # a copy: later growth unseen
+
+    few = dict(cases=get("paged_decode_plan_run").cases["gpu" if GPU else "cpu"][:1])
+    msg = rejects("paged_decode_plan_run", Syncing, **few)
+    assert "run() converted a tensor to a Python value (Tensor.__int__)" in msg, msg
+    msg = rejects("paged_decode_plan_run", Stale, **few)
+    assert "lengths seq_lens held when plan() ran" in msg, msg
+
+
+def test_wrapper_docstring_example_runs():
+    for obj in (paged.PagedDecodeWrapper,):
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in doctest.DocTestFinder().find(obj, globs={}):
+            runner.run(test)
+        assert runner.failures == 0 and runner.tries > 0

@@ -10,12 +10,14 @@ import math
 
 import torch
 
-from ..attention_state import merge_state_reference, merge_states_reference
-from ..cascade import (cascade_decode_into, cascade_reference, merge_state_into, merge_states_into,
-                       shared_prefix_into, shared_prefix_reference)
+from ..attention_state import lse_to_base2, merge_state_reference, merge_states_reference
+from ..cascade import (CascadeDecodeWrapper, cascade_decode_attention, cascade_decode_into, cascade_reference,
+                       merge_state, merge_state_into, merge_states_into, shared_prefix_into,
+                       shared_prefix_reference)
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
-from ..paged import paged_decode_into
-from .paged import DECODE_TOLERANCES, LSE_TOLERANCES, decode_outputs, make_paged_inputs, make_partials
+from ..paged import paged_decode_attention, to_flashinfer
+from .paged import (DECODE_TOLERANCES, FLASHINFER_INSTALLED, GRAPH_ROW, LSE_TOLERANCES, PEER_NOTE,
+                    cuda_graph_replay, decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
 
 
 def make_states(p, dtype, device, gen):
@@ -38,6 +40,19 @@ def make_states(p, dtype, device, gen):
     return {"o_a": out["o_a"], "lse_a": out["lse_a"], "o_b": out["o_b"], "lse_b": out["lse_b"]}
 
 
+def flashinfer_merge_baseline():
+    """FlashInfer's merge_state on the same states, its LSEs converted to base 2 once per
+    input dict (outside the timing)."""
+    state = {}
+
+    def run(inp):
+        if state.get("key") != id(inp):
+            state.update(key=id(inp), fi=flashinfer_module(), lse_a=lse_to_base2(inp["lse_a"]),
+                         lse_b=lse_to_base2(inp["lse_b"]))
+        return state["fi"].merge_state(inp["o_a"], state["lse_a"], inp["o_b"], state["lse_b"])
+    return run
+
+
 def torch_merge(inp):
     """The merge in eager PyTorch (the benchmark's baseline)."""
     lse = torch.logaddexp(inp["lse_a"], inp["lse_b"])
@@ -48,6 +63,7 @@ def torch_merge(inp):
 
 MERGE_STATE = KernelSpec(
     name="merge_state",
+    expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
     summary="merge two attention states (o, lse) over disjoint key sets",
     args=("o_a", "lse_a", "o_b", "lse_b", "o", "lse"),
     make_inputs=make_states,
@@ -69,9 +85,13 @@ MERGE_STATE = KernelSpec(
     output_tolerances={"lse": {torch.float32: (1e-5, 1e-6), torch.float16: (1e-5, 1e-6),
                                torch.bfloat16: (1e-5, 1e-6)}},
     bytes_moved=lambda p, dt: p["n"] * p["h"] * (3 * p["d"] * bytes_of(dt) + 12),
-    baselines={"torch": torch_merge},
+    bench_impl=lambda inp: merge_state(inp["o_a"], inp["lse_a"], inp["o_b"], inp["lse_b"]),
+    baselines={"torch": torch_merge,
+               **({"FlashInfer merge_state": flashinfer_merge_baseline()} if FLASHINFER_INSTALLED else {})},
+    compile_baselines=("torch",),
     read_inputs=("o_a", "lse_a", "o_b", "lse_b"),
     bench_dtypes=[torch.bfloat16],
+    notes="gpulab = merge_state as called" + (f"; {PEER_NOTE}" if PEER_NOTE else ""),
 )
 
 
@@ -146,13 +166,53 @@ def make_cascade_inputs(p, dtype, device, gen):
 
 
 def noncascade_baseline(inp):
-    """gpulab's paged decode on the same requests, each reading the prefix itself."""
-    q = inp["q"]
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    paged_decode_into(q, inp["k_cache"], inp["v_cache"], inp["full_block_table"],
-                            inp["full_seq_lens"], o, lse)
-    return o
+    """gpulab's paged decode on the same requests, each reading the prefix itself (as called)."""
+    return paged_decode_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["full_block_table"],
+                                  inp["full_seq_lens"])
+
+
+def cascade_as_called(inp):
+    return cascade_decode_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["prefix_pages"],
+                                    inp["prefix_len"], inp["block_table"], inp["seq_lens"])
+
+
+def cascade_planned(inp):
+    """plan() for a benchmark input dict; returns run() with its arguments bound."""
+    q, kc = inp["q"], inp["k_cache"]
+    cascade = CascadeDecodeWrapper()
+    cascade.plan(inp["prefix_pages"], inp["prefix_len"], inp["block_table"], inp["seq_lens"], q.shape[1],
+                 kc.shape[2], q.shape[2], kc.shape[1], kc.shape[0], q.dtype)
+    return lambda: cascade.run(q, kc, inp["v_cache"])
+
+
+def flashinfer_cascade_baseline():
+    """FlashInfer's two-level MultiLevelCascadeAttentionWrapper: level 0 all queries over the
+    prefix pages, level 1 each request over its suffix pages; plan() once per input dict."""
+    state = {}
+
+    def run(inp):
+        if state.get("key") != id(inp):
+            fi = flashinfer_module()
+            q, kc = inp["q"], inp["k_cache"]
+            B, ps, dev = q.shape[0], kc.shape[1], q.device
+            i32 = dict(dtype=torch.int32, device=dev)
+            pages = inp["prefix_pages"]
+            level0 = (torch.tensor([0, pages.numel()], **i32), pages,
+                      torch.tensor([(inp["prefix_len"] - 1) % ps + 1], **i32))
+            level1 = to_flashinfer(inp["block_table"], inp["seq_lens"], ps)
+            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+            wrapper = fi.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
+            wrapper.plan([torch.tensor([0, B], **i32), torch.arange(B + 1, **i32)],
+                         [level0[0], level1[0]], [level0[1], level1[1]], [level0[2], level1[2]],
+                         q.shape[1], kc.shape[2], q.shape[2], ps, causal=False,
+                         q_data_type=q.dtype, kv_data_type=kc.dtype)
+            state.update(key=id(inp), wrapper=wrapper, workspace=workspace)
+        return state["wrapper"].run(inp["q"], (inp["k_cache"], inp["v_cache"]))
+    return run
+
+
+NONCASCADE_ROW = "paged decode (no cascade)"
+FLASHINFER_CASCADE_ROW = "FlashInfer cascade run()"   # MultiLevelCascadeAttentionWrapper, 2 levels
 
 
 def cascade_bytes(p, dtype):
@@ -188,7 +248,7 @@ _CASCADE_GPU = [
 
 CASCADE_DECODE_ATTENTION = KernelSpec(
     name="cascade_decode_attention",
-    graph_timing=True,
+    expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
     summary="decode for requests sharing a prefix: prefix read once (multi-query), suffixes paged, merged",
     args=("q", "k_cache", "v_cache", "prefix_pages", "prefix_len", "block_table", "seq_lens", "o", "lse"),
     make_inputs=make_cascade_inputs,
@@ -212,11 +272,14 @@ CASCADE_DECODE_ATTENTION = KernelSpec(
     output_tolerances={"lse": LSE_TOLERANCES},
     bytes_moved=cascade_bytes,
     flops=cascade_flops,
-    baselines={"paged decode (no cascade)": noncascade_baseline},
-    compile_baselines=False,   # the baseline is gpulab's own Triton kernel
+    bench_impl=cascade_as_called,     # the public function as called leads; then the graph, peers
+    baselines={GRAPH_ROW: cuda_graph_replay(cascade_planned), NONCASCADE_ROW: noncascade_baseline,
+               **({FLASHINFER_CASCADE_ROW: flashinfer_cascade_baseline()} if FLASHINFER_INSTALLED else {})},
+    compile_baselines=False,   # every baseline is a Triton kernel or a library's own
     read_inputs=("q", "k_cache", "v_cache"),
     bench_dtypes=[torch.bfloat16],
-    notes="baseline: gpulab's paged decode on the same requests, prefix pages in every block table",
+    notes="gpulab = cascade_decode_attention as called; baseline: gpulab's paged decode on the same "
+          "requests, prefix pages in every block table" + (f"; {PEER_NOTE}" if PEER_NOTE else ""),
 )
 
 

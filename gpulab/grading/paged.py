@@ -7,13 +7,185 @@ class with ``plan``/``run`` whose run may not read device data on the host).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import math
 
 import torch
 
+from .. import runtime
+from ..harness.checking import CheckFailure
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
-from ..paged import gather_kv, paged_decode_into, paged_decode_reference, paged_decode_split_into, \
-    split_reduce_into, split_reduce_reference
+from ..paged import (PagedDecodeWrapper, gather_kv, paged_decode_attention, paged_decode_into,
+                     paged_decode_reference, paged_decode_split_into, split_reduce_into, split_reduce_reference,
+                     to_flashinfer)
+
+# FlashInfer is an optional peer (pip install gpulab[peers]): benchmarks add its rows when it
+# is installed. Imported on first use, not here: it is heavy and compiles kernels on the fly.
+FLASHINFER_INSTALLED = importlib.util.find_spec("flashinfer") is not None
+PEER_NOTE = ("" if FLASHINFER_INSTALLED else
+             "FlashInfer is not installed: its rows are skipped (pip install gpulab[peers] adds them)")
+
+
+def flashinfer_module():
+    """The flashinfer module, imported on first use (an optional dependency)."""
+    return importlib.import_module("flashinfer")
+
+
+# =========================================================================================
+# The no-host-sync check: what a run() (or any hot path) must not do
+# =========================================================================================
+class HostSyncError(CheckFailure):
+    """Code that must not wait for the GPU read device data on the host."""
+
+
+_CONVERSIONS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__complex__")
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def no_host_sync(what: str = "run()"):
+    """Fail (HostSyncError) when the code inside reads device data on the host.
+
+    Everywhere: converting a tensor to a Python value (``.item()``, ``.tolist()``,
+    ``int(t)``, ``bool(t)``, ``if t:``, using it as an index...) raises: on a GPU each is a
+    copy to the host that waits for every kernel queued before it. On a GPU also
+    ``torch.cuda.set_sync_debug_mode("error")``: any other synchronizing CUDA call
+    (``nonzero()``, a blocking copy) raises."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostSyncError(
+                f"{what} converted a tensor to a Python value (Tensor.{name}). On a GPU that copies "
+                f"the value to the host and waits for every kernel queued before it (a host sync), "
+                f"and it cannot be captured in a CUDA graph. Compute it once in plan() and keep the "
+                f"result, or leave it on the device for the kernel to load.")
+        return method
+    originals = {name: torch.Tensor.__dict__.get(name, _MISSING) for name in _CONVERSIONS}
+    for name in _CONVERSIONS:
+        setattr(torch.Tensor, name, refuse(name))
+    cuda = runtime.mode() == "compiled"
+    previous = torch.cuda.get_sync_debug_mode() if cuda else None
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as e:
+        if cuda and "synchroniz" in str(e):
+            raise HostSyncError(f"{what} made a synchronizing CUDA call ({str(e).splitlines()[0][:200]}): "
+                                f"the host waited for the GPU. Move it to plan().") from e
+        raise
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous)
+        for name, original in originals.items():
+            if original is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+def plan_run_launcher(plan_run_cls):
+    """The launcher convention ``fn(q, k_cache, v_cache, block_table, seq_lens, o, lse)`` for
+    a class with ``plan(block_table, seq_lens, num_qo_heads, num_kv_heads, head_dim,
+    page_size, num_pages, dtype)`` and ``run(q, k_cache, v_cache, out, lse)``, checked the way
+    a serving engine uses it: plan while the sequences are shorter, run once (compile and
+    autotune), grow the lengths in place, run again under :func:`no_host_sync`."""
+    def launcher(q, k_cache, v_cache, block_table, seq_lens, o, lse):
+        decode = plan_run_cls()
+        real = seq_lens.clone()
+        seq_lens.copy_(torch.div(real, 2, rounding_mode="floor"))
+        decode.plan(block_table, seq_lens, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                    k_cache.shape[0], q.dtype)
+        decode.run(q, k_cache, v_cache, torch.empty_like(o), torch.empty_like(lse))    # warm-up
+        seq_lens.copy_(real)              # the sequences grew since plan(), in place
+        with no_host_sync("run()"):
+            decode.run(q, k_cache, v_cache, o, lse)
+    return launcher
+
+
+def adapt_plan_run(obj):
+    """A class is checked through :func:`plan_run_launcher`; a launcher is used as it is."""
+    return plan_run_launcher(obj) if isinstance(obj, type) else obj
+
+
+def plan_run_hint(output, got, expected, inputs):
+    """Was the answer computed for the lengths seq_lens held at plan time?"""
+    stale = paged_decode_reference(**{**inputs, "seq_lens": torch.div(inputs["seq_lens"], 2,
+                                                                       rounding_mode="floor")})[output]
+    if got.shape == stale.shape and torch.allclose(got.double().cpu(), stale.double().cpu(), atol=1e-3,
+                                                   rtol=1e-3, equal_nan=True):
+        return ("run() answered for the lengths seq_lens held when plan() ran, not for their values "
+                "now: read the lengths on the device inside the kernel, and plan partitions from the "
+                "block table's capacity (width × page_size), which the lengths never exceed.")
+    return None
+
+
+# =========================================================================================
+# Benchmark rows beyond the baselines: as called, replayed in a CUDA graph, FlashInfer
+# =========================================================================================
+def cuda_graph_replay(make_run):
+    """A benchmark row that replays a CUDA graph: ``make_run(inputs)`` plans and returns a
+    function of no arguments; it runs once (compile, autotune), is captured, and every
+    call replays the capture. A new capture per input dict."""
+    state = {}
+
+    def replay(inp):
+        if state.get("key") != id(inp):
+            state.clear()
+            run = make_run(inp)
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            state.update(key=id(inp), graph=graph, run=run)
+        state["graph"].replay()
+    return replay
+
+
+def paged_decode_planned(inp):
+    """plan() for a benchmark input dict; returns run() with its arguments bound."""
+    q, kc = inp["q"], inp["k_cache"]
+    decode = PagedDecodeWrapper()
+    decode.plan(inp["block_table"], inp["seq_lens"], q.shape[1], kc.shape[2], q.shape[2], kc.shape[1],
+                kc.shape[0], q.dtype)
+    return lambda: decode.run(q, kc, inp["v_cache"])
+
+
+def flashinfer_decode_baseline(use_tensor_cores: bool = True):
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on the same cache (its NHD layout is
+    gpulab's [pages, page_size, Hkv, D]): plan() once per input dict, run() timed."""
+    state = {}
+
+    def run(inp):
+        if state.get("key") != id(inp):
+            fi = flashinfer_module()
+            q, kc = inp["q"], inp["k_cache"]
+            indptr, indices, last = to_flashinfer(inp["block_table"], inp["seq_lens"], kc.shape[1])
+            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+            wrapper.plan(indptr, indices, last, q.shape[1], kc.shape[2], q.shape[2], kc.shape[1],
+                         q_data_type=q.dtype, kv_data_type=kc.dtype)
+            state.update(key=id(inp), wrapper=wrapper, workspace=workspace)
+        return state["wrapper"].run(inp["q"], (inp["k_cache"], inp["v_cache"]))
+    return run
+
+
+def _decode_as_called(inp):
+    return paged_decode_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["seq_lens"])
+
+
+def _decode_validated(inp):
+    return paged_decode_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["seq_lens"],
+                                  validate=True)
+
+
+GRAPH_ROW = "gpulab run(), CUDA graph"          # names fit the 26 columns of bench tables
+VALIDATED_ROW = "gpulab, validate=True"
+FLASHINFER_DECODE_ROW = "FlashInfer decode run()"   # use_tensor_cores=True, its faster path
+SDPA_ROW = "SDPA, contiguous KV"
+
 
 def make_paged_inputs(p, dtype, device, gen):
     """A paged cache with the given sequence lengths, its pages in shuffled order, spare
@@ -97,7 +269,6 @@ _GPU_DECODE = [
 
 PAGED_DECODE_ATTENTION = KernelSpec(
     name="paged_decode_attention",
-    graph_timing=True,
     summary="decode attention through a block table (GQA, split-KV planned from the batch)",
     args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "o", "lse"),
     make_inputs=make_paged_inputs,
@@ -108,17 +279,25 @@ PAGED_DECODE_ATTENTION = KernelSpec(
         "cpu": _CPU_DECODE,
         "gpu": _GPU_DECODE,
         "bench": [Case("B64 L4096", dict(lens=[4096] * 64, page=16, hq=32, hkv=8, d=128, spare=0, pad=0)),
-                  Case("B4 L32768", dict(lens=[32768] * 4, page=16, hq=32, hkv=8, d=128, spare=0, pad=0))],
+                  Case("B4 L32768", dict(lens=[32768] * 4, page=16, hq=32, hkv=8, d=128, spare=0, pad=0)),
+                  Case("B128 L1024", dict(lens=[1024] * 128, page=16, hq=32, hkv=8, d=128, spare=0, pad=0))],
     },
     dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]},
     tolerances=DECODE_TOLERANCES,
     output_tolerances={"lse": LSE_TOLERANCES},
     bytes_moved=decode_bytes,
     flops=decode_flops,
-    baselines={"SDPA, contiguous KV": sdpa_contiguous_baseline()},
+    # Benchmarks lead with the public function as a user calls it; then run() of a plan
+    # replayed in a CUDA graph, the validating call, SDPA and, when installed, FlashInfer.
+    bench_impl=_decode_as_called,
+    baselines={GRAPH_ROW: cuda_graph_replay(paged_decode_planned), VALIDATED_ROW: _decode_validated,
+               SDPA_ROW: sdpa_contiguous_baseline(),
+               **({FLASHINFER_DECODE_ROW: flashinfer_decode_baseline()} if FLASHINFER_INSTALLED else {})},
+    compile_baselines=(SDPA_ROW,),
     read_inputs=("q", "k_cache", "v_cache"),
     bench_dtypes=[torch.bfloat16],
-    notes="baseline: SDPA on the same KV copied into a contiguous [B, Hkv, L, D] tensor",
+    notes="gpulab = paged_decode_attention as called; SDPA on the same KV copied into a contiguous "
+          "[B, Hkv, L, D] tensor" + (f"; {PEER_NOTE}" if PEER_NOTE else ""),
 )
 
 
@@ -128,6 +307,7 @@ def _split_cases(cases, splits):
 
 PAGED_DECODE_SPLIT = KernelSpec(
     name="paged_decode_split",
+    expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
     summary="paged decode with a forced number of KV partitions and a reduce",
     args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "num_splits", "o", "lse"),
     make_inputs=make_paged_inputs,
@@ -138,7 +318,9 @@ PAGED_DECODE_SPLIT = KernelSpec(
         "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4]),
         "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16]),
     },
-    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    # float16 inputs are checked by paged_decode_attention; the partitions and the reduce
+    # work in float32 whatever the input dtype, so the interpreter runs float32 only here.
+    dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
     tolerances=DECODE_TOLERANCES,
     output_tolerances={"lse": LSE_TOLERANCES},
     read_inputs=("q", "k_cache", "v_cache"),
@@ -161,6 +343,7 @@ def make_partials(p, dtype, device, gen):
 
 SPLIT_KV_REDUCE = KernelSpec(
     name="split_kv_reduce",
+    expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
     summary="merge split-KV partial states (o_p, lse_p) into (o, lse)",
     args=("o_part", "lse_part", "o", "lse"),
     make_inputs=make_partials,
@@ -179,4 +362,24 @@ SPLIT_KV_REDUCE = KernelSpec(
     dtypes={"cpu": [torch.float32], "gpu": [torch.float32]},
     tolerances={torch.float32: (1e-5, 1e-5)},
     read_inputs=("o_part", "lse_part"),
+)
+
+
+_PLAN_RUN_CPU = [Case("ragged, an empty sequence", dict(lens=[0, 1, 17, 40], page=8, hq=4, hkv=2, d=16))]
+PAGED_DECODE_PLAN_RUN = KernelSpec(
+    name="paged_decode_plan_run",
+    expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
+    summary="paged decode split into plan() and a run() without host syncs, lengths growing after plan",
+    args=("q", "k_cache", "v_cache", "block_table", "seq_lens", "o", "lse"),
+    make_inputs=make_paged_inputs,
+    reference=paged_decode_reference,
+    outputs=decode_outputs,
+    implementation=plan_run_launcher(PagedDecodeWrapper),
+    adapt=adapt_plan_run,
+    hint=plan_run_hint,
+    cases={"cpu": _PLAN_RUN_CPU, "gpu": [_GPU_DECODE[1], _GPU_DECODE[3], _GPU_DECODE[4]]},
+    dtypes={"cpu": [torch.float32], "gpu": [torch.bfloat16]},
+    tolerances=DECODE_TOLERANCES,
+    output_tolerances={"lse": LSE_TOLERANCES},
+    read_inputs=("q", "k_cache", "v_cache"),
 )
