@@ -79,8 +79,7 @@ import triton.language as tl
 
 from . import runtime
 from .attention_state import LOG2E, online_update, state_epilogue
-from .paged import (FAULT_PAGE, FAULT_SEQ_LEN, fault_flag, gather_kv, guard_pages,
-                    raise_recorded_faults, record_fault)
+from .paged import FAULT_PAGE, FAULT_SEQ_LEN, fault_flag, gather_kv, raise_recorded_faults
 from .validate import require_float, require_same_device, require_tensor
 
 MAX_HEAD_DIM = 256
@@ -141,11 +140,13 @@ def append_kv_reference(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens
 def _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, num_pages,
               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, UPCAST: tl.constexpr):
     """K and V [BLOCK_N, BLOCK_D] of KV positions t through one request's block-table row.
-    A page id outside the pool is not followed: its tokens load as zeros and are counted
-    in ``n_bad`` (:func:`gpulab.paged.guard_pages`)."""
+    A page id outside the pool is never used as an address: its tokens load as zeros and
+    are counted in ``n_bad`` (as :func:`gpulab.paged.paged_tile_update` does)."""
     page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
-    page, t_mask, n_bad = guard_pages(page, t_mask, num_pages)
-    page = page.to(tl.int64)
+    bad = t_mask & ((page < 0) | (page >= num_pages))
+    page = tl.where(bad, 0, page).to(tl.int64)
+    t_mask = t_mask & ~bad
+    n_bad = tl.sum(bad.to(tl.int32), 0)
     slot = t % page_size
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
@@ -251,8 +252,9 @@ def _append_attention_kernel(
         s = tl.where(visible, s, float("-inf"))
         m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
     faults = faults | tl.where(bad_pages > 0, PAGE_FAULT, 0)
-    if kvh == 0:
-        record_fault(fault_ptr, faults, b)
+    if faults != 0:                 # the shared flag of gpulab.paged.fault_flag: [kinds, first request]
+        tl.atomic_or(fault_ptr, faults)
+        tl.atomic_min(fault_ptr + 1, b)
 
     out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -291,10 +293,13 @@ def _append_kv_kernel(
     mine = t_ok & (t >= start) & (t < end)
     ok = mine & (pos >= 0) & (pos < bt_width * page_size)
     page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + pos // page_size, mask=ok, other=0)
-    page, ok, n_bad = guard_pages(page, ok, num_pages)
-    n_bad_len = tl.sum((mine & ((pos < 0) | (pos >= bt_width * page_size))).to(tl.int32), 0)
-    if kvh == 0:
-        record_fault(fault_ptr, tl.where(n_bad > 0, PAGE_FAULT, 0) | tl.where(n_bad_len > 0, LEN_FAULT, 0), -1)
+    bad = ok & ((page < 0) | (page >= num_pages))         # never written through
+    ok = ok & ~bad
+    bad_len = mine & ((pos < 0) | (pos >= bt_width * page_size))
+    faults = (tl.where(tl.sum(bad.to(tl.int32), 0) > 0, PAGE_FAULT, 0)
+              | tl.where(tl.sum(bad_len.to(tl.int32), 0) > 0, LEN_FAULT, 0))
+    if faults != 0:
+        tl.atomic_or(fault_ptr, faults)
     page = page.to(tl.int64)
     slot = pos % page_size
     d = tl.arange(0, BLOCK_D)
