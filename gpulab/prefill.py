@@ -449,13 +449,23 @@ def append_kv_copy_into(k, v, qo_indptr, block_tables, kv_lens, k_cache_before, 
 # =========================================================================================
 # Validation
 # =========================================================================================
+def require_rows(name: str, t, **kw) -> None:
+    """:func:`gpulab.validate.require_tensor`, but only the last dimension must be contiguous:
+    the kernels take every other stride (a q sliced out of a fused QKV projection, a cache
+    view of one layer), so no copy is needed."""
+    require_tensor(name, t, contiguous=False, **kw)
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (strides {t.stride()} for shape "
+                         f"{tuple(t.shape)}): pass {name}.contiguous()")
+
+
 def require_append_inputs(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens) -> None:
     """Shapes, dtypes and devices of an append-attention call: host-only, no device data
     read (so no sync)."""
-    require_tensor("q", q, ndim=3)
+    require_rows("q", q, ndim=3)
     require_float("q", q)
-    require_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
-    require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
+    require_rows("k_cache", k_cache, ndim=4, dtype=q.dtype)
+    require_rows("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
     require_append_layout_shapes(qo_indptr, block_tables, kv_lens)
     require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                         block_tables=block_tables, kv_lens=kv_lens)
@@ -468,7 +478,7 @@ def require_append_layout_shapes(qo_indptr, block_tables, kv_lens) -> None:
         raise ValueError("qo_indptr must have B + 1 >= 1 entries (request b owns rows "
                          "qo_indptr[b]:qo_indptr[b+1] of q)")
     B = qo_indptr.shape[0] - 1
-    require_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, any_device=True)
+    require_rows("block_tables", block_tables, ndim=2, dtype=torch.int32, any_device=True)
     require_tensor("kv_lens", kv_lens, ndim=1, dtype=torch.int32, any_device=True)
     if block_tables.shape[0] != B or kv_lens.shape[0] != B:
         raise ValueError(f"qo_indptr describes {B} requests, but block_tables has {block_tables.shape[0]} "
@@ -559,7 +569,7 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *, c
     require_append_inputs(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens)
     _require_scale(sm_scale)
     if out is not None:
-        require_tensor("out", out, shape=q.shape, dtype=q.dtype)
+        require_rows("out", out, shape=q.shape, dtype=q.dtype)
         require_same_device(q=q, out=out)
     if runtime.debug_checks() if validate is None else validate:
         raise_recorded_faults(q.device)
@@ -580,12 +590,12 @@ def append_kv(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens, *,
     kv_lens[b] − n_b + j (kv_lens already counts them). Host-only checks by default;
     ``validate=True`` (or ``GPULAB_DEBUG=1``) adds the data-dependent ones. Tokens whose
     page id is outside the pool are not written (and recorded in the fault flag)."""
-    require_tensor("k_cache", k_cache, ndim=4)
+    require_rows("k_cache", k_cache, ndim=4)
     require_float("k_cache", k_cache)
-    require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=k_cache.dtype)
+    require_rows("v_cache", v_cache, shape=k_cache.shape, dtype=k_cache.dtype)
     _, _, hkv, d = k_cache.shape
-    require_tensor("k", k, ndim=3, dtype=k_cache.dtype)
-    require_tensor("v", v, shape=k.shape, dtype=k_cache.dtype)
+    require_rows("k", k, ndim=3, dtype=k_cache.dtype)
+    require_rows("v", v, shape=k.shape, dtype=k_cache.dtype)
     if tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k must be [total_new, {hkv}, {d}] (tokens, kv heads, head dim) to match the "
                          f"cache, got {tuple(k.shape)}")
@@ -735,11 +745,11 @@ class AppendAttention:
     def _require_run(self, q, k_cache, v_cache, what="q"):
         if not self.planned:
             raise RuntimeError("call plan(qo_indptr, block_tables, kv_lens) before run()")
-        require_tensor(what, q, ndim=3, dtype=self.dtype)
+        require_rows(what, q, ndim=3, dtype=self.dtype)
         t = q.shape[0]
         cache_shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        require_tensor("k_cache", k_cache, shape=cache_shape, dtype=self.dtype)
-        require_tensor("v_cache", v_cache, shape=cache_shape, dtype=self.dtype)
+        require_rows("k_cache", k_cache, shape=cache_shape, dtype=self.dtype)
+        require_rows("v_cache", v_cache, shape=cache_shape, dtype=self.dtype)
         heads = self.num_qo_heads if what == "q" else self.num_kv_heads
         if t < self.num_tokens or t > self._shape[1] or tuple(q.shape[1:]) != (heads, self.head_dim):
             raise ValueError(f"{what} must be [T, {heads}, {self.head_dim}] with {self.num_tokens} ≤ T ≤ "
@@ -756,11 +766,11 @@ class AppendAttention:
         if out is None:
             out = self.out[:T]
         else:
-            require_tensor("out", out, shape=q.shape, dtype=self.dtype)
+            require_rows("out", out, shape=q.shape, dtype=self.dtype)
         if lse is None and return_lse:
             lse = self.lse[:T]
         elif lse is not None:
-            require_tensor("lse", lse, shape=q.shape[:2], dtype=torch.float32)
+            require_rows("lse", lse, shape=q.shape[:2], dtype=torch.float32)
         launch_append_attention(q, k_cache, v_cache, self.qo_indptr, self.block_tables, self.kv_lens,
                                 self.work_req, self.work_tile, out, lse, fault_flag(self.device), self.causal,
                                 self.sm_scale, self.config)
@@ -770,7 +780,7 @@ class AppendAttention:
         """Write the planned batch's new K/V ([T, Hkv, D]) into the caches, in place
         (no host sync, no allocation, capturable)."""
         self._require_run(k, k_cache, v_cache, what="k")
-        require_tensor("v", v, shape=k.shape, dtype=self.dtype)
+        require_rows("v", v, shape=k.shape, dtype=self.dtype)
         append_kv_into(k, v, self.qo_indptr, self.block_tables, self.kv_lens,
                        k_cache, v_cache,
                        search_steps=max(1, (self._shape[0] - 1).bit_length()))

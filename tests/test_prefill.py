@@ -64,6 +64,16 @@ def test_public_matches_reference(dtype):
                     dtype)
 
 
+def test_strided_q_from_a_fused_projection():
+    inp = _inputs([3, 8], [4, 0])
+    qkv = torch.randn(11, 4 + 2 + 2, 16, device=DEV)          # [tokens, Hq + 2 Hkv, D]
+    q = qkv[:, :4]                                               # a view: row stride 8·16
+    o = prefill.append_attention(q, inp["k_cache"], inp["v_cache"], **_layout(inp))
+    _assert_matches(o, None, prefill.append_attention_reference(**{**inp, "q": q}), torch.float32)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        prefill.append_attention(q.transpose(1, 2), inp["k_cache"], inp["v_cache"], **_layout(inp))
+
+
 def test_empty_batch_and_empty_rows():
     inp = _inputs([2], [0], page=4)
     empty = dict(qo_indptr=torch.zeros(1, dtype=torch.int32, device=DEV),

@@ -60,7 +60,7 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
     """The append rows of a step (prefill, chunked prefill): gpulab.prefill's kernel when
     compiled (no host sync), the PyTorch reference otherwise. Returns o [total_q, Hq, D]."""
     if runtime.mode() == "compiled":
-        return append_attention_kernel(q.contiguous(), k_cache, v_cache, qo_indptr, block_tables, kv_lens,
+        return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
                                        sm_scale=scale)
     return append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
 

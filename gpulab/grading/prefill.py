@@ -300,6 +300,23 @@ BENCH_CASES = [
     Case("8 x 2K fresh prompts", dict(new=[2048] * 8, hist=[0] * 8, page=16, hq=32, hkv=8, d=128, spare=0, pad=0)),
 ]
 
+def fresh_append_case(gen: torch.Generator) -> Case:
+    """A ragged batch of random sizes (CPU-friendly): a kernel whose grid or tiles only
+    cover the listed cases fails on it."""
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    def rnd(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    B = rnd(1, 4)
+    hkv, group = pick(1, 2), pick(1, 2, 3, 4)
+    new = [rnd(0, 19) for _ in range(B)]
+    new[rnd(0, B - 1)] = rnd(1, 19)                      # at least one new token
+    return Case("random ragged batch", dict(new=new, hist=[rnd(0, 40) for _ in range(B)], page=pick(3, 4, 8, 16),
+                                            hq=hkv * group, hkv=hkv, d=pick(16, 24, 32), pad=rnd(0, 2),
+                                            causal=pick(True, True, False)))
+
+
 _ARGS = ("q", "k_cache", "v_cache", "qo_indptr", "block_tables", "kv_lens", "causal", "sm_scale", "o", "lse")
 _COMMON = dict(
     args=_ARGS,
@@ -311,6 +328,9 @@ _COMMON = dict(
     output_tolerances={"lse": APPEND_LSE_TOL},
     read_inputs=("q", "k_cache", "v_cache"),
     hint=append_attention_hint,
+    axes={"o": ("token", "head", "dim"), "lse": ("token", "head")},
+    strided=("q", "k_cache", "v_cache", "block_tables", "o", "lse"),
+    fresh_case=fresh_append_case,
 )
 
 APPEND_ATTENTION = KernelSpec(
@@ -351,6 +371,9 @@ APPEND_KV = KernelSpec(
     tolerances={torch.float32: (0.0, 0.0), torch.float16: (0.0, 0.0), torch.bfloat16: (0.0, 0.0)},
     bytes_moved=append_kv_bytes,
     read_inputs=("k", "v"),
+    axes={"k_cache": ("page", "slot", "kv head", "dim"), "v_cache": ("page", "slot", "kv head", "dim")},
+    strided=("k", "v", "block_tables", "k_cache", "v_cache"),
+    fresh_case=fresh_append_case,
 )
 
 
