@@ -244,7 +244,8 @@ def test_public_function_has_no_host_sync():
     try:
         for n in saved:
             setattr(torch.Tensor, n, lambda *a, _n=n, **k: (_ for _ in ()).throw(AssertionError(_n)))
-        prefill.append_attention(inp["q"], inp["k_cache"], inp["v_cache"], **_layout(inp), return_lse=True)
+        prefill.append_attention(inp["q"], inp["k_cache"], inp["v_cache"], **_layout(inp), return_lse=True,
+                                 validate=False)
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
