@@ -6,7 +6,7 @@ A new technique adds its module here: that is its one registry line.
 """
 import importlib
 
-TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "model", "attention", "paged", "cascade")
+TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "model", "attention", "paged", "cascade", "lab")
 
 for _name in TECHNIQUES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -1,0 +1,279 @@
+"""Grading of the kernel laboratory (notebook 09): the specs of the lab's own tasks and
+the checks of the notebook's exercises.
+
+The lab's suite (:mod:`gpulab.lab.tasks`) reuses the course's specs where a kernel
+already exists (``vector_add``, ``softmax``, ``rmsnorm_quant``, ``mlgru_scan_recurrent``)
+and adds the KernelBench-style tasks below, each a float64 reference, an input
+generator with awkward shapes, tolerances, bytes and FLOPs, and the eager PyTorch
+baseline. Their ``implementation`` is the task's seed candidate
+(:mod:`gpulab.lab.seeds`), so the ordinary checks and the compile check cover the seeds.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..harness.spec import Case, KernelSpec, bytes_of, randn
+from ..lab.seeds import (add_mul, bias_gelu, cumsum, gemv, layernorm, logsumexp, matmul_bias_relu,
+                         rmsnorm, row_sum, silu_mul)
+
+RMSNORM_EPS = rmsnorm.EPS
+LAYERNORM_EPS = layernorm.EPS
+_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+_CPU_DTYPES = [torch.float32, torch.float16]
+_GPU_DTYPES = [torch.float32, torch.bfloat16]
+
+# Row-shaped tasks share their shapes: one element, odd rows, ragged tails, many short rows.
+_ROWS_CPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+             Case("tail", dict(rows=7, cols=1000)), Case("many short rows", dict(rows=65, cols=33))]
+_ROWS_GPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+             Case("tail", dict(rows=37, cols=1000)), Case("wide", dict(rows=129, cols=12345)),
+             Case("many short rows", dict(rows=5000, cols=96))]
+_FLAT_CPU = [Case("one element", dict(n=1)), Case("tail", dict(n=1000)),
+             Case("blocks + tail", dict(n=3 * 1024 + 77))]
+_FLAT_GPU = [Case("one element", dict(n=1)), Case("tail", dict(n=1000)),
+             Case("many blocks + tail", dict(n=(1 << 20) + 3))]
+
+
+def _rows_elems(p):
+    return p["rows"] * p["cols"]
+
+
+# -- add_mul: (x + y) * z -------------------------------------------------------------------
+def _add_mul_inputs(p, dtype, device, gen):
+    n = p["n"]
+    return {"x": randn((n,), dtype, device, gen), "y": randn((n,), dtype, device, gen, offset=0.5),
+            "z": randn((n,), dtype, device, gen, scale=2.0)}
+
+
+def add_mul_reference(x, y, z):
+    return {"out": (x.double() + y.double()) * z.double()}
+
+
+ADD_MUL = KernelSpec(
+    name="lab_add_mul", summary="out = (x + y) * z, elementwise (lab task)",
+    args=("x", "y", "z", "out"), make_inputs=_add_mul_inputs, reference=add_mul_reference,
+    outputs=lambda inp, dtype: {"out": (inp["x"].shape, dtype)}, implementation=add_mul.launch,
+    cases={"cpu": _FLAT_CPU, "gpu": _FLAT_GPU, "bench": [Case("n=2^24", dict(n=1 << 24))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES}, tolerances=_TOL,
+    bytes_moved=lambda p, dtype: 4 * p["n"] * bytes_of(dtype), flops=lambda p, dtype: 2 * p["n"],
+    baselines={"torch": lambda inp: (inp["x"] + inp["y"]) * inp["z"]}, read_inputs=("x", "y", "z"),
+    bench_dtypes=[torch.bfloat16])
+
+
+# -- silu_mul: SwiGLU's activation ------------------------------------------------------------
+def _silu_mul_inputs(p, dtype, device, gen):
+    shape = (p["rows"], p["cols"])
+    return {"gate": randn(shape, dtype, device, gen, scale=3.0), "up": randn(shape, dtype, device, gen)}
+
+
+def silu_mul_reference(gate, up):
+    g = gate.double()
+    return {"out": g * torch.sigmoid(g) * up.double()}
+
+
+SILU_MUL = KernelSpec(
+    name="lab_silu_mul", summary="out = silu(gate) * up, SwiGLU's activation (lab task)",
+    args=("gate", "up", "out"), make_inputs=_silu_mul_inputs, reference=silu_mul_reference,
+    outputs=lambda inp, dtype: {"out": (inp["gate"].shape, dtype)}, implementation=silu_mul.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("4096x14336", dict(rows=4096, cols=14336))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES}, tolerances=_TOL,
+    bytes_moved=lambda p, dtype: 3 * _rows_elems(p) * bytes_of(dtype),
+    flops=lambda p, dtype: 6 * _rows_elems(p),
+    baselines={"torch": lambda inp: F.silu(inp["gate"]) * inp["up"]}, read_inputs=("gate", "up"),
+    bench_dtypes=[torch.bfloat16])
+
+
+# -- bias_gelu --------------------------------------------------------------------------------
+def _bias_gelu_inputs(p, dtype, device, gen):
+    return {"x": randn((p["rows"], p["cols"]), dtype, device, gen, scale=2.0),
+            "bias": randn((p["cols"],), dtype, device, gen, scale=0.5)}
+
+
+def bias_gelu_reference(x, bias):
+    return {"out": F.gelu(x.double() + bias.double(), approximate="tanh")}
+
+
+BIAS_GELU = KernelSpec(
+    name="lab_bias_gelu", summary="out = gelu_tanh(x + bias), bias broadcast over rows (lab task)",
+    args=("x", "bias", "out"), make_inputs=_bias_gelu_inputs, reference=bias_gelu_reference,
+    outputs=lambda inp, dtype: {"out": (inp["x"].shape, dtype)}, implementation=bias_gelu.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("4096x16384", dict(rows=4096, cols=16384))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES}, tolerances=_TOL,
+    bytes_moved=lambda p, dtype: (2 * _rows_elems(p) + p["cols"]) * bytes_of(dtype),
+    flops=lambda p, dtype: 12 * _rows_elems(p),
+    baselines={"torch": lambda inp: F.gelu(inp["x"] + inp["bias"], approximate="tanh")},
+    read_inputs=("x", "bias"), bench_dtypes=[torch.bfloat16])
+
+
+# -- row reductions: sum and logsumexp --------------------------------------------------------
+def _row_inputs(p, dtype, device, gen):
+    return {"x": randn((p["rows"], p["cols"]), dtype, device, gen, offset=0.25)}
+
+
+def row_sum_reference(x):
+    return {"y": x.double().sum(-1)}
+
+
+# float32 sums of up to 12K terms of size ~1: ~1e-4 absolute from the summation order.
+_SUM_TOL = {d: (2e-3, 1e-4) for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+ROW_SUM = KernelSpec(
+    name="lab_row_sum", summary="y = x.sum(-1) in float32 (lab task)",
+    args=("x", "y"), make_inputs=_row_inputs, reference=row_sum_reference,
+    outputs=lambda inp, dtype: {"y": ((inp["x"].shape[0],), torch.float32)}, implementation=row_sum.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("8192x8192", dict(rows=8192, cols=8192))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES}, tolerances=_SUM_TOL,
+    bytes_moved=lambda p, dtype: _rows_elems(p) * bytes_of(dtype) + 4 * p["rows"],
+    flops=lambda p, dtype: _rows_elems(p),
+    baselines={"torch": lambda inp: inp["x"].sum(-1, dtype=torch.float32)}, read_inputs=("x",),
+    bench_dtypes=[torch.bfloat16])
+
+
+def _lse_inputs(p, dtype, device, gen):
+    # Large, row-dependent offsets: exp without the max overflows.
+    x = randn((p["rows"], p["cols"]), torch.float32, device, gen, scale=3.0)
+    x = x + torch.linspace(100, -60, p["rows"], device=device)[:, None]
+    return {"x": x.to(dtype)}
+
+
+def logsumexp_reference(x):
+    return {"y": torch.logsumexp(x.double(), dim=-1)}
+
+
+LOGSUMEXP = KernelSpec(
+    name="lab_logsumexp", summary="y = logsumexp(x, -1) in float32, one streaming pass (lab task)",
+    args=("x", "y"), make_inputs=_lse_inputs, reference=logsumexp_reference,
+    outputs=lambda inp, dtype: {"y": ((inp["x"].shape[0],), torch.float32)}, implementation=logsumexp.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("8192x8192", dict(rows=8192, cols=8192))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES},
+    tolerances={d: (2e-5, 2e-6) for d in (torch.float32, torch.float16, torch.bfloat16)},
+    bytes_moved=lambda p, dtype: _rows_elems(p) * bytes_of(dtype) + 4 * p["rows"],
+    flops=lambda p, dtype: 4 * _rows_elems(p),
+    baselines={"torch": lambda inp: torch.logsumexp(inp["x"].float(), dim=-1)}, read_inputs=("x",),
+    bench_dtypes=[torch.bfloat16])
+
+
+# -- norms ------------------------------------------------------------------------------------
+def _norm_inputs(p, dtype, device, gen):
+    x = randn((p["rows"], p["cols"]), dtype, device, gen, scale=2.0, offset=0.3)
+    w = (1.0 + 0.5 * torch.randn(p["cols"], generator=gen, device=device)).to(dtype)
+    return {"x": x, "weight": w}
+
+
+def rmsnorm_reference(x, weight):
+    xd = x.double()
+    return {"y": xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + RMSNORM_EPS) * weight.double()}
+
+
+RMSNORM = KernelSpec(
+    name="lab_rmsnorm", summary="RMSNorm, y = x / rms(x) * w (lab task)",
+    args=("x", "weight", "y"), make_inputs=_norm_inputs, reference=rmsnorm_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype)}, implementation=rmsnorm.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("8192x4096", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES}, tolerances=_TOL,
+    bytes_moved=lambda p, dtype: (2 * _rows_elems(p) + p["cols"]) * bytes_of(dtype),
+    flops=lambda p, dtype: 4 * _rows_elems(p),
+    baselines={"torch": lambda inp: F.rms_norm(inp["x"], (inp["x"].shape[-1],), inp["weight"], RMSNORM_EPS)},
+    read_inputs=("x", "weight"), bench_dtypes=[torch.bfloat16])
+
+
+def _layernorm_inputs(p, dtype, device, gen):
+    inp = _norm_inputs(p, dtype, device, gen)
+    return {**inp, "bias": randn((p["cols"],), dtype, device, gen, scale=0.3)}
+
+
+def layernorm_reference(x, weight, bias):
+    return {"y": F.layer_norm(x.double(), (x.shape[-1],), weight.double(), bias.double(), LAYERNORM_EPS)}
+
+
+LAYERNORM = KernelSpec(
+    name="lab_layernorm", summary="LayerNorm, y = (x - mean) / std * w + b (lab task)",
+    args=("x", "weight", "bias", "y"), make_inputs=_layernorm_inputs, reference=layernorm_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype)}, implementation=layernorm.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("8192x4096", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES},
+    tolerances={torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)},
+    bytes_moved=lambda p, dtype: (2 * _rows_elems(p) + 2 * p["cols"]) * bytes_of(dtype),
+    flops=lambda p, dtype: 7 * _rows_elems(p),
+    baselines={"torch": lambda inp: F.layer_norm(inp["x"], (inp["x"].shape[-1],), inp["weight"], inp["bias"],
+                                                 LAYERNORM_EPS)},
+    read_inputs=("x", "weight", "bias"), bench_dtypes=[torch.bfloat16])
+
+
+# -- GEMV and a matmul with a fused epilogue -------------------------------------------------
+def _gemv_inputs(p, dtype, device, gen):
+    return {"x": randn((p["m"], p["k"]), dtype, device, gen),
+            "w": randn((p["n"], p["k"]), dtype, device, gen, scale=1 / math.sqrt(p["k"]))}
+
+
+def gemv_reference(x, w):
+    return {"y": x.double() @ w.double().T}
+
+
+GEMV = KernelSpec(
+    name="lab_gemv", summary="y = x @ w.T for 1-4 rows of x (decode GEMV, lab task)",
+    args=("x", "w", "y"), make_inputs=_gemv_inputs, reference=gemv_reference,
+    outputs=lambda inp, dtype: {"y": ((inp["x"].shape[0], inp["w"].shape[0]), dtype)},
+    implementation=gemv.launch,
+    cases={"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("odd", dict(m=1, k=100, n=33)),
+                   Case("tails", dict(m=3, k=1000, n=70)), Case("K tail", dict(m=2, k=257, n=130))],
+           "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("tails", dict(m=3, k=1001, n=777)),
+                   Case("long K", dict(m=1, k=8191, n=1000)), Case("square", dict(m=4, k=4096, n=4096))],
+           "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES},
+    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
+    bytes_moved=lambda p, dtype: (p["n"] * p["k"] + p["m"] * (p["k"] + p["n"])) * bytes_of(dtype),
+    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+    baselines={"torch": lambda inp: F.linear(inp["x"], inp["w"])}, read_inputs=("x", "w"),
+    bench_dtypes=[torch.bfloat16])
+
+
+def _mm_inputs(p, dtype, device, gen):
+    return {"a": randn((p["m"], p["k"]), dtype, device, gen),
+            "b": randn((p["k"], p["n"]), dtype, device, gen, scale=1 / math.sqrt(p["k"])),
+            "bias": randn((p["n"],), dtype, device, gen, scale=0.5)}
+
+
+def matmul_bias_relu_reference(a, b, bias):
+    return {"c": torch.relu(a.double() @ b.double() + bias.double())}
+
+
+MATMUL_BIAS_RELU = KernelSpec(
+    name="lab_matmul_bias_relu", summary="c = relu(a @ b + bias), epilogue fused (lab task)",
+    args=("a", "b", "bias", "c"), make_inputs=_mm_inputs, reference=matmul_bias_relu_reference,
+    outputs=lambda inp, dtype: {"c": ((inp["a"].shape[0], inp["b"].shape[1]), dtype)},
+    implementation=matmul_bias_relu.launch,
+    cases={"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("odd", dict(m=37, k=45, n=29)),
+                   Case("tiles + tails", dict(m=70, k=100, n=65))],
+           "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("odd", dict(m=37, k=45, n=29)),
+                   Case("tiles + tails", dict(m=300, k=515, n=260)), Case("square", dict(m=1024, k=1024, n=1024))],
+           "bench": [Case("4096^3", dict(m=4096, k=4096, n=4096))]},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]},
+    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
+    bytes_moved=lambda p, dtype: (p["m"] * p["k"] + p["k"] * p["n"] + p["m"] * p["n"] + p["n"]) * bytes_of(dtype),
+    flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+    baselines={"torch": lambda inp: torch.relu(inp["a"] @ inp["b"] + inp["bias"])},
+    read_inputs=("a", "b", "bias"), bench_dtypes=[torch.bfloat16])
+
+
+# -- scan -------------------------------------------------------------------------------------
+def cumsum_reference(x):
+    return {"y": x.double().cumsum(-1)}
+
+
+CUMSUM = KernelSpec(
+    name="lab_cumsum", summary="y = x.cumsum(-1), accumulated in float32 (lab task)",
+    args=("x", "y"), make_inputs=_row_inputs, reference=cumsum_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype)}, implementation=cumsum.launch,
+    cases={"cpu": _ROWS_CPU, "gpu": _ROWS_GPU, "bench": [Case("4096x8192", dict(rows=4096, cols=8192))]},
+    dtypes={"cpu": _CPU_DTYPES, "gpu": _GPU_DTYPES},
+    # Prefix sums grow like sqrt(n): absolute tolerance for float32 summation order,
+    # relative for the output's own rounding in 16 bits.
+    tolerances={torch.float32: (2e-3, 1e-5), torch.float16: (2e-2, 2e-3), torch.bfloat16: (1e-1, 1e-2)},
+    bytes_moved=lambda p, dtype: 2 * _rows_elems(p) * bytes_of(dtype),
+    flops=lambda p, dtype: _rows_elems(p),
+    baselines={"torch": lambda inp: inp["x"].cumsum(-1)}, read_inputs=("x",),
+    bench_dtypes=[torch.bfloat16])
