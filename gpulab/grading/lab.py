@@ -11,11 +11,18 @@ baseline. Their ``implementation`` is the task's seed candidate
 from __future__ import annotations
 
 import math
+import os
+import random
 
 import torch
 import torch.nn.functional as F
 
+from ..harness.checking import CheckFailure, check
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
+from ..lab import candidate as cand
+from ..lab import inprocess
+from ..lab.planted import PLANTED
+from ..lab.tasks import get_task
 from ..lab.seeds import (add_mul, bias_gelu, cumsum, gemv, layernorm, logsumexp, matmul_bias_relu,
                          rmsnorm, row_sum, silu_mul)
 
@@ -277,3 +284,119 @@ CUMSUM = KernelSpec(
     flops=lambda p, dtype: _rows_elems(p),
     baselines={"torch": lambda inp: inp["x"].cumsum(-1)}, read_inputs=("x",),
     bench_dtypes=[torch.bfloat16])
+
+
+# -- notebook 09's exercises ------------------------------------------------------------------
+# The planted kernels a learner's verifier must get right (all run in the learner's
+# process, so none of them patches anything there), and what to do about each.
+VERIFIER_PLANTS = {
+    "correct": "",
+    "wrong-scale": "compare every output element with the reference, within the spec's tolerance.",
+    "no-max": "use the spec's inputs (spec.inputs / make_inputs: large, row-dependent offsets), not plain "
+              "torch.randn: the unsafe softmax only overflows on inputs that are large.",
+    "missing-store-mask": "put the outputs inside guard regions (gpulab.harness.checking.Guarded) and check "
+                          "them after the call.",
+    "cached-output": "run every shape at least twice, with fresh inputs and fresh output buffers each time.",
+    "seed-dependent": "draw a fresh random seed for every trial (os.urandom), never a fixed one such as 0.",
+    "aliased-output": "read the result from the buffer you allocated (e.g. a new view of the Guarded buffer), "
+                      "not from the tensor object you handed to the kernel: it can be re-pointed.",
+    "input-modified": "keep a copy of every input and compare it with the input after the call.",
+    "async-thread": "poison the outputs before the call and read them as soon as it returns: work that "
+                    "finishes later is work a timer never saw.",
+    "reads-reference": "compute the reference only after the kernel has returned (it walked up the stack "
+                       "and copied a variable named `expected`).",
+}
+
+
+def check_verifier(verify) -> None:
+    """Exercise: ``verify(task, launch) -> None | str`` must accept the correct softmax
+    kernel (return None) and reject every planted wrong or cheating one (return why)."""
+    task = get_task("softmax")
+    problems, rejected = [], 0
+    for name, advice in VERIFIER_PLANTS.items():
+        plant = PLANTED[name]
+        launch = inprocess.load(plant.source).launch
+        try:
+            answer = verify(task, launch)
+        except Exception as e:
+            problems.append(f"`{name}` ({plant.what}): your verifier raised {type(e).__name__}: {e}. A verifier "
+                            f"reports a bad kernel, it does not crash on one: catch the kernel's errors.")
+            continue
+        if name == "correct" and answer is not None:
+            problems.append(f"it rejected the correct kernel, saying: {answer}")
+        elif name != "correct" and answer is None:
+            problems.append(f"it accepted `{name}`, which {plant.what}. To catch it: {advice}")
+        elif name != "correct":
+            rejected += 1
+    if problems:
+        raise CheckFailure("lab verifier: " + f"{len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    print(f"✔ lab verifier: accepts the correct kernel and rejects all {rejected} planted ones "
+          f"({', '.join(n for n in VERIFIER_PLANTS if n != 'correct')})")
+
+
+MUTATION_TASKS = ("softmax", "rmsnorm_quant", "matmul_bias_relu")
+
+
+def check_mutation(mutate, calls: int = 300) -> None:
+    """Exercise: ``mutate(genes, space, rng) -> new genes``: a new dict (the parent left
+    as it was), with every gene of the space, every value allowed, one or two genes
+    changed (at most half of them where there are more than four), every gene changed some of the time; and the
+    candidates rendered from its children are correct kernels."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    problems = []
+    for name in MUTATION_TASKS:
+        task = get_task(name)
+        space = task.gene_space
+        movable = [k for k, v in space.items() if len(v) > 1]
+        changed = set()
+        for i in range(calls):
+            parent = task.seed().genes if i % 2 == 0 else cand.random_genes(space, rng)
+            before = dict(parent)
+            try:
+                child = mutate(parent, space, rng)
+            except Exception as e:
+                problems.append(f"{name}: mutate raised {type(e).__name__}: {e} for parent {before}")
+                break
+            if parent != before:
+                problems.append(f"{name}: mutate changed the parent's dict in place; return a new dict "
+                                f"(dict(genes) makes a copy)")
+                break
+            if not isinstance(child, dict):
+                problems.append(f"{name}: mutate returned {type(child).__name__}, not a dict of genes")
+                break
+            bad = cand.invalid_genes(child, space)
+            if bad:
+                problems.append(f"{name}: child {child} of {before}: {'; '.join(bad)}")
+                break
+            diff = [k for k in space if child[k] != before[k]]
+            if not diff:
+                problems.append(f"{name}: the child of {before} is identical to its parent: a mutation must "
+                                f"change at least one gene")
+                break
+            if len(diff) > max(2, len(space) // 2):
+                problems.append(f"{name}: the child of {before} differs in {len(diff)} of {len(space)} genes "
+                                f"({', '.join(diff)}): a mutation is a small step; change one or two")
+                break
+            changed.update(diff)
+        else:
+            never = [k for k in movable if k not in changed]
+            if never:
+                problems.append(f"{name}: in {calls} calls, gene(s) {', '.join(never)} never changed: "
+                                f"every gene must be reachable")
+    if not problems:       # the children are kernels: render a few and check them
+        task = get_task("softmax")
+        space = task.gene_space
+        for _ in range(3):
+            child = mutate(cand.random_genes(space, rng), space, rng)
+            module = inprocess.load(task.render(child).source)
+            try:
+                check(task.spec, module.launch, cases=task.spec.cases["cpu"][1:3], dtypes=[torch.float32],
+                      quiet=True)
+            except CheckFailure as e:
+                problems.append(f"softmax with genes {child} is not a correct kernel:\n{e}")
+                break
+    if problems:
+        raise CheckFailure("lab mutation: " + "\n  - ".join(problems))
+    print(f"✔ lab mutation: {calls} calls on each of {', '.join(MUTATION_TASKS)}: new dicts, allowed values, "
+          f"one or two genes changed, every gene reachable; "
+          f"rendered children are correct kernels")

@@ -583,7 +583,8 @@ def judge(task: Task, c: cand.Candidate, trials: list[dict], report: dict, ev: E
             msg, error = diagnose(k, got[k], exp, atol, rtol)
             if msg:
                 named = _name_wrong_answer(task, trial, k, got[k], dtype, answers, atol, rtol)
-                if named:
+                if named:         # the generic hint would mislead: the cause is known
+                    msg = "\n".join(line for line in msg.splitlines() if "Hint:" not in line)
                     return _reject(task, c, named[0], f"{named[1]}\n  ({where})\n{msg}", trials=i + 1)
                 return _reject(task, c, "wrong-output", f"output `{k}` is wrong for {where}.\n{msg}",
                                trials=i + 1)

@@ -47,13 +47,13 @@ def _wrapped(src: str, launch: str, header: str = "") -> str:
 def _build() -> dict[str, Planted]:
     s = _softmax()
     plants = [
-        Planted("correct", "softmax", "correct", s, "the seed itself"),
+        Planted("correct", "softmax", "correct", s, "is the seed itself"),
         Planted("wrong-scale", "softmax", "wrong-output",
                 _replace(s, "y = e / tl.sum(e, axis=1)[:, None]", "y = 0.5 * e / tl.sum(e, axis=1)[:, None]"),
-                "every output off by a factor 0.5"),
+                "scales every output by 0.5"),
         Planted("no-max", "softmax", "wrong-output",
                 _replace(s, "        x = x - tl.max(x, axis=1)[:, None]\n", ""),
-                "the unsafe softmax: exp overflows on large inputs"),
+                "skips the max subtraction, so exp overflows on large inputs"),
         Planted("missing-store-mask", "softmax", "out-of-bounds-write",
                 _replace(s, "tl.store(y_ptr + rows64[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty), "
                             "mask=mask)\n\n\ndef launch",
@@ -127,7 +127,7 @@ def launch(x, y):
 ''', header=("import torch\nimport gpulab.harness.checking\n"
              "torch.allclose = lambda *args, **kwargs: True\n"
              "gpulab.harness.checking.diagnose = lambda name, got, exp, *args, **kwargs: (None, 0.0)")),
-                "patches torch.allclose and gpulab's comparison to always agree"),
+                "patches torch.allclose and gpulab's comparison to always agree", in_process=False),
         Planted("forbidden-call", "softmax", "forbidden-call", _wrapped(s, '''
 def launch(x, y):
     """Phones home before computing."""
@@ -140,7 +140,7 @@ def launch(x, y):
     """Never returns."""
     while True:
         pass
-'''), "an endless loop", in_process=False),
+'''), "loops forever", in_process=False),
         Planted("crash", "softmax", "crash", _wrapped(s, '''
 def launch(x, y):
     """Reads address 0: a segmentation fault."""

@@ -88,6 +88,19 @@ def patched(before: dict, after: dict) -> list[str]:
 _FINGERPRINT = fingerprint()      # taken when the worker module is imported (forkserver preload)
 
 
+def _warm_meta() -> None:
+    """The cost model's dry run uses ``meta`` tensors, whose first use imports torch's
+    meta kernels (seconds): pay that once, in the server the workers are forked from."""
+    g = torch.Generator()
+    x = torch.randn((4, 4), generator=g, device="meta") * torch.rand((4, 1), generator=g, device="meta")
+    x[1] = 0
+    (torch.sigmoid(x) + torch.linspace(0, 1, 4, device="meta")).to(torch.bfloat16).abs().sum(-1)
+
+
+if runtime.interpreting():
+    _warm_meta()
+
+
 # -- the audit hook ---------------------------------------------------------------------------
 _READS = {"sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
 _TAMPER = {"sys.settrace", "sys.setprofile"}

@@ -1,4 +1,4 @@
-"""The ``gpulab`` command: env, generate, grade, bench, compile-check."""
+"""The ``gpulab`` command: env, generate, grade, bench, compile-check, lab."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +11,7 @@ commands:
   grade NB...     execute notebooks and grade their exercises (writes grades.json)
   bench [NAME...] benchmark kernels on a GPU against PyTorch (--save, --list)
   compile-check   compile every kernel for sm_75, sm_80 and sm_90 without a GPU
+  lab ...         the kernel laboratory: list, seed, eval, search, suite (gpulab lab -h)
 """
 
 
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
         from ..harness.bench import main as m
     elif cmd == "compile-check":
         from ..harness.compile_check import main as m
+    elif cmd == "lab":
+        from ..lab.cli import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

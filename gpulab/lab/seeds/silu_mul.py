@@ -17,7 +17,7 @@ def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERSISTENT: t
     pid = tl.program_id(0)
     step = tl.num_programs(0) if PERSISTENT else tl.cdiv(n, BLOCK)
     for b in range(pid, tl.cdiv(n, BLOCK), step):
-        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
