@@ -136,6 +136,24 @@ def test_timing_defences_on_synthetic_reports(evaluator):
     assert v.reason == "timing-mismatch"
     v = _judge_timing(task, c, Verdict(**vars(ok)), {**base, "wall_ms": 0.03}, ev)
     assert v.correct and v.time_ms == 0.02
+    # the outputs at the timing size are checked against the reference (a sample of them)
+    ev.verify_timing_outputs = True
+    ev._timing_ref = {"softmax": {"y": (None, torch.full((8,), 0.125, dtype=torch.float64))}}
+    good = {**base, "wall_ms": 0.02, "first_outputs": {"y": torch.full((2, 4), 0.125)}}
+    assert _judge_timing(task, c, Verdict(**vars(ok)), good, ev).correct
+    bad = {**good, "first_outputs": {"y": torch.full((2, 4), 0.25)}}
+    v = _judge_timing(task, c, Verdict(**vars(ok)), bad, ev)
+    assert v.reason == "wrong-output" and "timing size" in v.message
+
+
+def test_parallel_evaluation_isolates_each_candidate(tmp_path):
+    names = ["correct", "hang", "cached-output", "crash"]
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,
+                   cost_model=False, workdir=tmp_path) as ev:
+        if on_gpu():
+            pytest.skip("the CPU plan")
+        verdicts = ev.evaluate_many("softmax", [PLANTED[n].source for n in names])
+    assert [v.reason for v in verdicts] == ["correct", "timeout", "cached-output", "crash"]
 
 
 def test_judge_rejects_a_malformed_report(evaluator):

@@ -189,7 +189,9 @@ class WorkerPool:
 
     def _start(self) -> _Worker:
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=worker.worker_main, args=(child, self.memory_mb), daemon=True,
+        # Not a daemon: torch.compile (the baselines) starts compile workers of its own.
+        # Every worker is killed when its job ends, and the spare by close().
+        p = self.ctx.Process(target=worker.worker_main, args=(child, self.memory_mb), daemon=False,
                              name="gpulab-lab-worker")
         # A worker needs nothing from the caller's __main__; without this, multiprocessing
         # would re-run a calling script that lacks an `if __name__ == "__main__"` guard.
@@ -234,15 +236,22 @@ class Evaluator:
     ``cases``/``dtypes`` narrow the correctness cases (tests and demos; the default is
     every case of the spec for this machine, in every dtype); ``repeats`` is how many
     fresh seeds each case gets (its first dtype). ``time`` (default: on a GPU) times the
-    candidate and ``cost_model`` (default: on a CPU) runs the cost model.
+    candidate and ``cost_model`` (default: on a CPU) runs the cost model. ``parallel``
+    candidates are evaluated at once by :meth:`evaluate_many` (default: up to 4 on a GPU
+    host, their timing never overlapping; 1 on a CPU).
     """
 
     def __init__(self, *, timeout_s: float | None = None, memory_mb: float | None = None,
                  cases: dict | list | None = None, dtypes: list | None = None, repeats: int = 2,
                  time: bool | None = None, cost_model: bool | None = None, baselines: bool = True,
                  workdir: str | Path | None = None, seed: int | None = None, entry: str = "launch",
-                 verify_timing_outputs: bool = True, gpu_memory_fraction: float = 0.5):
+                 verify_timing_outputs: bool = True, gpu_memory_fraction: float | None = None,
+                 parallel: int | None = None):
         gpu = runtime.mode() == "compiled"
+        # Several candidates at once on a GPU host (compiling is the slow part, and it runs
+        # on the CPU); one at a time on a CPU, where the interpreter needs every core.
+        self.parallel = max(1, parallel or (min(4, max(1, (os.cpu_count() or 1) // 4)) if gpu else 1))
+        gpu_memory_fraction = gpu_memory_fraction or 0.8 / self.parallel
         self.timeout_s = timeout_s or (180.0 if gpu else 60.0)
         self.memory_mb = memory_mb or (16384.0 if gpu else 2048.0)
         self.cases = cases
@@ -335,81 +344,142 @@ class Evaluator:
 
     # -- running
     def _run(self, job: dict, timeout: float) -> tuple[str, object]:
-        w = self.pool.get()
-        try:
-            w.wait_ready(max(120.0, timeout))
-        except EvaluatorError:
-            w = self.pool.get()
-            w.wait_ready(max(120.0, timeout))
-        self.pool.prestart()              # the next candidate's process starts meanwhile
-        t0 = time.monotonic()
-        try:
-            w.conn.send(job)
-            while True:
-                if w.conn.poll(0.05):
+        return self._run_many([job], timeout)[0]
+
+    def _run_many(self, jobs: list[dict], timeout: float) -> list[tuple[str, object]]:
+        """Run jobs in up to ``parallel`` worker processes at once. Each is killed when it
+        reports, dies, outlives ``timeout`` (not counting time spent waiting for the GPU)
+        or grows past the memory limit. Timing on the GPU is granted to one worker at a
+        time: its measurements are never overlapped by another candidate's timing."""
+        pending = list(range(len(jobs)))
+        running: dict[int, dict] = {}
+        results: list = [None] * len(jobs)
+        queue: list[int] = []
+        holder = None
+
+        def finish(i, outcome, info):
+            nonlocal holder
+            results[i] = (outcome, info)
+            running.pop(i)["worker"].kill()
+            if holder == i:
+                holder = None
+            if i in queue:
+                queue.remove(i)
+
+        while pending or running:
+            while pending and len(running) < self.parallel:
+                i = pending.pop(0)
+                w = self.pool.get()
+                try:
+                    w.wait_ready(max(120.0, timeout))
+                except EvaluatorError:
+                    w = self.pool.get()
+                    w.wait_ready(max(120.0, timeout))
+                w.conn.send(jobs[i])
+                running[i] = {"worker": w, "start": time.monotonic(), "waited": 0.0, "asked": None}
+            self.pool.prestart()          # the next candidate's process starts meanwhile
+            busy = False
+            for i, r in list(running.items()):
+                w = r["worker"]
+                if w.conn.poll(0):
+                    busy = True
                     try:
                         msg = w.conn.recv_bytes()
                     except (EOFError, OSError):
                         msg = None
                     if msg == b"done":
-                        return "done", None
-                    w.process.join(2)
-                    return "crash", w.process.exitcode
+                        finish(i, "done", None)
+                    elif msg == worker.ASK_GPU:
+                        r["asked"] = time.monotonic()
+                        queue.append(i)
+                    elif msg == worker.GPU_DONE:
+                        if holder == i:
+                            holder = None
+                    else:
+                        w.process.join(2)
+                        finish(i, "crash", w.process.exitcode)
+                    continue
                 if not w.alive():
-                    return "crash", w.process.exitcode
-                if time.monotonic() - t0 > timeout:
-                    return "timeout", timeout
+                    finish(i, "crash", w.process.exitcode)
+                    continue
+                waiting = r["waited"] + (time.monotonic() - r["asked"] if r["asked"] and holder != i else 0)
+                if time.monotonic() - r["start"] - waiting > timeout:
+                    finish(i, "timeout", timeout)
+                    continue
                 rss = worker._rss_mb(w.process.pid)
                 if rss - w.rss_ready > self.memory_mb:
-                    return "memory", rss - w.rss_ready
-        finally:
-            w.kill()
+                    finish(i, "memory", rss - w.rss_ready)
+            if holder is None and queue:
+                holder = queue.pop(0)
+                r = running[holder]
+                r["waited"] += time.monotonic() - r["asked"]
+                r["asked"] = None
+                r["worker"].conn.send_bytes(worker.GRANT_GPU)
+                busy = True
+            if not busy:
+                time.sleep(0.02)
+        return results
 
-    def evaluate(self, task: Task | str, candidate: cand.Candidate | str | Path, *,
-                 time: bool | None = None, cost_model: bool | None = None) -> Verdict:
-        """Evaluate one candidate (a Candidate, its source text, or a file path)."""
-        task = get_task(task) if isinstance(task, str) else task
-        c = _as_candidate(task, candidate)
-        timed = self.time if time is None else time
-        modelled = self.cost_model if cost_model is None else cost_model
+    def _prepare(self, task: Task, c: cand.Candidate, timed: bool, modelled: bool) -> tuple[dict, list]:
         path = cand.write(c, self.workdir / "candidates")
         trials = self.plan(task)
         result_path = self.workdir / f"result_{c.id}_{os.getpid()}_{self._fresh_seed()}.pt"
         job = {"kind": "candidate", "task": task.name, "candidate_path": str(path), "entry": self.entry,
                "device": self.device, "result_path": str(result_path), "allowed_dirs": self._allowed_dirs(),
                "cost_model": modelled, "gpu_memory_fraction": self.gpu_memory_fraction,
-               "trials": [{k: v for k, v in t.items()} for t in trials],
-               "timing": self._timing_job(task) if timed else None}
+               "trials": trials, "timing": self._timing_job(task) if timed else None}
+        return job, trials
+
+    def evaluate(self, task: Task | str, candidate: cand.Candidate | str | Path, *,
+                 time: bool | None = None, cost_model: bool | None = None) -> Verdict:
+        """Evaluate one candidate (a Candidate, its source text, or a file path)."""
+        return self.evaluate_many(task, [candidate], time=time, cost_model=cost_model)[0]
+
+    def evaluate_many(self, task: Task | str, candidates: list, *, time: bool | None = None,
+                      cost_model: bool | None = None) -> list[Verdict]:
+        """Evaluate several candidates of one task, ``parallel`` processes at a time."""
+        task = get_task(task) if isinstance(task, str) else task
+        cs = [_as_candidate(task, c) for c in candidates]
+        timed = self.time if time is None else time
+        modelled = self.cost_model if cost_model is None else cost_model
+        if timed and self.with_baselines:
+            self.baselines(task)          # before the candidates: it is the slow part (torch.compile)
+        prepared = [self._prepare(task, c, timed, modelled) for c in cs]
         t0 = _now()
-        outcome, info = self._run(job, self.timeout_s)
-        verdict = Verdict(task.name, c.id, "error", "raised", "", wall_s=0.0)
+        outcomes = self._run_many([job for job, _ in prepared], self.timeout_s)
+        wall = (_now() - t0) / max(1, len(cs)) * min(len(cs), self.parallel)
+        verdicts = []
+        for c, (job, trials), (outcome, info) in zip(cs, prepared, outcomes):
+            verdict = self._verdict(task, c, job, trials, outcome, info)
+            Path(job["result_path"]).unlink(missing_ok=True)
+            verdict.wall_s = wall
+            if verdict.correct and timed and self.with_baselines:
+                base = self.baselines(task)
+                verdict.eager_ms, verdict.compiled_ms = base.get("eager"), base.get("compiled")
+            verdicts.append(verdict)
+        return verdicts
+
+    def _verdict(self, task, c, job, trials, outcome, info) -> Verdict:
         if outcome == "timeout":
-            verdict = Verdict(task.name, c.id, "timeout", "timeout",
-                              f"timeout: the candidate did not finish within {info:.0f} s, so its process "
-                              f"was killed (an endless loop in the launcher or the kernel?).")
-        elif outcome == "memory":
-            verdict = Verdict(task.name, c.id, "memory", "memory",
-                              f"memory: the candidate's process grew by {info:.0f} MiB (limit "
-                              f"{self.memory_mb:.0f} MiB), so it was killed.")
-        elif outcome == "crash":
+            return Verdict(task.name, c.id, "timeout", "timeout",
+                           f"timeout: the candidate did not finish within {info:.0f} s, so its process "
+                           f"was killed (an endless loop in the launcher or the kernel?).")
+        if outcome == "memory":
+            return Verdict(task.name, c.id, "memory", "memory",
+                           f"memory: the candidate's process grew by {info:.0f} MiB (limit "
+                           f"{self.memory_mb:.0f} MiB), so it was killed.")
+        if outcome == "crash":
             how = (f"was killed by {_signal_name(info)}" if isinstance(info, int) and info < 0
                    else f"exited with status {info}")
-            verdict = Verdict(task.name, c.id, "crash", "crash",
-                              f"crash: the candidate's process {how} before reporting (a segfault, an "
-                              f"illegal memory access, os._exit...). The evaluator itself is unharmed.")
-        else:
-            try:
-                report = torch.load(result_path, weights_only=True)
-            except Exception as e:
-                report = {"error": {"stage": "result", "type": type(e).__name__,
-                                    "message": f"the result file is unreadable: {e}", "traceback": ""}}
-            verdict = judge(task, c, trials, report, self)
-        result_path.unlink(missing_ok=True)
-        verdict.wall_s = _now() - t0
-        if verdict.correct and timed and self.with_baselines:
-            base = self.baselines(task)
-            verdict.eager_ms, verdict.compiled_ms = base.get("eager"), base.get("compiled")
-        return verdict
+            return Verdict(task.name, c.id, "crash", "crash",
+                           f"crash: the candidate's process {how} before reporting (a segfault, an "
+                           f"illegal memory access, os._exit...). The evaluator itself is unharmed.")
+        try:
+            report = torch.load(job["result_path"], weights_only=True)
+        except Exception as e:
+            report = {"error": {"stage": "result", "type": type(e).__name__,
+                                "message": f"the result file is unreadable: {e}", "traceback": ""}}
+        return judge(task, c, trials, report, self)
 
     def baselines(self, task: Task | str) -> dict:
         """Eager and torch.compile times (ms) of the task's PyTorch function, GPU only."""
@@ -428,11 +498,20 @@ class Evaluator:
         return self._baselines[task.name]
 
     def timing_reference(self, task: Task) -> dict:
-        """The float64 reference on the timing inputs (made once per task)."""
+        """The float64 reference on the timing inputs, made once per task; for outputs of
+        more than 2^20 elements, an evenly spaced sample of them: {name: (indices, values)}."""
         if task.name not in self._timing_ref:
             inputs = torch.load(self._timing[task.name]["inputs_path"], weights_only=True)
-            self._timing_ref[task.name] = task.spec.reference(**inputs)
+            ref = {}
+            for k, exp in task.spec.reference(**inputs).items():
+                flat = exp.reshape(-1)
+                idx = None if flat.numel() <= SAMPLE else torch.linspace(0, flat.numel() - 1, SAMPLE).long()
+                ref[k] = (idx, flat.clone() if idx is None else flat[idx].clone())
+            self._timing_ref[task.name] = ref
         return self._timing_ref[task.name]
+
+
+SAMPLE = 1 << 20
 
 
 def _now() -> float:
@@ -651,13 +730,17 @@ def _judge_timing(task, c, v: Verdict, timing: dict, ev: Evaluator) -> Verdict:
     if ev.verify_timing_outputs:
         spec = task.spec
         dtype = getattr(torch, timing_dtype(task))
-        expected = ev.timing_reference(task)
-        for k, exp in expected.items():
+        for k, (idx, exp) in ev.timing_reference(task).items():
+            got = timing["first_outputs"][k].reshape(-1)
+            if got.numel() != (exp.numel() if idx is None else int(idx[-1]) + 1):
+                return _reject(task, c, "wrong-output", f"output `{k}` has the wrong size at the timing size")
+            got = got if idx is None else got[idx]
             atol, rtol = spec.tolerance(dtype, k)
-            msg, _ = diagnose(k, timing["first_outputs"][k], exp, atol, rtol)
+            msg, _ = diagnose(k, got, exp, atol, rtol)
             if msg:
+                sample = "" if idx is None else f" (an evenly spaced sample of {exp.numel()} elements, flattened)"
                 return _reject(task, c, "wrong-output",
-                               f"output `{k}` is wrong at the timing size {task.bench_case}.\n{msg}")
+                               f"output `{k}` is wrong at the timing size {task.bench_case}{sample}.\n{msg}")
     v.time_ms = ms
     v.cost = {**v.cost, "wall_ms": wall, "min_ms": timing["min_ms"], "reps": timing["reps"]}
     return v

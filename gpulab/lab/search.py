@@ -356,7 +356,15 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     owned = None
     if verifier is None:
         owned = evaluator or Evaluator()
-        verifier = owned.evaluate
+        chunk = owned.parallel
+
+        def verify_many(cs):
+            return owned.evaluate_many(task, cs)
+    else:
+        chunk = 1
+
+        def verify_many(cs):
+            return [verifier(task, c) for c in cs]
     archive = Archive(archive) if isinstance(archive, (str, Path)) else archive
     proposers = proposers or [EvolutionaryProposer()]
     offspring = offspring or population
@@ -371,11 +379,8 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     def out_of_budget() -> bool:
         return time.monotonic() - t0 > budget or (max_evals is not None and len(evaluated) >= max_evals)
 
-    def run(c: cand.Candidate, generation: int) -> Scored | None:
-        if c.id in seen or out_of_budget():
-            return seen.get(c.id)
-        s = Scored(c, verifier(task, c))
-        seen[c.id] = s
+    def record(s: Scored, generation: int) -> None:
+        seen[s.candidate.id] = s
         evaluated.append(s)
         if s.verdict.correct and archive is not None:
             archive.append(s, generation, fitness_kind)
@@ -383,7 +388,22 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         best = min((x.fitness for x in seen.values()), default=float("inf"))
         bar.set_postfix_str(f"best {best * 1e3:.2f} µs" if best < float("inf") else "no correct kernel yet")
         bar.refresh()
-        return s
+
+    def run(cs: list, generation: int) -> None:
+        """Verify new candidates, a chunk (as many as the evaluator runs at once) at a time."""
+        todo, ids = [], set()
+        for c in cs:
+            if c is not None and c.id not in seen and c.id not in ids:
+                todo.append(c)
+                ids.add(c.id)
+        for i in range(0, len(todo), chunk):
+            if out_of_budget():
+                return
+            part = todo[i:i + chunk]
+            if max_evals is not None:
+                part = part[:max_evals - len(evaluated)]
+            for c, v in zip(part, verify_many(part)):
+                record(Scored(c, v), generation)
 
     first = [task.seed()]
     if archive is not None:
@@ -391,16 +411,15 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     n_random = population - len(first) if random_start is None else random_start
     first += [build(task, cand.random_genes(task.gene_space, rng), operator="random", proposer="random")
               for _ in range(max(0, n_random))]
-    for c in first:
-        run(c, 0)
+    run(first, 0)
     seed_scored = seen[task.seed().id]
     pop = sorted([s for s in seen.values() if s.verdict.correct], key=lambda s: s.fitness)[:population]
     if not pop:
         bar.close()
         raise RuntimeError(f"search {task.name}: not even the seed passed the verifier:\n{seed_scored.verdict}")
     history.append(_stats(0, evaluated, pop))
-    generation = 0
-    while not out_of_budget():
+    generation, stalled = 0, 0
+    while not out_of_budget() and stalled < 3:
         generation += 1
         kids: list[cand.Candidate] = []
         for p in proposers:
@@ -409,8 +428,9 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         if not fresh:                     # the population has converged: restart part of it at random
             fresh = [build(task, cand.random_genes(task.gene_space, rng), operator="random", proposer="random")
                      for _ in range(max(1, offspring // 2))]
-        for k in fresh:
-            run(k, generation)
+        before = len(evaluated)
+        run(fresh, generation)
+        stalled = stalled + 1 if len(evaluated) == before else 0    # a tiny gene space, exhausted
         pool = {s.candidate.id: s for s in pop}
         pool.update({k.id: seen[k.id] for k in fresh if k.id in seen and seen[k.id].verdict.correct})
         pop = sorted(pool.values(), key=lambda s: s.fitness)[:population]

@@ -104,6 +104,7 @@ if runtime.interpreting():
 # -- the audit hook ---------------------------------------------------------------------------
 _READS = {"sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
 _TAMPER = {"sys.settrace", "sys.setprofile"}
+_STDLIB = os.path.dirname(os.__file__) + os.sep
 _BLOCKED = {"socket.connect", "socket.bind", "socket.getaddrinfo", "subprocess.Popen", "os.system",
             "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"}
 
@@ -116,16 +117,18 @@ class _Audit:
         self.busy = False
 
     def _from_candidate(self) -> bool:
-        """Is the Python code that triggered the event the candidate's own (or a stdlib
-        helper such as inspect.currentframe called straight from it)?"""
+        """Is the code that triggered the event the candidate's own? Walking up from the
+        trigger, standard-library frames (inspect.currentframe, subprocess.run, socket,
+        open...) are skipped; the first other frame decides. So the candidate calling
+        subprocess.run counts, Triton calling ptxas while compiling the candidate's
+        kernel does not."""
         f = sys._getframe(2)
-        for _ in range(3):
-            if f is None:
-                return False
+        while f is not None:
             name = f.f_code.co_filename
             if name == self.candidate_file:
                 return True
-            if not (name.endswith(("inspect.py", "traceback.py")) or name.startswith("<")):
+            stdlib = name.startswith(_STDLIB) and "-packages" not in name[len(_STDLIB):]
+            if not (stdlib or name.startswith("<")):
                 return False
             f = f.f_back
         return False
@@ -146,12 +149,13 @@ class _Audit:
             return
         self.busy = True
         try:
+            if not self._from_candidate():     # libraries (Triton compiling, torch) do as they must
+                return
             if event in _READS or event in _TAMPER:
-                if self._from_candidate():
-                    self.events.append([event, ""])
+                self.events.append([event, ""])
                 return
             if event == "object.__getattr__":
-                if args[1] in ("tb_frame", "f_back", "gi_frame", "cr_frame", "f_locals") and self._from_candidate():
+                if args[1] in ("tb_frame", "f_back", "gi_frame", "cr_frame", "f_locals"):
                     self.events.append([event, str(args[1])])
                 return
             if event in ("os.kill", "os.killpg"):
@@ -215,6 +219,25 @@ def _vm_size() -> int:
     return 0
 
 
+# The evaluator grants the GPU for timing to one worker at a time.
+ASK_GPU, GRANT_GPU, GPU_DONE = b"gpu?", b"gpu!", b"gpu-done"
+_CONN = None
+
+
+class _ExclusiveGPU:
+    """Held while timing: ask the evaluator, wait for its grant, release when done."""
+
+    def __enter__(self):
+        if _CONN is not None:
+            _CONN.send_bytes(ASK_GPU)
+            if _CONN.recv_bytes() != GRANT_GPU:
+                raise RuntimeError("the evaluator did not grant the GPU")
+
+    def __exit__(self, *exc):
+        if _CONN is not None:
+            _CONN.send_bytes(GPU_DONE)
+
+
 def worker_main(conn, memory_mb: float) -> None:
     """Entry point of a candidate's process: get ready, run one job, exit."""
     try:
@@ -232,6 +255,8 @@ def worker_main(conn, memory_mb: float) -> None:
     warnings.simplefilter("ignore")       # a candidate's overflows are judged, not printed
     conn.send_bytes(b"ready")
     job = conn.recv()                     # the evaluator's job (a trusted pickle)
+    global _CONN
+    _CONN = conn
     try:
         report = run_job(job)
     except BaseException as e:            # the candidate called sys.exit, say
@@ -298,7 +323,8 @@ def run_job(job: dict) -> dict:
         if job.get("cost_model"):
             report["cost"] = costmodel.measure(task, launch)
         if job.get("timing"):
-            report["timing"] = time_candidate(spec, launch, job["timing"], device)
+            with _ExclusiveGPU():
+                report["timing"] = time_candidate(spec, launch, job["timing"], device)
     except BaseException as e:
         report["error"] = _error("cost model" if job.get("cost_model") else "timing", e)
     report["patched"] = patched(_FINGERPRINT, fingerprint())
@@ -425,15 +451,17 @@ def run_baselines(job: dict) -> dict:
     device = torch.device(job["device"])
     sets = timing_sets(spec, job["timing"], device)
     eager = task.eager_fn()
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")   # compile in this process
     out = {}
     for name, fn in (("eager", eager), ("compiled", torch.compile(eager, dynamic=False))):
         try:
             def call(s, fn=fn):
                 fn(s["inputs"])
             for s in sets:
-                call(s)
+                call(s)                   # torch.compile compiles here, outside the GPU grant
             torch.cuda.synchronize()
-            times = sorted(_event_times(call, sets, _reps_for(call, sets), poison=False))
+            with _ExclusiveGPU():
+                times = sorted(_event_times(call, sets, _reps_for(call, sets), poison=False))
             out[name] = times[len(times) // 2]
         except Exception as e:
             out[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
