@@ -13,7 +13,7 @@ from gpulab.grading import lab as lab_grading
 from gpulab.harness.checking import CheckFailure
 from gpulab.harness.spec import Case
 from gpulab.lab import candidate as cand
-from gpulab.lab import cli, costmodel, inprocess, rewrites, search
+from gpulab.lab import cli, costmodel, inprocess, rewrites, search, worker
 from gpulab.lab.evaluate import CHEATS, REASONS, Evaluator, Verdict, fast_p, judge
 from gpulab.lab.planted import PLANTED, truncating_softmax
 from gpulab.lab.tasks import TASKS, get_task
@@ -154,6 +154,36 @@ def test_parallel_evaluation_isolates_each_candidate(tmp_path):
             pytest.skip("the CPU plan")
         verdicts = ev.evaluate_many("softmax", [PLANTED[n].source for n in names])
     assert [v.reason for v in verdicts] == ["correct", "timeout", "cached-output", "crash"]
+
+
+def test_timing_loop_times_and_catches_work_skipped_when_timed(tmp_path):
+    """The worker's timing loop (CUDA events on a GPU; a wall clock here, to run it)."""
+    task = get_task("softmax")
+    params = dict(rows=4, cols=64)
+    torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
+               tmp_path / "t.pt")
+    timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 50}
+    r = worker.time_candidate(task.spec, task.seed_module().launch, timing, "cpu")
+    assert r["ms"] > 0 and r["reps"] == 50 and not r["timed_outputs_differ"] and r["wall_ms"] > 0
+    assert torch.allclose(r["first_outputs"]["y"].double(),
+                          task.spec.reference(**torch.load(tmp_path / "t.pt"))["y"], atol=1e-6)
+    skipper = inprocess.load(PLANTED["skips-when-timed"].source).launch
+    assert worker.time_candidate(task.spec, skipper, timing, "cpu")["timed_outputs_differ"]
+
+
+def test_timed_evaluation_end_to_end(tmp_path):
+    """The whole timed path (worker timing, the evaluator's GPU grant to one worker at a
+    time, the checks of the timed outputs) at a small timing size, run here on a CPU."""
+    if on_gpu():
+        pytest.skip("the GPU runs it for real")
+    small = {"softmax": Case("small", dict(rows=4, cols=64))}
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=1, cost_model=False, baselines=False,
+                   parallel=2, timing_cases=small, timing_reps=50, workdir=tmp_path) as ev:
+        task = get_task("softmax")
+        seed, skipper, other = ev.evaluate_many(task, [task.seed(), PLANTED["skips-when-timed"].source,
+                                                       task.render({"NUM_WARPS": 8})], time=True)
+    assert seed.correct and seed.time_ms > 0 and other.correct
+    assert skipper.reason == "timing-mismatch", skipper.message
 
 
 def test_judge_rejects_a_malformed_report(evaluator):

@@ -238,7 +238,8 @@ class Evaluator:
     fresh seeds each case gets (its first dtype). ``time`` (default: on a GPU) times the
     candidate and ``cost_model`` (default: on a CPU) runs the cost model. ``parallel``
     candidates are evaluated at once by :meth:`evaluate_many` (default: up to 4 on a GPU
-    host, their timing never overlapping; 1 on a CPU).
+    host, their timing never overlapping; 1 on a CPU). ``timing_cases`` replaces a task's
+    timing case ({task: Case}) and ``timing_reps`` fixes the number of timed calls.
     """
 
     def __init__(self, *, timeout_s: float | None = None, memory_mb: float | None = None,
@@ -246,7 +247,7 @@ class Evaluator:
                  time: bool | None = None, cost_model: bool | None = None, baselines: bool = True,
                  workdir: str | Path | None = None, seed: int | None = None, entry: str = "launch",
                  verify_timing_outputs: bool = True, gpu_memory_fraction: float | None = None,
-                 parallel: int | None = None):
+                 parallel: int | None = None, timing_cases: dict | None = None, timing_reps: int | None = None):
         gpu = runtime.mode() == "compiled"
         # Several candidates at once on a GPU host (compiling is the slow part, and it runs
         # on the CPU); one at a time on a CPU, where the interpreter needs every core.
@@ -272,6 +273,8 @@ class Evaluator:
         self.verify_timing_outputs = verify_timing_outputs
         self.gpu_memory_fraction = gpu_memory_fraction
         self.rng_seed = seed
+        self.timing_cases = timing_cases or {}
+        self.timing_reps = timing_reps
         self._seed_counter = 0
         self.pool = WorkerPool(self.memory_mb)
         self._timing: dict = {}
@@ -334,12 +337,13 @@ class Evaluator:
     def _timing_job(self, task: Task) -> dict:
         if task.name not in self._timing:
             seed = self._fresh_seed()
-            case, dtype = task.bench_case, task.bench_dtype
+            case, dtype = self.timing_cases.get(task.name, task.bench_case), task.bench_dtype
             inputs = task.spec.make_inputs(case.params, dtype, torch.device("cpu"), generator(seed, "cpu"))
             path = self.workdir / f"timing_{task.name}_{seed}.pt"
             torch.save(inputs, path)
             self._timing[task.name] = {"inputs_path": str(path), "params": case.params,
-                                       "dtype": str(dtype).replace("torch.", ""), "seed": seed}
+                                       "dtype": str(dtype).replace("torch.", ""), "seed": seed,
+                                       "reps": self.timing_reps}
         return self._timing[task.name]
 
     # -- running
@@ -438,18 +442,23 @@ class Evaluator:
     def evaluate_many(self, task: Task | str, candidates: list, *, time: bool | None = None,
                       cost_model: bool | None = None) -> list[Verdict]:
         """Evaluate several candidates of one task, ``parallel`` processes at a time."""
-        task = get_task(task) if isinstance(task, str) else task
-        cs = [_as_candidate(task, c) for c in candidates]
+        return self.evaluate_pairs([(task, c) for c in candidates], time=time, cost_model=cost_model)
+
+    def evaluate_pairs(self, pairs: list, *, time: bool | None = None,
+                       cost_model: bool | None = None) -> list[Verdict]:
+        """Evaluate (task, candidate) pairs, ``parallel`` processes at a time."""
+        pairs = [(get_task(t) if isinstance(t, str) else t, c) for t, c in pairs]
+        pairs = [(t, _as_candidate(t, c)) for t, c in pairs]
         timed = self.time if time is None else time
         modelled = self.cost_model if cost_model is None else cost_model
-        if timed and self.with_baselines:
-            self.baselines(task)          # before the candidates: it is the slow part (torch.compile)
-        prepared = [self._prepare(task, c, timed, modelled) for c in cs]
+        if timed and self.with_baselines:     # before the candidates: the slow part (torch.compile)
+            self.prefetch_baselines(list({t.name: t for t, _ in pairs}.values()))
+        prepared = [self._prepare(t, c, timed, modelled) for t, c in pairs]
         t0 = _now()
         outcomes = self._run_many([job for job, _ in prepared], self.timeout_s)
-        wall = (_now() - t0) / max(1, len(cs)) * min(len(cs), self.parallel)
+        wall = (_now() - t0) / max(1, len(pairs)) * min(len(pairs), self.parallel)
         verdicts = []
-        for c, (job, trials), (outcome, info) in zip(cs, prepared, outcomes):
+        for (task, c), (job, trials), (outcome, info) in zip(pairs, prepared, outcomes):
             verdict = self._verdict(task, c, job, trials, outcome, info)
             Path(job["result_path"]).unlink(missing_ok=True)
             verdict.wall_s = wall
@@ -484,18 +493,25 @@ class Evaluator:
     def baselines(self, task: Task | str) -> dict:
         """Eager and torch.compile times (ms) of the task's PyTorch function, GPU only."""
         task = get_task(task) if isinstance(task, str) else task
-        if task.name not in self._baselines:
+        return self.prefetch_baselines([task])[task.name]
+
+    def prefetch_baselines(self, tasks: list) -> dict:
+        """Time the baselines of several tasks in one process (torch.compile's start-up
+        cost is paid once); results are cached per task."""
+        tasks = [get_task(t) if isinstance(t, str) else t for t in tasks]
+        todo = [t for t in tasks if t.name not in self._baselines]
+        if todo:
             if runtime.mode() != "compiled":
                 raise EvaluatorError("baselines are timed on a GPU")
-            result_path = self.workdir / f"baselines_{task.name}.pt"
-            job = {"kind": "baselines", "task": task.name, "device": self.device,
-                   "result_path": str(result_path), "timing": self._timing_job(task)}
-            outcome, info = self._run(job, max(600.0, self.timeout_s))
-            if outcome != "done":
-                self._baselines[task.name] = {"error": f"{outcome} ({info})"}
-            else:
-                self._baselines[task.name] = torch.load(result_path, weights_only=True)["baselines"]
-        return self._baselines[task.name]
+            result_path = self.workdir / f"baselines_{os.getpid()}_{self._fresh_seed()}.pt"
+            job = {"kind": "baselines", "tasks": [t.name for t in todo], "device": self.device,
+                   "result_path": str(result_path), "timings": {t.name: self._timing_job(t) for t in todo}}
+            outcome, info = self._run(job, max(600.0, 120.0 * len(todo)))
+            got = torch.load(result_path, weights_only=True)["baselines"] if outcome == "done" else {}
+            for t in todo:
+                self._baselines[t.name] = got.get(t.name, {"error": f"{outcome} ({info})"})
+            result_path.unlink(missing_ok=True)
+        return {t.name: self._baselines[t.name] for t in tasks}
 
     def timing_reference(self, task: Task) -> dict:
         """The float64 reference on the timing inputs, made once per task; for outputs of
@@ -740,7 +756,7 @@ def _judge_timing(task, c, v: Verdict, timing: dict, ev: Evaluator) -> Verdict:
             if msg:
                 sample = "" if idx is None else f" (an evenly spaced sample of {exp.numel()} elements, flattened)"
                 return _reject(task, c, "wrong-output",
-                               f"output `{k}` is wrong at the timing size {task.bench_case}{sample}.\n{msg}")
+                               f"output `{k}` is wrong at the timing size{sample}.\n{msg}")
     v.time_ms = ms
     v.cost = {**v.cost, "wall_ms": wall, "min_ms": timing["min_ms"], "reps": timing["reps"]}
     return v

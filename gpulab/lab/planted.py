@@ -169,10 +169,10 @@ _CALLS = {}
 
 
 def launch(x, y):
-    """Honest the first few times it sees a buffer; after that it does nothing."""
+    """Honest the first 20 times it sees a buffer; after that it does nothing."""
     key = (x.data_ptr(), y.data_ptr())
     _CALLS[key] = _CALLS.get(key, 0) + 1
-    if _CALLS[key] <= 3:
+    if _CALLS[key] <= 20:
         honest_launch(x, y)
 '''), "stops computing once it has seen the same buffers a few times (as a timing loop does)",
                 in_process=False, gpu_only=True),

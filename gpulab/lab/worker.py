@@ -356,7 +356,9 @@ def run_trial(spec, launch, trial: dict, device) -> dict:
             "threads": int(max(0, left_running)), "repointed": repointed}
 
 
-# -- timing (GPU) ---------------------------------------------------------------------------------
+# -- timing ---------------------------------------------------------------------------------------
+# On a GPU: CUDA events around each call. The same loop runs on a CPU with a wall clock
+# (only so that the tests exercise it: interpreter timings mean nothing).
 _FLUSH_BYTES = 256 << 20      # more than the L2 of any GPU gpulab runs on
 
 
@@ -367,10 +369,30 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-128 if t.dtype == torch.int8 else -1)
 
 
-def _event_times(call, sets, reps: int, poison: bool) -> list[float]:
-    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+def _device_sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()          # the whole device: every stream
+
+
+class _CPUEvent:
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _event(device):
+    return torch.cuda.Event(enable_timing=True) if torch.device(device).type == "cuda" else _CPUEvent()
+
+
+def _event_times(call, sets, reps: int, poison: bool, device) -> list[float]:
+    """Per-call times (ms): the L2 flushed and (candidates) the outputs poisoned before
+    each call, outside the timed region; input sets alternate."""
+    cuda = torch.device(device).type == "cuda"
+    flush = torch.empty(_FLUSH_BYTES if cuda else 1, dtype=torch.int8, device=device)
+    starts = [_event(device) for _ in range(reps)]
+    ends = [_event(device) for _ in range(reps)]
     for r in range(reps):
         s = sets[r % len(sets)]
         if poison:
@@ -380,17 +402,17 @@ def _event_times(call, sets, reps: int, poison: bool) -> list[float]:
         starts[r].record()
         call(s)
         ends[r].record()
-    torch.cuda.synchronize()
+    _device_sync(device)
     return [a.elapsed_time(b) for a, b in zip(starts, ends)]
 
 
-def _reps_for(call, sets) -> int:
+def _reps_for(call, sets, device) -> int:
     """About 0.3 s of timed calls, between 10 and 200."""
-    torch.cuda.synchronize()
+    _device_sync(device)
     t = time.perf_counter()
     for s in sets:
         call(s)
-    torch.cuda.synchronize()
+    _device_sync(device)
     per = (time.perf_counter() - t) / len(sets)
     return int(min(200, max(10, 0.3 / max(per, 1e-6))))
 
@@ -400,7 +422,7 @@ def timing_sets(spec, timing: dict, device) -> list[dict]:
     here, so a candidate that skips calls it has seen before is caught."""
     first = torch.load(timing["inputs_path"], weights_only=True)
     params, dtype = timing["params"], getattr(torch, timing["dtype"])
-    gen = torch.Generator(device=device)
+    gen = torch.Generator(device=torch.device(device))
     gen.manual_seed(timing["seed"] + 1)
     second = spec.make_inputs(params, dtype, device, gen)
     sets = []
@@ -418,10 +440,10 @@ def time_candidate(spec, launch, timing: dict, device) -> dict:
         spec.call(launch, s["inputs"], s["outputs"])
     for s in sets:                    # untimed first calls: compile, and the outputs to compare with
         call(s)
-    torch.cuda.synchronize()
+    _device_sync(device)
     first = [{k: t.clone() for k, t in s["outputs"].items()} for s in sets]
-    reps = _reps_for(call, sets)
-    times = _event_times(call, sets, reps, poison=True)
+    reps = timing.get("reps") or _reps_for(call, sets, device)
+    times = _event_times(call, sets, reps, poison=True, device=device)
     # The last timed call on each set must reproduce the untimed result.
     differs = []
     for i, s in enumerate(sets):
@@ -432,11 +454,11 @@ def time_candidate(spec, launch, timing: dict, device) -> dict:
     # Wall clock with a device-wide synchronise: work left on another stream, or
     # finished later by a thread, shows up here and not between the events.
     n = max(10, reps // 2)
-    torch.cuda.synchronize()
+    _device_sync(device)
     t0 = time.perf_counter()
     for r in range(n):
         call(sets[r % len(sets)])
-    torch.cuda.synchronize()
+    _device_sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3 / n
     times.sort()
     return {"ms": times[len(times) // 2], "min_ms": times[0], "reps": reps, "wall_ms": wall_ms,
@@ -444,28 +466,34 @@ def time_candidate(spec, launch, timing: dict, device) -> dict:
 
 
 def run_baselines(job: dict) -> dict:
-    """Time the task's eager PyTorch function and its torch.compile'd version on the
-    evaluator's timing inputs (a process without any candidate in it)."""
-    task = get_task(job["task"])
-    spec = task.spec
+    """Time each task's eager PyTorch function and its torch.compile'd version on the
+    evaluator's timing inputs (in a process without any candidate in it)."""
     device = torch.device(job["device"])
-    sets = timing_sets(spec, job["timing"], device)
-    eager = task.eager_fn()
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")   # compile in this process
-    out = {}
-    for name, fn in (("eager", eager), ("compiled", torch.compile(eager, dynamic=False))):
-        try:
-            def call(s, fn=fn):
-                fn(s["inputs"])
-            for s in sets:
-                call(s)                   # torch.compile compiles here, outside the GPU grant
-            torch.cuda.synchronize()
-            with _ExclusiveGPU():
-                times = sorted(_event_times(call, sets, _reps_for(call, sets), poison=False))
-            out[name] = times[len(times) // 2]
-        except Exception as e:
-            out[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return {"baselines": out}
+    result = {}
+    for name in job["tasks"]:
+        task = get_task(name)
+        sets = timing_sets(task.spec, job["timings"][name], device)
+        eager = task.eager_fn()
+        out = {}
+        for kind, fn in (("eager", eager), ("compiled", torch.compile(eager, dynamic=False))):
+            try:
+                def call(s, fn=fn):
+                    fn(s["inputs"])
+                for s in sets:
+                    call(s)               # torch.compile compiles here, outside the GPU grant
+                _device_sync(device)
+                with _ExclusiveGPU():
+                    times = sorted(_event_times(call, sets, _reps_for(call, sets, device), poison=False,
+                                                device=device))
+                out[kind] = times[len(times) // 2]
+            except Exception as e:
+                out[kind + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        result[name] = out
+        del sets
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"baselines": result}
 
 
 def kill_group(pid: int) -> None:
