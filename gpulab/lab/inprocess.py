@@ -7,6 +7,10 @@ compares with the real evaluator: one shape, one fixed seed, the reference compu
 before the kernel runs, ``torch.allclose`` on a fresh ``torch.empty`` output, no guard
 regions, no poison, no separate process. Kernels that cheat, or that are wrong on shapes
 it never tries, pass it.
+
+Only run kernels here that cannot write out of bounds: the interpreter does not fault
+on a store past the end of a tensor, it corrupts this process's heap (and may crash
+it much later). Untrusted candidates belong in :class:`gpulab.lab.evaluate.Evaluator`.
 """
 from __future__ import annotations
 
