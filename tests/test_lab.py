@@ -27,9 +27,8 @@ SOFTMAX_CASES = [Case("odd row", dict(rows=3, cols=7)), Case("tail", dict(rows=7
 def evaluator(tmp_path_factory):
     """Small correctness plan (two softmax shapes, float32, each twice): the defences do
     not depend on how many cases run."""
-    ev = Evaluator(cases=None if on_gpu() else SOFTMAX_CASES, dtypes=[torch.float32], repeats=2,
-                   timeout_s=30 if on_gpu() else 4, memory_mb=1024, cost_model=False, seed=1,
-                   workdir=tmp_path_factory.mktemp("lab"))
+    ev = Evaluator(cases=SOFTMAX_CASES, dtypes=[torch.float32], repeats=2, timeout_s=60 if on_gpu() else 4,
+                   memory_mb=1024, cost_model=False, time=False, seed=1, workdir=tmp_path_factory.mktemp("lab"))
     yield ev
     ev.close()
 
@@ -74,7 +73,7 @@ def test_render_and_genes_round_trip():
 def test_evaluator_accepts_the_seed(evaluator):
     v = evaluator.evaluate("softmax", get_task("softmax").seed())
     assert v.correct and v.reason == "correct" and v.trials == 4, v.message
-    assert v.fitness_ms < float("inf") if on_gpu() else v.fitness_ms == float("inf")
+    assert v.fitness_ms == float("inf")          # neither timed nor modelled here
 
 
 # What each rejection must say, beyond its reason.

@@ -21,7 +21,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton.testing
 
+from .. import runtime
 from ..harness.checking import Guarded
 from ..harness.spec import Case
 from . import candidate as cand
@@ -72,11 +74,14 @@ class WeakVerifier:
         c = candidate if isinstance(candidate, cand.Candidate) else cand.Candidate(task.name, candidate)
         spec = task.spec
         case = self.case or tidy_case(task)
+        device = runtime.device()
         try:
             launch = load(c.source).launch
-            inputs = spec.inputs(case, self.dtype, seed=self.seed)
+            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                      for k, v in spec.inputs(case, self.dtype, seed=self.seed).items()}
             expected = spec.reference(**inputs)
-            outputs = {k: torch.empty(s, dtype=d) for k, (s, d) in spec.outputs(inputs, self.dtype).items()}
+            outputs = {k: torch.empty(s, dtype=d, device=device)
+                       for k, (s, d) in spec.outputs(inputs, self.dtype).items()}
             spec.call(launch, inputs, outputs)
             atol, rtol = spec.tolerance(self.dtype)
             ok = all(torch.allclose(outputs[k].double(), expected[k].double(), atol=atol, rtol=rtol)
@@ -86,13 +91,19 @@ class WeakVerifier:
         if not ok:
             return Verdict(task.name, c.id, "rejected", "wrong-output", "wrong-output on the one shape tried")
         v = Verdict(task.name, c.id, "correct", "correct", f"allclose on {case} (seed {self.seed})", trials=1)
-        if self.cost_model:
+        if runtime.mode() == "compiled":         # timed here, as a hurried harness would
+            inputs = spec.inputs(task.bench_case, task.bench_dtype, device=device, seed=self.seed)
+            outputs = {k: torch.empty(s, dtype=d, device=device)
+                       for k, (s, d) in spec.outputs(inputs, task.bench_dtype).items()}
+            v.time_ms = float(triton.testing.do_bench(lambda: spec.call(launch, inputs, outputs),
+                                                      return_mode="median"))
+        elif self.cost_model:
             est = costmodel.estimate(task, costmodel.measure(task, launch))
             v.cost_ms, v.cost = est["ms"], est
         return v
 
 
-def verify(task: Task | str, launch, dtypes=(torch.float32,), repeats: int = 2) -> str | None:
+def verify(task: Task | str, launch, dtypes=(torch.float32,), repeats: int = 2, device=None) -> str | None:
     """A strong verifier that runs in this process (notebook 09's reference answer):
     every CPU case ``repeats`` times with fresh seeds, inputs in guarded buffers and
     checked unchanged, outputs poisoned and guarded and read back from the buffers it
@@ -100,17 +111,20 @@ def verify(task: Task | str, launch, dtypes=(torch.float32,), repeats: int = 2) 
     ``launch`` is correct, else what is wrong."""
     task = get_task(task) if isinstance(task, str) else task
     spec = task.spec
+    device = device or runtime.device()
     for case in spec.cases["cpu"]:
         for dtype in dtypes:
             for _ in range(repeats):
                 seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-                inputs = spec.inputs(case, dtype, seed=seed)
+                inputs = spec.inputs(case, dtype, device=device, seed=seed)
                 kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
                 g_in = {k: Guarded.wrap(v.shape, v.dtype, v.device, like=v) for k, v in inputs.items()
                         if isinstance(v, torch.Tensor)}
-                g_out = {k: Guarded.wrap(s, d, "cpu") for k, (s, d) in spec.outputs(inputs, dtype).items()}
+                g_out = {k: Guarded.wrap(s, d, device) for k, (s, d) in spec.outputs(inputs, dtype).items()}
                 call_in = {k: (g_in[k].inner if k in g_in else v) for k, v in inputs.items()}
                 spec.call(launch, call_in, {k: g.inner for k, g in g_out.items()})
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 where = f"{case}, {dtype}, seed {seed}"
                 for k, g in {**g_in, **g_out}.items():
                     if any(g.guard_damage()):
