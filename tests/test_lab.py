@@ -85,7 +85,7 @@ MESSAGE_WORDS = {"cached-output": "computed before", "seed-dependent": "seed 0",
 
 
 @pytest.mark.parametrize("name", [n for n, p in PLANTED.items()
-                                  if n not in ("correct", "hang", "crash") and not p.gpu_only])
+                                  if n not in ("correct", "hang", "crash") and not p.gpu_only and not p.needs_compile])
 def test_every_planted_kernel_is_rejected_and_named(evaluator, name):
     plant = PLANTED[name]
     v = evaluator.evaluate(plant.task, plant.source)
@@ -95,6 +95,20 @@ def test_every_planted_kernel_is_rejected_and_named(evaluator, name):
     assert MESSAGE_WORDS[name] in v.message, v.message
     if plant.reason in CHEATS:
         assert v.cheat
+
+
+def test_a_kernel_only_the_interpreter_runs_is_caught_by_compiling_it(tmp_path):
+    plant = PLANTED["interpreter-only"]
+    if on_gpu():
+        with Evaluator(cases=SOFTMAX_CASES, dtypes=[torch.float32], time=False, workdir=tmp_path) as ev:
+            assert ev.evaluate("softmax", plant.source).reason == "compile-error"
+        return
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=1, cost_model=False, workdir=tmp_path,
+                   compile_targets=(90,), compile_cases=1) as ev:
+        seed = ev.evaluate("softmax", get_task("softmax").seed())
+        assert seed.correct and seed.cost["compilations"] >= 1, seed.message
+        v = ev.evaluate("softmax", plant.source)
+    assert v.reason == "compile-error" and "sm_90" in v.message and "Raise" in v.message, v.message
 
 
 def test_hang_is_bounded_and_crash_leaves_the_evaluator_working(evaluator):

@@ -41,6 +41,8 @@ def _seed(a) -> int:
 
 def _evaluator(a) -> Evaluator:
     kw = {}
+    if getattr(a, "compile", None):
+        kw["compile_targets"] = tuple(int(x) for x in a.compile.split(","))
     if getattr(a, "timeout", None):
         kw["timeout_s"] = a.timeout
     if getattr(a, "memory", None):
@@ -59,7 +61,10 @@ def _eval(a) -> int:
     print(v.summary())
     if not v.correct:
         print(v.message)
-    elif v.cost_ms is not None:
+    if v.correct and "compiled_for" in v.cost:
+        print(f"compiles for {', '.join(f'sm_{x}' for x in v.cost['compiled_for'])} "
+              f"({v.cost['compilations']} kernel variants)")
+    if v.correct and v.cost_ms is not None:
         c = v.cost
         print(f"cost model: {v.cost_ms * 1e3:.2f} µs (ideal {c['ideal_ms'] * 1e3:.2f} µs; traffic ratio "
               f"{c['traffic_ratio']:.2f}, {c['launches']} launch(es), {c['programs']} programs of {c['num_warps']} "
@@ -132,6 +137,8 @@ def main(argv=None) -> int:
     e.add_argument("task")
     e.add_argument("file")
     e.add_argument("--json", help="write the verdict here")
+    e.add_argument("--compile", metavar="ARCHS", nargs="?", const="75,80,90",
+                   help="on a CPU, also compile for these GPUs (default 75,80,90)")
     for q in (e,):
         q.add_argument("--timeout", type=float, help="seconds before a candidate counts as hung")
         q.add_argument("--memory", type=float, help="MiB a candidate's process may grow by")

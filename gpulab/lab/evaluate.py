@@ -53,6 +53,7 @@ from ..harness.checking import Guarded, diagnose
 from ..harness.spec import Case, generator
 from . import candidate as cand
 from . import costmodel, worker
+from .compile_candidate import compile_in_subprocess
 from .tasks import Task, get_task
 
 REASONS = {
@@ -68,7 +69,8 @@ REASONS = {
     "reads-evaluator-memory": "inspects the evaluator's frames or objects (where a reference result could be)",
     "monkeypatch": "replaces functions of torch, triton or gpulab inside its process",
     "forbidden-call": "uses the network, subprocesses, signals or writes files outside its scratch space",
-    "import-error": "does not import or compile",
+    "import-error": "does not import",
+    "compile-error": "does not compile for a GPU (though the interpreter may run it)",
     "raised": "raises an exception when called",
     "timeout": "does not finish within the time limit (a hang)",
     "crash": "kills its own process (a crash)",
@@ -239,7 +241,10 @@ class Evaluator:
     candidate and ``cost_model`` (default: on a CPU) runs the cost model. ``parallel``
     candidates are evaluated at once by :meth:`evaluate_many` (default: up to 4 on a GPU
     host, their timing never overlapping; 1 on a CPU). ``timing_cases`` replaces a task's
-    timing case ({task: Case}) and ``timing_reps`` fixes the number of timed calls.
+    timing case ({task: Case}) and ``timing_reps`` fixes the number of timed calls. On a
+    CPU, ``compile_targets`` (e.g. ``(75, 80, 90)``) also compiles each correct candidate
+    for those GPUs (:mod:`gpulab.lab.compile_candidate`; ``compile_cases``: only the
+    first N GPU cases).
     """
 
     def __init__(self, *, timeout_s: float | None = None, memory_mb: float | None = None,
@@ -247,7 +252,8 @@ class Evaluator:
                  time: bool | None = None, cost_model: bool | None = None, baselines: bool = True,
                  workdir: str | Path | None = None, seed: int | None = None, entry: str = "launch",
                  verify_timing_outputs: bool = True, gpu_memory_fraction: float | None = None,
-                 parallel: int | None = None, timing_cases: dict | None = None, timing_reps: int | None = None):
+                 parallel: int | None = None, timing_cases: dict | None = None, timing_reps: int | None = None,
+                 compile_targets: tuple | None = None, compile_cases: int | None = None):
         gpu = runtime.mode() == "compiled"
         # Several candidates at once on a GPU host (compiling is the slow part, and it runs
         # on the CPU); one at a time on a CPU, where the interpreter needs every core.
@@ -274,6 +280,8 @@ class Evaluator:
         self.gpu_memory_fraction = gpu_memory_fraction
         self.rng_seed = seed
         self.timing_cases = timing_cases or {}
+        self.compile_targets = tuple(compile_targets or ())
+        self.compile_cases = compile_cases
         self.timing_reps = timing_reps
         self._seed_counter = 0
         self.pool = WorkerPool(self.memory_mb)
@@ -461,12 +469,25 @@ class Evaluator:
         for (task, c), (job, trials), (outcome, info) in zip(pairs, prepared, outcomes):
             verdict = self._verdict(task, c, job, trials, outcome, info)
             Path(job["result_path"]).unlink(missing_ok=True)
+            if verdict.correct and self.compile_targets and runtime.mode() == "interpreter":
+                verdict = self._compiled(task, c, job, verdict)
             verdict.wall_s = wall
             if verdict.correct and timed and self.with_baselines:
                 base = self.baselines(task)
                 verdict.eager_ms, verdict.compiled_ms = base.get("eager"), base.get("compiled")
             verdicts.append(verdict)
         return verdicts
+
+    def _compiled(self, task, c, job, verdict: Verdict) -> Verdict:
+        got = compile_in_subprocess(task.name, job["candidate_path"], self.compile_targets, self.compile_cases,
+                                    timeout_s=max(600.0, self.timeout_s))
+        if got["ok"]:
+            verdict.cost = {**verdict.cost, "compiled_for": list(self.compile_targets), "compilations": got["compiled"]}
+            return verdict
+        return _reject(task, c, "compile-error",
+                       f"the candidate is correct in Triton's interpreter but does not compile for "
+                       f"{', '.join(f'sm_{a}' for a in self.compile_targets)}:\n  " + "\n  ".join(got["failures"][:3]),
+                       trials=verdict.trials, max_error=verdict.max_error)
 
     def _verdict(self, task, c, job, trials, outcome, info) -> Verdict:
         if outcome == "timeout":
@@ -563,7 +584,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _reject(task, c, reason, message, **kw) -> Verdict:
-    status = "error" if reason in ("import-error", "raised") else "rejected"
+    status = "error" if reason in ("import-error", "raised", "compile-error") else "rejected"
     return Verdict(task.name, c.id, status, reason, f"{reason}: {message}", **kw)
 
 
@@ -685,6 +706,9 @@ def judge(task: Task, c: cand.Candidate, trials: list[dict], report: dict, ev: E
                                trials=i + 1)
             worst = max(worst, error)
             answers.append((i, k, exp))
+    if err and err.get("type") in ("CompilationError", "CompileTimeAssertionFailure", "UnsupportedLanguageConstruct"):
+        return _reject(task, c, "compile-error", f"Triton could not compile the candidate: {err['message'][:1500]}",
+                       trials=len(done), max_error=worst)
     if err and _out_of_memory(err):
         return Verdict(task.name, c.id, "memory", "memory",
                        f"memory: the candidate ran out of the memory it is allowed ({ev.memory_mb:.0f} MiB "

@@ -26,6 +26,7 @@ class Planted:
     what: str                # one line: what the kernel does
     in_process: bool = True  # meaningful to an in-process verifier (notebook 09)
     gpu_only: bool = False   # the trick only exists on a GPU (streams, repeated timing calls)
+    needs_compile: bool = False   # only a GPU compiler (or the compile check) catches it
 
 
 def _softmax() -> str:
@@ -60,6 +61,13 @@ def _build() -> dict[str, Planted]:
                          "tl.store(y_ptr + rows64[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty))"
                          "\n\n\ndef launch"),
                 "stores the padded row tail past the end of the row"),
+        Planted("interpreter-only", "softmax", "compile-error",
+                _replace(s, "    rows = tl.program_id(0) * R + tl.arange(0, R)\n",
+                         "    if n_rows < 0:     # never true: the interpreter never sees the raise\n"
+                         "        raise ValueError(\"no rows\")\n"
+                         "    rows = tl.program_id(0) * R + tl.arange(0, R)\n"),
+                "raises in a branch never taken: fine in the interpreter, no GPU compiler accepts it",
+                in_process=False, needs_compile=True),
         Planted("cached-output", "softmax", "cached-output", _wrapped(s, '''
 _CACHE = {}
 

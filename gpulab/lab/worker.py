@@ -35,7 +35,6 @@ import os
 import resource
 import signal
 import sys
-import threading
 import time
 import traceback
 import warnings
