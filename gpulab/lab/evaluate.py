@@ -176,10 +176,11 @@ class _Worker:
 
 
 class WorkerPool:
-    """One process per job, with the next one started ahead of time. On a CPU the
-    processes are forked from a server that has already imported torch and gpulab
+    """One process per job, the next ones started ahead of time. On a CPU the processes
+    are forked from a server that has already imported torch and gpulab
     (``forkserver``), so a worker starts in milliseconds; with a GPU they are spawned
-    fresh (CUDA cannot be used in a forked process)."""
+    fresh (CUDA cannot be used in a forked process) and import in the background while
+    earlier candidates run."""
 
     def __init__(self, memory_mb: float):
         self.memory_mb = memory_mb
@@ -187,12 +188,12 @@ class WorkerPool:
         self.ctx = multiprocessing.get_context(method)
         if method == "forkserver":
             self.ctx.set_forkserver_preload([worker.__name__])
-        self.spare: _Worker | None = None
+        self.spares: list[_Worker] = []
 
     def _start(self) -> _Worker:
         parent, child = self.ctx.Pipe()
         # Not a daemon: torch.compile (the baselines) starts compile workers of its own.
-        # Every worker is killed when its job ends, and the spare by close().
+        # Every worker is killed when its job ends, and the spares by close().
         p = self.ctx.Process(target=worker.worker_main, args=(child, self.memory_mb), daemon=False,
                              name="gpulab-lab-worker")
         # A worker needs nothing from the caller's __main__; without this, multiprocessing
@@ -210,18 +211,23 @@ class WorkerPool:
         return _Worker(p, parent)
 
     def get(self) -> _Worker:
-        w = self.spare if self.spare is not None and self.spare.alive() else self._start()
-        self.spare = None
-        return w
+        while self.spares:
+            w = self.spares.pop(0)
+            if w.alive():
+                return w
+            w.kill()
+        return self._start()
 
-    def prestart(self) -> None:
-        if self.spare is None or not self.spare.alive():
-            self.spare = self._start()
+    def prestart(self, n: int = 1) -> None:
+        """Keep ``n`` workers starting up (or ready) for the next jobs."""
+        self.spares = [w for w in self.spares if w.alive()]
+        while len(self.spares) < n:
+            self.spares.append(self._start())
 
     def close(self) -> None:
-        if self.spare is not None:
-            self.spare.kill()
-            self.spare = None
+        for w in self.spares:
+            w.kill()
+        self.spares = []
 
 
 def _signal_name(code: int) -> str:
@@ -389,7 +395,7 @@ class Evaluator:
                     w.wait_ready(max(120.0, timeout))
                 w.conn.send(jobs[i])
                 running[i] = {"worker": w, "start": time.monotonic(), "waited": 0.0, "asked": None}
-            self.pool.prestart()          # the next candidate's process starts meanwhile
+            self.pool.prestart(self.parallel)   # the next candidates' processes start meanwhile
             busy = False
             for i, r in list(running.items()):
                 w = r["worker"]
@@ -709,6 +715,10 @@ def judge(task: Task, c: cand.Candidate, trials: list[dict], report: dict, ev: E
     if err and err.get("type") in ("CompilationError", "CompileTimeAssertionFailure", "UnsupportedLanguageConstruct"):
         return _reject(task, c, "compile-error", f"Triton could not compile the candidate: {err['message'][:1500]}",
                        trials=len(done), max_error=worst)
+    if err and "illegal memory access" in err.get("message", ""):
+        return _reject(task, c, "out-of-bounds-write",
+                       f"the kernel accessed memory outside its buffers, beyond the guard regions (CUDA: "
+                       f"{err['message'][:300]})", trials=len(done), max_error=worst)
     if err and _out_of_memory(err):
         return Verdict(task.name, c.id, "memory", "memory",
                        f"memory: the candidate ran out of the memory it is allowed ({ev.memory_mb:.0f} MiB "
