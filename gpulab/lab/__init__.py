@@ -11,5 +11,11 @@
 * :mod:`.rewrites`   code-level rewrites the search applies to sources;
 * :mod:`.search`     the evolutionary search, the ``Proposer`` interface, the archive;
 * :mod:`.planted`    planted wrong and cheating kernels (tests and notebook 09);
-* :mod:`.cli`        ``gpulab lab list | eval | search | suite``.
+* :mod:`.inprocess`  loading candidates into this process: the weak harness of notebook 09
+                     and a reference in-process verifier;
+* :mod:`.compile_candidate`  compiling a candidate for GPU targets on a CPU;
+* :mod:`.saved`      lab results measured on a GPU and shipped in ``gpulab/results/lab``;
+* :mod:`.cli`        ``gpulab lab list | seed | eval | search | suite``.
+
+Nothing is imported here: ``from gpulab.lab import evaluate, search`` etc.
 """

@@ -314,8 +314,11 @@ class Evaluator:
                 s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
                 if s not in FIXED_SEEDS:
                     return s
-        self._seed_counter += 1
-        return (self.rng_seed * 7919 + self._seed_counter * 104729) & 0x7FFFFFFF
+        while True:
+            self._seed_counter += 1
+            s = (self.rng_seed * 7919 + self._seed_counter * 104729) & 0x7FFFFFFF
+            if s not in FIXED_SEEDS:
+                return s
 
     def _allowed_dirs(self) -> list[str]:
         dirs = [str(self.workdir), tempfile.gettempdir(), "/dev/shm",
