@@ -11,6 +11,12 @@ commands:
   grade NB...     execute notebooks and grade their exercises (writes grades.json)
   bench [NAME...] benchmark kernels on a GPU against PyTorch (--save, --list)
   compile-check   compile every kernel for sm_75, sm_80 and sm_90 without a GPU
+  profile NAME    profile a benchmark case (Nsight Compute, else torch.profiler;
+                  on a CPU: the saved H200 report)
+  progress        every exercise of the course with its status and points
+  serve           an OpenAI-compatible HTTP server over the engine (--host, --port)
+  train           train the serving engine's ternary transformer, save a 2-bit checkpoint
+  serve-bench     drive the serving engine with a generated workload (vs static batching)
   lab ...         the kernel laboratory: list, seed, eval, search, suite (gpulab lab -h)
 """
 
@@ -33,6 +39,16 @@ def main(argv=None) -> int:
         from ..harness.bench import main as m
     elif cmd == "compile-check":
         from ..harness.compile_check import main as m
+    elif cmd == "profile":
+        from ..harness.profiler import main as m
+    elif cmd == "progress":
+        from .progress import main as m
+    elif cmd == "serve":
+        from ..engine.server import main as m
+    elif cmd == "train":
+        from ..engine.train import main as m
+    elif cmd == "serve-bench":
+        from ..engine.serve_bench import main as m
     elif cmd == "lab":
         from ..lab.cli import main as m
     else:
