@@ -770,16 +770,16 @@ def _name_wrong_answer(task, trial, out_name, got, dtype, answers, atol, rtol):
 
 def _judge_timing(task, c, v: Verdict, timing: dict, ev: Evaluator) -> Verdict:
     ms, wall = timing["ms"], timing["wall_ms"]
-    if timing.get("timed_outputs_differ"):
-        return _reject(task, c, "timing-mismatch",
-                       f"the outputs of its timed calls differ from those of an untimed call on the same "
-                       f"inputs ({', '.join(timing['timed_outputs_differ'])}): it skips or changes work when "
-                       f"called repeatedly, so its time is not the time of the kernel that was checked.")
     if wall > 2.0 * ms + 0.1:
         return _reject(task, c, "async-launch",
                        f"with a device-wide synchronise after the calls it takes {wall * 1e3:.1f} µs per "
                        f"call, but only {ms * 1e3:.1f} µs between the CUDA events around each call: its "
                        f"work runs outside the timed stream (another stream, or launched later).")
+    if timing.get("timed_outputs_differ"):
+        return _reject(task, c, "timing-mismatch",
+                       f"the outputs of its timed calls differ from those of an untimed call on the same "
+                       f"inputs ({', '.join(timing['timed_outputs_differ'])}): it skips or changes work when "
+                       f"called repeatedly, so its time is not the time of the kernel that was checked.")
     if ev.verify_timing_outputs:
         spec = task.spec
         dtype = getattr(torch, timing_dtype(task))

@@ -166,12 +166,15 @@ _STREAM = []
 
 
 def launch(a, b, bias, c):
-    """Launches on a side stream and returns: events on the current stream time nothing."""
+    """Waits for its inputs, launches on a side stream and returns without making the
+    caller's stream wait for the result: events on the current stream time nothing."""
     if not _STREAM:
         _STREAM.append(torch.cuda.Stream())
+    _STREAM[0].wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(_STREAM[0]):
         honest_launch(a, b, bias, c)
-'''), "runs its kernel on a side stream the timer does not wait for", in_process=False, gpu_only=True),
+''', header="import torch"), "runs its kernel on a side stream the timer does not wait for", in_process=False,
+                gpu_only=True),
         Planted("skips-when-timed", "softmax", "timing-mismatch", _wrapped(s, '''
 _CALLS = {}
 
