@@ -176,12 +176,13 @@ def test_timing_loop_times_and_catches_work_skipped_when_timed(tmp_path):
     torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
                tmp_path / "t.pt")
     timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 50}
-    r = worker.time_candidate(task.spec, task.seed_module().launch, timing, "cpu")
+    device = gpulab.device()
+    r = worker.time_candidate(task.spec, task.seed_module().launch, timing, device)
     assert r["ms"] > 0 and r["reps"] == 50 and not r["timed_outputs_differ"] and r["wall_ms"] > 0
     assert torch.allclose(r["first_outputs"]["y"].double(),
                           task.spec.reference(**torch.load(tmp_path / "t.pt"))["y"], atol=1e-6)
     skipper = inprocess.load(PLANTED["skips-when-timed"].source).launch
-    assert worker.time_candidate(task.spec, skipper, timing, "cpu")["timed_outputs_differ"]
+    assert worker.time_candidate(task.spec, skipper, timing, device)["timed_outputs_differ"]
 
 
 def test_timed_evaluation_end_to_end(tmp_path):
