@@ -101,15 +101,15 @@ def _search(a) -> int:
 def _suite(a) -> int:
     archive = Archive(a.archive) if a.archive else None
     names = a.tasks or list(TASKS)
-    rows = []
+    pairs = []
+    for name in names:
+        task = get_task(name)
+        best = archive.best(name, 1) if archive else []
+        pairs.append((task, best[0] if best else task.seed()))
     with _evaluator(a) as ev:
-        for name in names:
-            task = get_task(name)
-            best = archive.best(name, 1) if archive else []
-            c = best[0] if best else task.seed()
-            v = ev.evaluate(task, c)
-            rows.append(v)
-            print(v.summary(), flush=True)
+        rows = ev.evaluate_pairs(pairs)
+    for v in rows:
+        print(v.summary() + ("" if v.correct else f"\n  {v.message.splitlines()[0][:160]}"))
     result = {"tasks": [v.to_json() for v in rows], "mode": runtime.mode(), "gpu": runtime.gpu_name(),
               "versions": runtime.versions()}
     if runtime.mode() == "compiled":
