@@ -26,6 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import runtime
 from ..harness.checking import CheckFailure, check, diagnose
 from ..harness.spec import Case, KernelSpec, randn
 from ..parallel import launch
@@ -433,8 +434,9 @@ def _check_shard_structure(shard, gen) -> None:
 
 def _tp_rank(shard, matmul, rows, dtype, seed):
     """Rank function: TP=1, TP=n with the learner's pieces, and reference variants."""
-    gate_up, down = random_glu(TP_D_MODEL, TP_HIDDEN, seed, dtype)
-    x = torch.randn(rows, TP_D_MODEL, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    dev = runtime.device()
+    gate_up, down = random_glu(TP_D_MODEL, TP_HIDDEN, seed, dtype, dev)
+    x = torch.randn(rows, TP_D_MODEL, generator=torch.Generator().manual_seed(seed + 1)).to(dev, dtype)
 
     def local_only(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=None):
         return ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=out_dtype)
@@ -459,7 +461,10 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
     for dtype in dtypes:
         for m in rows:
             try:
+                # kernels run where gpulab runs them: on a GPU, gloo ranks are spawned (a process
+                # that has used CUDA cannot be forked) and share the GPU, talking through the CPU
                 res = launch.run_ranks(_tp_rank, world_size, shard, matmul, m, dtype, s, backend="gloo",
+                                       start_method="spawn" if runtime.mode() == "compiled" else None,
                                        collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
             except Exception as e:
                 if _timed_out(e):

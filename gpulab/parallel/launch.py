@@ -10,8 +10,9 @@ Inside ``fn`` the default process group is ready: ``torch.distributed.get_rank()
   cell runs as it is, nothing is re-imported, and a rank starts in ~50 ms.
 * GPU (``backend="nccl"``, the default when CUDA is present): one process per GPU,
   rank r on ``cuda:r``, *spawned* (a process that has used CUDA cannot be forked).
-  ``fn`` and its arguments are pickled: a function from a module travels by name, one
-  defined in a notebook by value (with ``cloudpickle``).
+  ``fn`` and its arguments are pickled with ``cloudpickle``, so functions defined in a
+  notebook travel by value (without cloudpickle: only functions importable by name).
+  ``start_method="spawn"`` also gives gloo ranks that may use the GPU.
 
 The ranks meet through a :class:`torch.distributed.FileStore` in a fresh temporary
 folder (no ports to pick or collide). Results travel back pickled; CUDA tensors are
@@ -31,6 +32,7 @@ down instead of leaving it stuck).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
@@ -157,11 +159,13 @@ def _exception_bytes(e: BaseException) -> bytes | None:
         return None
 
 
-def _rank_main(rank, world_size, backend, store_path, payload, by_value, args, kwargs, results,
+def _rank_main(rank, world_size, backend, store_path, payload, by_value, results,
                collective_timeout_s, threads, started):
     """Entry point of every rank: join the group, run the function, report, exit."""
     status = 1
     try:
+        if faulthandler.is_enabled():   # a forked rank inherits the caller's; its dump would
+            faulthandler.disable()      # repeat the caller's stack, not say what went wrong
         keep_multicast_off()
         for k, v in (GPU_RANK_ENV if backend == "nccl" else CPU_RANK_ENV).items():
             os.environ.setdefault(k, v)
@@ -174,7 +178,8 @@ def _rank_main(rank, world_size, backend, store_path, payload, by_value, args, k
         if backend == "nccl":
             torch.cuda.set_device(rank)
             init["device_id"] = torch.device("cuda", rank)
-        fn = (cloudpickle if by_value else pickle).loads(payload) if isinstance(payload, bytes) else payload
+        fn, args, kwargs = ((cloudpickle if by_value else pickle).loads(payload)
+                            if isinstance(payload, bytes) else payload)
         try:
             dist.init_process_group(**init)
             value = fn(*args, **kwargs)
@@ -208,22 +213,21 @@ def _rank_main(rank, world_size, backend, store_path, payload, by_value, args, k
 
 
 # -- the caller side -----------------------------------------------------------------------
-def _payload(fn: Callable, start_method: str):
-    """The function as the child receives it: the object itself (fork), by name, or by value."""
+def _payload(fn: Callable, args: tuple, kwargs: dict, start_method: str):
+    """What the child receives: the objects themselves (fork), or (fn, args, kwargs)
+    pickled — by value with cloudpickle where available, so functions defined in a
+    notebook travel too."""
     if start_method == "fork":
-        return fn, False
-    try:
-        qualname = getattr(fn, "__qualname__", "")
-        module = getattr(fn, "__module__", "__main__")
-        if module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
-            raise pickle.PicklingError("not importable by name")
-        return pickle.dumps(fn), False
-    except Exception:
-        if cloudpickle is None:
-            raise TypeError(f"{getattr(fn, '__name__', fn)!r} is defined in a notebook or inside "
-                            f"another function, so spawned GPU ranks cannot import it: move it into "
-                            f"a module, or `pip install cloudpickle`") from None
-        return cloudpickle.dumps(fn), True
+        return (fn, args, kwargs), False
+    if cloudpickle is not None:
+        return cloudpickle.dumps((fn, args, kwargs)), True
+    for f in (fn, *args, *kwargs.values()):
+        if callable(f) and (getattr(f, "__module__", None) == "__main__"
+                            or "<locals>" in getattr(f, "__qualname__", "")):
+            raise TypeError(f"{getattr(f, '__name__', f)!r} is defined in a notebook or inside another "
+                            f"function, so spawned (GPU) ranks cannot import it: move it into a module, "
+                            f"or `pip install cloudpickle`")
+    return pickle.dumps((fn, args, kwargs)), False
 
 
 def _stop(processes, grace_s: float = 2.0) -> set[int]:
@@ -272,14 +276,14 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
         start_method = "fork" if fork_ok else "spawn"
     keep_multicast_off()
     ctx = mp.get_context(start_method)
-    payload, by_value = _payload(fn, start_method)
+    payload, by_value = _payload(fn, args, kwargs, start_method)
     folder = tempfile.mkdtemp(prefix="gpulab-ranks-")
     store_path = os.path.join(folder, "store")
     results = ctx.Queue()
     started = time.time()
     processes = [ctx.Process(target=_rank_main, name=f"gpulab-rank-{r}", daemon=True,
-                             args=(r, world_size, backend, store_path, payload, by_value, args, kwargs,
-                                   results, collective_timeout_s, threads, started))
+                             args=(r, world_size, backend, store_path, payload, by_value, results,
+                                   collective_timeout_s, threads, started))
                  for r in range(world_size)]
     outcomes: dict[int, RankOutcome] = {}
     stopped: set[int] = set()

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import runtime
 from ..bitlinear import BitLinear, pack_ternary, ternary_matmul, unpack_ternary
 from ..normquant import rmsnorm_quant
 from ..validate import require_tensor
@@ -223,8 +224,12 @@ def gather_parts(y_local: torch.Tensor, parts: tuple[int, ...], group=None) -> t
     [..., Σparts]: part by part, rank by rank."""
     n = dist.get_world_size(group)
     y_local = y_local.contiguous()
-    chunks = [torch.empty_like(y_local) for _ in range(n)]
-    dist.all_gather(chunks, y_local, group=group)
+    staged = y_local.is_cuda and dist.get_backend(group) == "gloo"     # gloo gathers CPU tensors only
+    src = y_local.cpu() if staged else y_local
+    chunks = [torch.empty_like(src) for _ in range(n)]
+    dist.all_gather(chunks, src, group=group)
+    if staged:
+        chunks = [c.to(y_local.device) for c in chunks]
     pieces, start = [], 0
     for p in parts:
         share = p // n
@@ -309,15 +314,17 @@ def glu_forward(gate_up: BitLinear, down: BitLinear, x: torch.Tensor) -> torch.T
 
 def random_glu(d_model: int, hidden: int, seed: int = 0, dtype=torch.float32, device=None):
     """A packed GLU (gate_up: d -> 2·hidden, down: hidden -> d) with random weights and
-    norm weights, for demos and checks."""
-    gen = torch.Generator().manual_seed(seed)
-    gate_up, down = BitLinear(d_model, 2 * hidden), BitLinear(hidden, d_model)
+    norm weights, built on ``device`` (the same seed gives the same layers on every rank)."""
+    device = torch.device(device or "cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = BitLinear(d_model, 2 * hidden, device=device)
+    down = BitLinear(hidden, d_model, device=device)
     with torch.no_grad():
         for layer in (gate_up, down):
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
-            layer.norm_weight.copy_(1 + 0.3 * torch.randn(layer.norm_weight.shape, generator=gen))
+            layer.weight.normal_(generator=gen)
+            layer.norm_weight.copy_(1 + 0.3 * torch.randn(layer.norm_weight.shape, generator=gen, device=device))
             layer.pack()
-    return gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype)
+    return gate_up.to(dtype=dtype), down.to(dtype=dtype)
 
 
 # -- TP=n against TP=1 ----------------------------------------------------------------------
@@ -348,7 +355,7 @@ def tp_glu_rank(d_model: int, hidden: int, rows: int, dtype: torch.dtype, seed: 
                 shard=None, matmul=None) -> dict:
     """Rank function: the same random GLU and input on every rank; TP=1 (the plain
     layers), TP=n with the int32 reduction (or ``matmul``) and with a float reduction."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = runtime.device()
     gate_up, down = random_glu(d_model, hidden, seed, dtype, dev)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, d_model, generator=gen).to(device=dev, dtype=dtype)
