@@ -25,6 +25,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from .. import runtime
 from ..harness.checking import CheckFailure, check, diagnose
@@ -70,6 +71,7 @@ def check_scale_partial_sums(fn):
 
 # -- ring all-reduce ------------------------------------------------------------------------------
 RING_WORLD_SIZES = (2, 3, 4)
+_FORK = "fork" if "fork" in mp.get_all_start_methods() else None
 _RING_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
              torch.float16: (2e-2, 1e-2), torch.bfloat16: (1e-1, 2e-2)}
 
@@ -293,7 +295,8 @@ def check_ring_all_reduce(fn, world_sizes=RING_WORLD_SIZES, timeout_s: float = 1
     for n in world_sizes:
         cases = _ring_cases(n, gen)
         try:
-            results = launch.run_ranks(_run_ring_cases, n, fn, cases, backend="gloo",
+            # CPU tensors only: fork even where CUDA is in use (fast, and keeps notebook functions)
+            results = launch.run_ranks(_run_ring_cases, n, fn, cases, backend="gloo", start_method=_FORK,
                                        collective_timeout_s=timeout_s, timeout_s=3 * timeout_s + 60)
         except Exception as e:
             raise _ring_run_failure(n, passed, e, timeout_s) from None
@@ -461,10 +464,9 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
     for dtype in dtypes:
         for m in rows:
             try:
-                # kernels run where gpulab runs them: on a GPU, gloo ranks are spawned (a process
-                # that has used CUDA cannot be forked) and share the GPU, talking through the CPU
+                # kernels run where gpulab runs them: with a GPU, the gloo ranks are spawned
+                # (launch's default once CUDA is in use) and share it, talking through the CPU
                 res = launch.run_ranks(_tp_rank, world_size, shard, matmul, m, dtype, s, backend="gloo",
-                                       start_method="spawn" if runtime.mode() == "compiled" else None,
                                        collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
             except Exception as e:
                 if _timed_out(e):

@@ -111,6 +111,35 @@ def time_per_call(fn: Callable[[], object], budget_s: float = 0.2, max_calls: in
     return per_call[len(per_call) // 2]
 
 
+def local_time_per_call(fn: Callable[[], object], budget_s: float = 0.2, max_calls: int = 1000,
+                        batches: int = 5) -> float:
+    """Seconds per call of ``fn`` on this rank alone (no collective): CUDA events on a GPU,
+    median of ``batches`` batches after warm-up."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for _ in range(2):
+        fn()
+
+    def run(calls):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+
+    probe = run(1)
+    calls = int(max(1, min(max_calls, budget_s / batches / max(probe, 1e-7))))
+    per_call = sorted(run(calls) / calls for _ in range(batches))
+    return per_call[len(per_call) // 2]
+
+
 def sweep_rank(impls: dict, sizes: list[int], dtype: torch.dtype, budget_s: float = 0.2,
                max_bytes: dict | None = None) -> list[dict]:
     """Rank function: time every implementation ``name -> fn(tensor)`` at every size."""
@@ -159,7 +188,8 @@ def environment(backend: str, world_size: int) -> dict:
 
 def measure(world_size: int = 2, backend: str | None = None, sizes: list[int] | None = None,
             dtype: torch.dtype | None = None, impls: dict | None = None, budget_s: float | None = None,
-            max_bytes: dict | None = None, label: str = "", timeout_s: float = 600.0) -> dict:
+            max_bytes: dict | None = None, label: str = "", timeout_s: float = 600.0,
+            start_method: str | None = None) -> dict:
     """Sweep all-reduce implementations over message sizes on ``world_size`` ranks.
 
     Defaults: NCCL with one process per GPU and bf16 at 4 KB .. 1 GB when there are
@@ -171,7 +201,8 @@ def measure(world_size: int = 2, backend: str | None = None, sizes: list[int] | 
     impls = impls or default_impls(backend)
     budget_s = budget_s if budget_s is not None else (0.2 if gpu else 0.05)
     rows = launch.run_ranks(sweep_rank, world_size, impls, sizes, dtype, budget_s, max_bytes,
-                            backend=backend, timeout_s=timeout_s, collective_timeout_s=120)[0]
+                            backend=backend, timeout_s=timeout_s, collective_timeout_s=120,
+                            start_method=start_method)[0]
     result = {"kind": "all_reduce_busbw", **environment(backend, world_size),
               "dtype": str(dtype).replace("torch.", ""), "library": backend, "rows": rows,
               "label": label or ("measured on GPUs with NCCL" if gpu else

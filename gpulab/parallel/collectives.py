@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..validate import require_tensor
 
 PIECE_BYTES = 32 << 20      # pipeline piece on the GPU: big enough to hide ~50 µs of Python
-MAX_PIECES = 8
+MAX_PIECES = 16
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -84,27 +84,32 @@ def _wait(works):
         w.wait()
 
 
-def _pieces(n_elems: int, element_size: int, pieces: int | None, device) -> int:
+def _pieces(n_elems: int, element_size: int, pieces: int | None, piece_bytes: int | None, device) -> int:
     if pieces is not None:
         if not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive int, got {pieces!r}")
         return pieces
-    if device.type != "cuda":
+    if piece_bytes is None and device.type != "cuda":
         return 1                    # gloo: each message is a blocking copy anyway
-    return max(1, min(MAX_PIECES, (n_elems * element_size) // PIECE_BYTES))
+    size = piece_bytes or PIECE_BYTES
+    if size < 1:
+        raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes!r}")
+    return max(1, min(MAX_PIECES, (n_elems * element_size) // size))
 
 
 def _split(start: int, stop: int, k: int) -> list[tuple[int, int]]:
     return [(start + a, start + b) for a, b in chunk_bounds(stop - start, k)]
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None, pieces: int | None = None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group=None, pieces: int | None = None,
+                    piece_bytes: int | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks of ``group``, in place (like ``dist.all_reduce``), with
     a ring of sends and receives: reduce-scatter then all-gather (module docstring).
 
     Any number of ranks, any size (chunks differ by one element when n does not divide
     it), any float (or integer) dtype; returns ``tensor``. ``pieces`` cuts every chunk into that many
-    pipelined pieces (default: 1 on CPU, ~32 MB pieces on a GPU)."""
+    pipelined pieces; by default chunks are cut into pieces of about ``piece_bytes`` (32 MB,
+    at most 16 pieces) on a GPU, and not cut on a CPU."""
     _require_reducible(tensor)
     n = dist.get_world_size(group)
     r = dist.get_rank(group)
@@ -115,7 +120,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, pieces: int | None = None)
     flat = tensor.view(-1)
     bounds = chunk_bounds(flat.numel(), n)
     longest = bounds[0][1] - bounds[0][0]
-    k = _pieces(longest, flat.element_size(), pieces, flat.device)
+    k = _pieces(longest, flat.element_size(), pieces, piece_bytes, flat.device)
     pieces_of = [_split(a, b, k) for a, b in bounds]          # pieces_of[chunk][p] = (start, stop)
     # two scratch buffers: step s receives into one while step s-1's pieces are added from the other
     scratch = [torch.empty(longest, dtype=flat.dtype, device=flat.device) for _ in range(2 if n > 2 else 1)]
@@ -192,3 +197,27 @@ def torch_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 ALL_REDUCES = {"torch.distributed": torch_all_reduce, "ring": ring_all_reduce, "one-shot": one_shot_all_reduce}
+
+
+def agreement_rank(sizes: list[int], dtype: torch.dtype, pieces: tuple = (None,)) -> list[dict]:
+    """Rank function: ring and one-shot against the library's all-reduce on random data of
+    each size (elements), on this rank's device; how many elements differ and by how much."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    rows = []
+    for numel in sizes:
+        x = torch.randn(numel, generator=gen, device=device).to(dtype)
+        ref = x.clone()
+        dist.all_reduce(ref)
+        variants = {f"ring pieces={p or 'auto'}": (lambda t, p=p: ring_all_reduce(t, pieces=p)) for p in pieces}
+        variants["one-shot"] = one_shot_all_reduce
+        for name, fn in variants.items():
+            y = fn(x.clone())
+            same = torch.tensor([float((y == ref).all())], device=device)
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            diff = (y.double() - ref.double()).abs()
+            rows.append({"impl": name, "numel": numel, "identical_on_all_ranks": bool(same.item()),
+                         "max_abs_diff": float(diff.max()), "max_ref": float(ref.double().abs().max()),
+                         "world_size": n})
+    return rows

@@ -21,6 +21,7 @@ on NCCL a dead one too, is only noticed by the deadline.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -70,6 +71,7 @@ def all_reduce_within(tensor: torch.Tensor, timeout_s: float, op=dist.ReduceOp.S
         launch.abandon_process_group()
         waited = time.monotonic() - start
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text)      # gloo's "[.../pair.cc:545] " prefix
         reason = "timeout" if "timed out" in text.lower() else "peer lost"
         raise CollectiveError(f"rank {rank} of {n}: {what} failed after {waited:.3g} s: another rank "
                               f"is gone ({text[:200]}). This process group is abandoned; restart the "

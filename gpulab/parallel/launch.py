@@ -7,12 +7,14 @@ Inside ``fn`` the default process group is ready: ``torch.distributed.get_rank()
 
 * CPU (or ``backend="gloo"``): N processes on this machine, joined by gloo over the
   loopback interface. Processes are *forked* (Linux): a function defined in a notebook
-  cell runs as it is, nothing is re-imported, and a rank starts in ~50 ms.
+  cell runs as it is, nothing is re-imported, and a rank starts in ~50 ms. Once this
+  process has used CUDA they are spawned instead (a forked child cannot use CUDA);
+  ``start_method="fork"`` keeps forking for ranks that only compute on the CPU.
 * GPU (``backend="nccl"``, the default when CUDA is present): one process per GPU,
   rank r on ``cuda:r``, *spawned* (a process that has used CUDA cannot be forked).
   ``fn`` and its arguments are pickled with ``cloudpickle``, so functions defined in a
   notebook travel by value (without cloudpickle: only functions importable by name).
-  ``start_method="spawn"`` also gives gloo ranks that may use the GPU.
+
 
 The ranks meet through a :class:`torch.distributed.FileStore` in a fresh temporary
 folder (no ports to pick or collide). Results travel back pickled; CUDA tensors are
@@ -183,8 +185,8 @@ def _rank_main(rank, world_size, backend, store_path, payload, by_value, results
         try:
             dist.init_process_group(**init)
             value = fn(*args, **kwargs)
-            if backend == "nccl":
-                torch.cuda.synchronize()
+            if backend == "nccl" and not process_group_abandoned():
+                torch.cuda.synchronize()    # (not behind a collective stuck on a dead peer)
             message = ("ok", rank, pickle.dumps(_to_cpu(value)), time.time() - started)
             status = 0
         except BaseException as e:  # report everything, KeyboardInterrupt included
@@ -271,8 +273,8 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
         if world_size > gpus:
             raise ValueError(f"NCCL runs one process per GPU: {world_size} ranks need {world_size} GPUs, "
                              f"this machine has {gpus}; use backend='gloo' for CPU processes")
-    if start_method is None:
-        fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods()
+    if start_method is None:   # fork is fast, but a process that has used CUDA must spawn
+        fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
         start_method = "fork" if fork_ok else "spawn"
     keep_multicast_off()
     ctx = mp.get_context(start_method)

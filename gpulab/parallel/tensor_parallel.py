@@ -49,6 +49,7 @@ from .. import runtime
 from ..bitlinear import BitLinear, pack_ternary, ternary_matmul, unpack_ternary
 from ..normquant import rmsnorm_quant
 from ..validate import require_tensor
+from .bandwidth import local_time_per_call, time_per_call
 
 # |Σ_k x_q w_t| <= 127·K: float32 holds every integer below 2^24 exactly.
 EXACT_MAX_K = (1 << 24) // 127
@@ -363,3 +364,39 @@ def tp_glu_rank(d_model: int, hidden: int, rows: int, dtype: torch.dtype, seed: 
     rounded = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)
     with torch.no_grad():
         return {"tp1": glu_forward(gate_up, down, x), "int32": exact(x), "float": rounded(x)}
+
+
+def tp_latency_rank(d_model: int, hidden: int, rows_list=(1, 16, 128), dtypes=(torch.bfloat16,),
+                    seed: int = 0, budget_s: float = 0.3) -> list[dict]:
+    """Rank function for GPUs: per row count, TP=n against TP=1 (bit-identity with the
+    int32 reduction and with a float one) and time per forward of the GLU: TP=1 on one
+    GPU, TP=n, and the TP=n collectives alone (all-gather + int32 all-reduce)."""
+    dev = runtime.device()
+    n = dist.get_world_size()
+    out = []
+    for dtype in dtypes:
+        gate_up, down = random_glu(d_model, hidden, seed, dtype, dev)
+        exact = TensorParallelGLU(gate_up, down)
+        rounded = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)
+        for rows in rows_list:
+            x = torch.randn(rows, d_model, generator=torch.Generator().manual_seed(seed + rows)).to(dev, dtype)
+            with torch.no_grad():
+                tp1 = glu_forward(gate_up, down, x)
+                row = {"d_model": d_model, "hidden": hidden, "rows": rows, "dtype": str(dtype).replace("torch.", ""),
+                       "world_size": n, "int32": compare_outputs(tp1, exact(x)),
+                       "float": compare_outputs(tp1, rounded(x))}
+                y_local = torch.zeros(rows, 2 * hidden // n, dtype=dtype, device=dev)
+                acc = torch.zeros(rows, d_model, dtype=torch.int32, device=dev)
+
+                def comms():
+                    gather_parts(y_local, (hidden, hidden))
+                    dist.all_reduce(acc)
+                row["tp1_us"] = local_time_per_call(lambda: glu_forward(gate_up, down, x), budget_s) * 1e6
+                row["tpn_us"] = time_per_call(lambda: exact(x), budget_s) * 1e6
+                row["tpn_float_us"] = time_per_call(lambda: rounded(x), budget_s) * 1e6
+                row["tpn_comms_us"] = time_per_call(comms, budget_s) * 1e6
+            out.append(row)
+        del gate_up, down, exact, rounded
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
