@@ -34,7 +34,8 @@ from ..parallel import launch
 from ..parallel.collectives import all_reduce_reference, chunk_bounds
 from ..parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, random_glu,
                                         row_parallel_matmul, row_parallel_matmul_float,
-                                        scale_partial_sums_into, ternary_matmul)
+                                        scale_partial_sums_into)
+from ..bitlinear import ternary_matmul
 
 # -- the exact epilogue kernel: a spec like every kernel (checks, compile check) --------------------
 def _scale_inputs(p, dtype, device, gen):

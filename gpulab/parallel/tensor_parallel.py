@@ -106,7 +106,9 @@ def ternary_partial_sums(x_q: torch.Tensor, w_packed: torch.Tensor) -> torch.Ten
     ones = torch.ones(x2.shape[0], dtype=torch.float32, device=x_q.device)
     unit = torch.ones(1, dtype=torch.float32, device=x_q.device)
     acc = ternary_matmul(x2, ones, w_packed, unit, out_dtype=torch.float32)
-    return acc.to(torch.int32).view(*lead, w_packed.shape[0])
+    # round(): the kernels' division by 1.0 is exact, but a GPU's approximate division
+    # (div.full) is allowed 2 ulp; an integer below 2^24 survives that only when rounded
+    return acc.round().to(torch.int32).view(*lead, w_packed.shape[0])
 
 
 @triton.jit
