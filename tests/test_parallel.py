@@ -15,11 +15,11 @@ from gpulab.parallel import bandwidth as bw
 from gpulab.parallel import faults, launch
 from gpulab.parallel.collectives import (all_reduce_reference, chunk_bounds, one_shot_all_reduce,
                                          ring_all_reduce)
-from gpulab.parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, glu_shards,
-                                             random_glu, row_parallel_matmul, row_parallel_matmul_float,
+from gpulab.parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_shards,
+                                             row_parallel_matmul, row_parallel_matmul_float,
                                              scale_partial_sums, shard_range, ternary_partial_sums,
                                              tp_glu_rank, ulp_distance)
-from gpulab.bitlinear import BitLinear, pack_ternary, ternary_matmul, ternary_quantize, unpack_ternary
+from gpulab.bitlinear import BitLinear, pack_ternary, ternary_matmul, ternary_quantize
 
 
 # -- the launcher ---------------------------------------------------------------------------------

@@ -191,11 +191,12 @@ def main(argv=None) -> int:
                                       backend=backend)
             r["wall_total_s"] = time.time() - t
             rows.append(r)
-            print(f"  {mode}: detected {r['detected']} after {r['detect_s']:.2f} s ({r['reasons']}); "
+            print(f"  {mode}: detected {r['detected']} after {r['detect_s']} s ({r['reasons']}); "
                   f"victim: {r['victim_end']}\n    {r['messages'][0][:300]}")
         write(out, "dead_rank.json", {**env, "kind": "dead_rank", "rows": rows})
         summary["targets"]["dead_rank_detected_within_timeout"] = {
-            "ok": all(r["detected"] and r["detect_s"] <= r["timeout_s"] + 2 for r in rows),
+            "ok": all(r["detected"] and r["detect_s"] is not None and r["detect_s"] <= r["timeout_s"] + 2
+                      for r in rows),
             "detect_s": {r["mode"]: r["detect_s"] for r in rows}}
 
     section(summary, "agreement", agreement)

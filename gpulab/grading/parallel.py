@@ -31,7 +31,7 @@ from .. import runtime
 from ..harness.checking import CheckFailure, check, diagnose
 from ..harness.spec import Case, KernelSpec, randn
 from ..parallel import launch
-from ..parallel.collectives import all_reduce_reference, chunk_bounds
+from ..parallel.collectives import all_reduce_reference
 from ..parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, random_glu,
                                         row_parallel_matmul, row_parallel_matmul_float,
                                         scale_partial_sums_into)

@@ -12,3 +12,6 @@
 """
 from .launch import (MULTICAST_OFF, RankError, RankOutcome, RanksTimedOut, default_backend,  # noqa: F401
                      keep_multicast_off, run_ranks, run_ranks_outcomes)
+
+__all__ = ["MULTICAST_OFF", "RankError", "RankOutcome", "RanksTimedOut", "default_backend", "keep_multicast_off",
+           "run_ranks", "run_ranks_outcomes"]

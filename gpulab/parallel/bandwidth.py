@@ -147,18 +147,23 @@ def sweep_rank(impls: dict, sizes: list[int], dtype: torch.dtype, budget_s: floa
     n = dist.get_world_size()
     rows = []
     for size in sizes:
-        numel = max(1, size // torch.empty((), dtype=dtype).element_size())
-        x = torch.zeros(numel, dtype=dtype, device=device)
-        nbytes = numel * x.element_size()
-        for name, fn in impls.items():
-            if max_bytes and name in max_bytes and nbytes > max_bytes[name]:
-                continue
-            t = time_per_call(lambda: fn(x), budget_s)
-            rows.append({"impl": name, "bytes": nbytes, "time_us": t * 1e6,
-                         "algbw_GBps": algbw_gbps(nbytes, t), "busbw_GBps": busbw_gbps(nbytes, t, n)})
-        del x
+        rows += _time_size(impls, size, dtype, device, n, budget_s, max_bytes)
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()        # the buffer of this size is gone: give it back
+    return rows
+
+
+def _time_size(impls, size, dtype, device, n, budget_s, max_bytes) -> list[dict]:
+    numel = max(1, size // torch.empty((), dtype=dtype).element_size())
+    x = torch.zeros(numel, dtype=dtype, device=device)
+    nbytes = numel * x.element_size()
+    rows = []
+    for name, fn in impls.items():
+        if max_bytes and name in max_bytes and nbytes > max_bytes[name]:
+            continue
+        t = time_per_call(lambda: fn(x), budget_s)
+        rows.append({"impl": name, "bytes": nbytes, "time_us": t * 1e6,
+                     "algbw_GBps": algbw_gbps(nbytes, t), "busbw_GBps": busbw_gbps(nbytes, t, n)})
     return rows
 
 

@@ -373,32 +373,37 @@ def tp_latency_rank(d_model: int, hidden: int, rows_list=(1, 16, 128), dtypes=(t
     """Rank function for GPUs: per row count, TP=n against TP=1 (bit-identity with the
     int32 reduction and with a float one) and time per forward of the GLU: TP=1 on one
     GPU, TP=n, and the TP=n collectives alone (all-gather + int32 all-reduce)."""
-    dev = runtime.device()
-    n = dist.get_world_size()
     out = []
     for dtype in dtypes:
-        gate_up, down = random_glu(d_model, hidden, seed, dtype, dev)
-        exact = TensorParallelGLU(gate_up, down)
-        rounded = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)
-        for rows in rows_list:
-            x = torch.randn(rows, d_model, generator=torch.Generator().manual_seed(seed + rows)).to(dev, dtype)
-            with torch.no_grad():
-                tp1 = glu_forward(gate_up, down, x)
-                row = {"d_model": d_model, "hidden": hidden, "rows": rows, "dtype": str(dtype).replace("torch.", ""),
-                       "world_size": n, "int32": compare_outputs(tp1, exact(x)),
-                       "float": compare_outputs(tp1, rounded(x))}
-                y_local = torch.zeros(rows, 2 * hidden // n, dtype=dtype, device=dev)
-                acc = torch.zeros(rows, d_model, dtype=torch.int32, device=dev)
+        out += _tp_latency_rows(d_model, hidden, rows_list, dtype, seed, budget_s)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()        # this dtype's layers are gone: make room for the next
+    return out
 
-                def comms():
-                    gather_parts(y_local, (hidden, hidden))
-                    dist.all_reduce(acc)
-                row["tp1_us"] = local_time_per_call(lambda: glu_forward(gate_up, down, x), budget_s) * 1e6
-                row["tpn_us"] = time_per_call(lambda: exact(x), budget_s) * 1e6
-                row["tpn_float_us"] = time_per_call(lambda: rounded(x), budget_s) * 1e6
-                row["tpn_comms_us"] = time_per_call(comms, budget_s) * 1e6
-            out.append(row)
-        del gate_up, down, exact, rounded
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+
+def _tp_latency_rows(d_model, hidden, rows_list, dtype, seed, budget_s) -> list[dict]:
+    dev = runtime.device()
+    n = dist.get_world_size()
+    gate_up, down = random_glu(d_model, hidden, seed, dtype, dev)
+    exact = TensorParallelGLU(gate_up, down)
+    rounded = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, d_model, generator=torch.Generator().manual_seed(seed + rows)).to(dev, dtype)
+        y_local = torch.zeros(rows, 2 * hidden // n, dtype=dtype, device=dev)
+        acc = torch.zeros(rows, d_model, dtype=torch.int32, device=dev)
+
+        def comms():
+            gather_parts(y_local, (hidden, hidden))
+            dist.all_reduce(acc)
+        with torch.no_grad():
+            tp1 = glu_forward(gate_up, down, x)
+            row = {"d_model": d_model, "hidden": hidden, "rows": rows, "dtype": str(dtype).replace("torch.", ""),
+                   "world_size": n, "int32": compare_outputs(tp1, exact(x)),
+                   "float": compare_outputs(tp1, rounded(x))}
+            row["tp1_us"] = local_time_per_call(lambda: glu_forward(gate_up, down, x), budget_s) * 1e6
+            row["tpn_us"] = time_per_call(lambda: exact(x), budget_s) * 1e6
+            row["tpn_float_us"] = time_per_call(lambda: rounded(x), budget_s) * 1e6
+            row["tpn_comms_us"] = time_per_call(comms, budget_s) * 1e6
+        out.append(row)
     return out
