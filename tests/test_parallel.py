@@ -47,7 +47,7 @@ def _die_on_rank_1():
 
 
 def test_run_ranks_returns_results_in_rank_order_with_multicast_off():
-    out = launch.run_ranks(_rank_info, 3)
+    out = launch.run_ranks(_rank_info, 3, backend="gloo")
     assert [o[0] for o in out] == [0, 1, 2] and all(o[1] == 3 for o in out)
     assert all(torch.equal(o[2], torch.full((2,), 6.0)) for o in out)
     assert all(o[3] == launch.MULTICAST_OFF for o in out)
@@ -55,7 +55,7 @@ def test_run_ranks_returns_results_in_rank_order_with_multicast_off():
 
 def test_a_ranks_exception_is_raised_with_its_type_rank_and_traceback():
     with pytest.raises(KeyError) as info:
-        launch.run_ranks(_raise_on_rank_1, 2, collective_timeout_s=10)
+        launch.run_ranks(_raise_on_rank_1, 2, backend="gloo", collective_timeout_s=10)
     assert info.value.failed_rank == 1
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "rank 1 of 2" in note and "_raise_on_rank_1" in note and "bad key on rank 1" in note
@@ -64,16 +64,16 @@ def test_a_ranks_exception_is_raised_with_its_type_rank_and_traceback():
 def test_a_stuck_run_times_out_and_a_dead_rank_is_named():
     t = time.monotonic()
     with pytest.raises(launch.RanksTimedOut, match=r"rank\(s\) \[0\] of 2 were still running"):
-        launch.run_ranks(_hang_on_rank_0, 2, timeout_s=1.5)
+        launch.run_ranks(_hang_on_rank_0, 2, backend="gloo", timeout_s=1.5)
     with pytest.raises(launch.RankError, match="rank 1 of 2 killed by SIGKILL") as info:
-        launch.run_ranks(_die_on_rank_1, 2, collective_timeout_s=10)
+        launch.run_ranks(_die_on_rank_1, 2, backend="gloo", collective_timeout_s=10)
     assert info.value.exitcode == -signal.SIGKILL
     assert time.monotonic() - t < 20
 
 
 def test_launcher_rejects_bad_arguments():
     with pytest.raises(ValueError, match="positive int"):
-        launch.run_ranks(_rank_info, 0)
+        launch.run_ranks(_rank_info, 0, backend="gloo")
     with pytest.raises(ValueError, match="backend must be"):
         launch.run_ranks(_rank_info, 2, backend="mpi")
     if torch.cuda.device_count() < 2:
@@ -108,7 +108,7 @@ def test_ring_and_one_shot_sum_any_size_and_dtype_identically_on_every_rank(n):
     inputs = [torch.randn(n, numel, generator=gen).to(dt) for numel in (1, 7, 1001)
               for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
     inputs.append(torch.randint(-100, 100, (n, 5, 3), generator=gen, dtype=torch.int32))
-    res = launch.run_ranks(_all_three, n, inputs)
+    res = launch.run_ranks(_all_three, n, inputs, backend="gloo")
     for i, x in enumerate(inputs):
         exact = all_reduce_reference(list(x))
         for k in range(3):
@@ -132,7 +132,7 @@ def _collect_bad_input():
 
 
 def test_ring_rejects_bad_input():
-    msgs = launch.run_ranks(_collect_bad_input, 2)[0]
+    msgs = launch.run_ranks(_collect_bad_input, 2, backend="gloo")[0]
     assert "real numbers" in msgs[0] and "contiguous" in msgs[1]
 
 
@@ -228,7 +228,7 @@ def _tp_all_dtypes():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_tp_glu_is_bit_identical_to_tp1_with_int32_reduction_and_not_with_float(n):
-    res = launch.run_ranks(_tp_all_dtypes, n)
+    res = launch.run_ranks(_tp_all_dtypes, n, backend="gloo", start_method=launch.kernel_start_method())
     for dt in (torch.float32, torch.bfloat16):
         out = res[0][dt]
         assert all(torch.equal(r[dt]["int32"], out["int32"]) for r in res)
@@ -237,14 +237,16 @@ def test_tp_glu_is_bit_identical_to_tp1_with_int32_reduction_and_not_with_float(
         assert not floated["identical"] and floated["max_abs_diff"] < 0.05 * float(out["tp1"].abs().max())
 
 
-def test_partial_sums_are_the_exact_integers_and_one_scale_matches_the_matmul():
-    gen = torch.Generator().manual_seed(0)
-    x_q = torch.randint(-127, 128, (3, 37), generator=gen, dtype=torch.int8)
+@pytest.mark.parametrize("m", [1, 3])        # the GEMV (decode) and the tensor-core path
+def test_partial_sums_are_the_exact_integers_and_one_scale_matches_the_matmul(device, m):
+    gen = torch.Generator().manual_seed(m)
+    x_q = torch.randint(-127, 128, (m, 37), generator=gen, dtype=torch.int8)
     w_t = ternary_quantize(torch.randn(11, 37, generator=gen))[0]
-    packed = pack_ternary(w_t)
+    exact = x_q.int() @ w_t.int().t()
+    x_q, packed = x_q.to(device), pack_ternary(w_t).to(device)
     acc = ternary_partial_sums(x_q, packed)
-    assert acc.dtype == torch.int32 and torch.equal(acc, (x_q.int() @ w_t.int().t()))
-    xs, ws = torch.rand(3, generator=gen) + 0.5, torch.tensor([1.7])
+    assert acc.dtype == torch.int32 and torch.equal(acc.cpu(), exact)
+    xs, ws = (torch.rand(m, generator=gen) + 0.5).to(device), torch.tensor([1.7], device=device)
     for dt in (torch.float32, torch.bfloat16):
         assert torch.equal(scale_partial_sums(acc, xs, ws, dt), ternary_matmul(x_q, xs, packed, ws, out_dtype=dt))
 
@@ -352,7 +354,7 @@ def test_bus_bandwidth_follows_nccl_tests_conventions():
 def test_a_small_gloo_sweep_and_the_saved_results_read_and_plot():
     import matplotlib
     matplotlib.use("Agg")
-    r = bw.measure(2, sizes=[4096, 65536], budget_s=0.01)
+    r = bw.measure(2, backend="gloo", sizes=[4096, 65536], budget_s=0.01)
     assert {row["impl"] for row in r["rows"]} == {"gloo", "ring", "one-shot"}
     assert r["device"].startswith("CPU") and "gloo" in r["label"]
     assert "64 KB" in bw.table(r) and bw.regimes(r, "ring")["peak_busbw_GBps"] > 0

@@ -343,6 +343,7 @@ def check_ring_all_reduce(fn, world_sizes=RING_WORLD_SIZES, timeout_s: float = 1
 
 
 # -- the column/row split of a GLU MLP ----------------------------------------------------------
+
 TP_D_MODEL, TP_HIDDEN = 32, 48          # hidden divisible by 2, 3 and 4
 
 
@@ -465,9 +466,10 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
     for dtype in dtypes:
         for m in rows:
             try:
-                # kernels run where gpulab runs them: with a GPU, the gloo ranks are spawned
-                # (launch's default once CUDA is in use) and share it, talking through the CPU
+                # kernels run where gpulab runs them: with a GPU, the gloo ranks are spawned (a
+                # forked child cannot use CUDA) and share the GPU, talking through the CPU
                 res = launch.run_ranks(_tp_rank, world_size, shard, matmul, m, dtype, s, backend="gloo",
+                                       start_method=launch.kernel_start_method(),
                                        collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
             except Exception as e:
                 if _timed_out(e):

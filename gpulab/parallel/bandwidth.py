@@ -199,7 +199,7 @@ def measure(world_size: int = 2, backend: str | None = None, sizes: list[int] | 
 
     Defaults: NCCL with one process per GPU and bf16 at 4 KB .. 1 GB when there are
     enough GPUs; else gloo CPU processes and float32 at 4 KB .. 4 MB."""
-    backend = backend or launch.default_backend()
+    backend = backend or launch.default_backend(world_size)
     gpu = backend == "nccl"
     sizes = sizes or (GPU_SIZES if gpu else CPU_SIZES)
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)

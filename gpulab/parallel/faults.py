@@ -114,7 +114,7 @@ def dead_rank_demo(world_size: int = 2, victim: int = 1, mode: str = "kill", tim
         raise ValueError(f"mode must be 'kill' or 'stall', got {mode!r}")
     if not 0 <= victim < world_size or world_size < 2:
         raise ValueError(f"need world_size >= 2 and 0 <= victim < world_size, got {world_size}, {victim}")
-    backend = backend or launch.default_backend()
+    backend = backend or launch.default_backend(world_size)
     start = time.monotonic()
     outcomes = launch.run_ranks_outcomes(
         _victim_and_survivors, world_size, victim, mode, timeout_s, backend == "nccl", backend=backend,

@@ -5,12 +5,12 @@
 Inside ``fn`` the default process group is ready: ``torch.distributed.get_rank()``,
 ``get_world_size()``, ``all_reduce``, ``isend``/``irecv`` all work.
 
-* CPU (or ``backend="gloo"``): N processes on this machine, joined by gloo over the
-  loopback interface. Processes are *forked* (Linux): a function defined in a notebook
-  cell runs as it is, nothing is re-imported, and a rank starts in ~50 ms. Once this
-  process has used CUDA they are spawned instead (a forked child cannot use CUDA);
-  ``start_method="fork"`` keeps forking for ranks that only compute on the CPU.
-* GPU (``backend="nccl"``, the default when CUDA is present): one process per GPU,
+* ``backend="gloo"`` (the default without a GPU per rank): N processes on this machine,
+  joined by gloo over the loopback interface. Processes are *forked* (Linux): a function
+  defined in a notebook cell runs as it is, nothing is re-imported, and a rank starts in
+  ~50 ms. A forked child cannot use CUDA once this process has: gloo ranks that run GPU
+  kernels need ``start_method="spawn"``.
+* ``backend="nccl"`` (the default with a GPU per rank): one process per GPU,
   rank r on ``cuda:r``, *spawned* (a process that has used CUDA cannot be forked).
   ``fn`` and its arguments are pickled with ``cloudpickle``, so functions defined in a
   notebook travel by value (without cloudpickle: only functions importable by name).
@@ -50,6 +50,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .. import runtime
 
 try:        # optional: only needed to spawn (GPU) a function defined in a notebook
     import cloudpickle
@@ -121,9 +123,17 @@ def exit_description(exitcode: int | None) -> str:
     return f"exited with code {exitcode} without reporting"
 
 
-def default_backend() -> str:
-    """``nccl`` when CUDA GPUs are present, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def kernel_start_method() -> str:
+    """How to start gloo ranks that run gpulab's kernels: spawned where those are GPU
+    kernels (a forked child cannot use CUDA), else forked (fast)."""
+    fork = "fork" in mp.get_all_start_methods()
+    return "spawn" if runtime.mode() == "compiled" or not fork else "fork"
+
+
+def default_backend(world_size: int = 1) -> str:
+    """``nccl`` when there is a CUDA GPU for each of ``world_size`` ranks, else ``gloo``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if dist.is_nccl_available() and gpus >= world_size else "gloo"
 
 
 # -- the abandoned-group flag: set when a collective failed or timed out ---------------------
@@ -264,7 +274,7 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout_s <= 0 or collective_timeout_s <= 0:
         raise ValueError("timeout_s and collective_timeout_s must be > 0")
-    backend = backend or default_backend()
+    backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU processes) or 'nccl' (one process per GPU), "
                          f"got {backend!r}")
@@ -273,8 +283,8 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
         if world_size > gpus:
             raise ValueError(f"NCCL runs one process per GPU: {world_size} ranks need {world_size} GPUs, "
                              f"this machine has {gpus}; use backend='gloo' for CPU processes")
-    if start_method is None:   # fork is fast, but a process that has used CUDA must spawn
-        fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    if start_method is None:
+        fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods()
         start_method = "fork" if fork_ok else "spawn"
     keep_multicast_off()
     ctx = mp.get_context(start_method)
