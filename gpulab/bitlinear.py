@@ -36,15 +36,13 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .normquant import (ABSMAX_FLOOR, absmax_quantize, check, rejects,  # noqa: F401
-                        rmsnorm_fakequant, rmsnorm_quant, round_half_away)
-from .harness.spec import Case, KernelSpec, bytes_of, randn
+from .normquant import rmsnorm_fakequant, rmsnorm_quant, round_half_away
 from .validate import require_float, require_same_device, require_tensor
 
 WEIGHT_FLOOR = 1e-5
 
 
-# -- PyTorch: quantize, pack, unpack, reference matmul ----------------------------------------
+# -- PyTorch reference: quantize, pack, unpack, matmul --------------------------------------
 def ternary_quantize(w: torch.Tensor):
     """Per-tensor absmean quantization: (w_t int8 in {-1,0,1}, w_scale float32 0-d tensor)."""
     require_tensor("w", w, contiguous=False, any_device=True)   # plain PyTorch: any device
@@ -57,7 +55,7 @@ def ternary_quantize(w: torch.Tensor):
     return w_t, scale
 
 
-def _check_ternary(w_t):
+def _require_ternary(w_t):
     require_tensor("w_t", w_t, ndim=2, dtype=torch.int8, any_device=True)
     if w_t.numel() and (int(w_t.min()) < -1 or int(w_t.max()) > 1):
         bad = ((w_t < -1) | (w_t > 1)).nonzero()[0].tolist()
@@ -67,7 +65,7 @@ def _check_ternary(w_t):
 
 def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 ternary -> [N, ceil(K/4)] uint8, four weights per byte (module docstring)."""
-    _check_ternary(w_t)
+    _require_ternary(w_t)
     n, k = w_t.shape
     q = triton.cdiv(k, 4)
     codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)  # padding: weight 0
@@ -93,9 +91,9 @@ def ternary_matmul_ref(x_q, x_scale, w_t, w_scale, out_dtype=torch.float64):
     return (acc / (x_scale.double()[:, None] * w_scale.double())).to(out_dtype)
 
 
-# -- the decode GEMV: one program per (row m, block of outputs) --------------------------------
+# -- Triton kernels: the decode GEMV, one program per (row m, block of outputs) ------------
 @triton.jit
-def _ternary_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, Q,
+def ternary_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, Q,
                          stride_xm, stride_wn, stride_ym,
                          BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
     """y[m, n] = Σ_k x_q[m, k] W_t[n, k] / (s_x[m] s_w) for BLOCK_N outputs of row m.
@@ -141,12 +139,12 @@ def _gemv_configs():
                                   (32, 128, 4, 4), (64, 128, 8, 3))]
 
 
-_ternary_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(_ternary_gemv_kernel)
+_ternary_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(ternary_gemv_kernel)
 
 
-# -- the prefill matmul: int8 tensor-core dots on unpacked tiles ---------------------------
+# -- Triton kernels: the prefill matmul, int8 tensor-core dots on unpacked tiles -----------
 @triton.jit
-def _ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
+def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                        stride_xm, stride_wn, stride_ym, M_BUCKET,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                        GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
@@ -199,13 +197,13 @@ def _m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 256)
 
 
-_ternary_mm_tuned = triton.autotune(configs=_mm_configs(), key=["M_BUCKET", "N", "K"])(_ternary_mm_kernel)
+_ternary_mm_tuned = triton.autotune(configs=_mm_configs(), key=["M_BUCKET", "N", "K"])(ternary_mm_kernel)
 
 
-# -- launchers ---------------------------------------------------------------------------------
+# -- launchers (the checks' calling convention: inputs, then preallocated outputs) ---------
 # One row: the GEMV. From two rows on, the tensor-core kernel (BLOCK_M = 16) reads each
-# weight tile once for all rows, where the GEMV re-reads it per row: measured on the H200
-# at M=16, K=N=8192: 34 µs against 413 µs (gpulab/results/ternary_mm.json, ternary_gemv.json).
+# weight tile once for all rows, where the GEMV re-reads it per row: at M=16, K=N=8192 about
+# 6× faster on the H200 (gpulab/results/ternary_mm.json against ternary_gemv.json).
 GEMV_MAX_M = 1
 
 
@@ -246,6 +244,7 @@ def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
         ternary_mm_into(x_q, x_scale, w_packed, w_scale, y)
 
 
+# -- public API ----------------------------------------------------------------------------
 def _as_scale_tensor(w_scale, device):
     if isinstance(w_scale, (int, float)):
         return torch.tensor([float(w_scale)], dtype=torch.float32, device=device)
@@ -283,7 +282,7 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     return y.view(*lead, n)
 
 
-# -- the layer ---------------------------------------------------------------------------------
+# The layer.
 class BitLinear(nn.Module):
     """Linear layer with ternary weights and int8 activations (MatMul-free LM's BitLinear).
 
@@ -367,154 +366,3 @@ class BitLinear(nn.Module):
 def model_bytes(n_params: int, bits: float) -> float:
     """Bytes to store n_params weights at ``bits`` bits each."""
     return n_params * bits / 8
-
-
-# -- specs -------------------------------------------------------------------------------------
-def _mm_inputs(p, dtype, device, gen):
-    m, k, n = p["m"], p["k"], p["n"]
-    x = randn((m, k), torch.float32, device, gen)
-    x_q, x_scale = absmax_quantize(x)
-    w = randn((n, k), torch.float32, device, gen)
-    w = w * (torch.rand((n, k), generator=gen, device=device) > 0.3)     # extra zeros
-    w_t, w_scale = ternary_quantize(w)
-    return {"x_q": x_q.contiguous(), "x_scale": x_scale.float().contiguous(),
-            "w_packed": pack_ternary(w_t), "w_scale": w_scale.reshape(1).float(),
-            # the same product in bf16, for the F.linear baseline
-            "x_bf16": (x_q.float() / x_scale[:, None]).to(torch.bfloat16),
-            "w_bf16": (w_t.float() / w_scale).to(torch.bfloat16)}
-
-
-def _mm_reference(x_q, x_scale, w_packed, w_scale, **_):
-    w_t = unpack_ternary(w_packed, x_q.shape[1])    # from the packed bytes, so zeroing them shows
-    return {"y": ternary_matmul_ref(x_q, x_scale, w_t, w_scale)}
-
-
-def _mm_outputs(inp, dtype):
-    return {"y": ((inp["x_q"].shape[0], inp["w_packed"].shape[0]), dtype)}
-
-
-def _mm_bytes(p, dtype):
-    return p["n"] * triton.cdiv(p["k"], 4) + p["m"] * p["k"] + 4 * p["m"] + p["m"] * p["n"] * bytes_of(dtype)
-
-
-def _bf16_linear(inp):
-    """Baseline: the same product as a bf16 F.linear."""
-    return F.linear(inp["x_bf16"], inp["w_bf16"])
-
-
-def _bench_with(launcher):
-    """Benchmark callable: bf16 output allocated once per input dict, outside the timing
-    (the default would take the output dtype from x_q, which is int8)."""
-    def run(inp):
-        if "_y" not in inp:
-            inp["_y"] = torch.empty((inp["x_q"].shape[0], inp["w_packed"].shape[0]),
-                                    dtype=torch.bfloat16, device=inp["x_q"].device)
-        launcher(inp["x_q"], inp["x_scale"], inp["w_packed"], inp["w_scale"], inp["_y"])
-        return inp["_y"]
-    return run
-
-
-_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
-
-def _matmul_spec(name: str, summary: str, launcher, cases: dict) -> KernelSpec:
-    """The three matmul specs differ only in which launcher runs and on which shapes."""
-    return KernelSpec(
-        name=name, summary=summary, graph_timing=True,
-        args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
-        make_inputs=_mm_inputs, reference=_mm_reference, outputs=_mm_outputs,
-        implementation=launcher, cases=cases,
-        dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
-        tolerances=_TOL, bytes_moved=_mm_bytes, flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
-        baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
-        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
-
-
-GEMV = _matmul_spec(
-    "ternary_gemv", "int8 × 2-bit ternary GEMV (decode: one row at a time)", ternary_gemv_into,
-    {"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
-             Case("ragged", dict(m=3, k=1001, n=77)), Case("two blocks", dict(m=2, k=2050, n=130))],
-     "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
-             Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
-     "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
-               Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]})
-
-MATMUL = _matmul_spec(
-    "ternary_matmul", "int8 × 2-bit ternary matmul (GEMV for one row, int8 tensor-core dots above)",
-    ternary_matmul_into,
-    {"cpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
-             Case("prefill, two K steps", dict(m=20, k=257, n=65))],
-     "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
-             Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
-     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]})
-
-MM = _matmul_spec(
-    "ternary_mm", "int8 × 2-bit ternary matmul, tensor-core path only (prefill)", ternary_mm_into,
-    {"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
-     "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
-             Case("ragged", dict(m=1000, k=4099, n=3001))],
-     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
-
-
-def _q_inputs(p, dtype, device, gen):
-    return {"w": randn((p["n"], p["k"]), dtype, device, gen, scale=0.02)}
-
-
-def _q_reference(w):
-    wd = w.double()
-    s = 1.0 / wd.abs().mean().clamp_min(WEIGHT_FLOOR)
-    # unrounded, clamped: rounding to nearest lands within 0.5
-    return {"w_scale": s, "w_t": (wd * s).clamp(-1, 1)}
-
-
-QUANTIZE = KernelSpec(
-    name="ternary_quantize",
-    summary="per-tensor absmean ternary quantization (PyTorch)",
-    args=("w",),
-    make_inputs=_q_inputs,
-    reference=_q_reference,
-    returns=("w_t", "w_scale"),
-    implementation=ternary_quantize,
-    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("wide", dict(n=64, k=1000))],
-           "gpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("big", dict(n=1024, k=4099))],
-           "bench": []},
-    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances={torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-5)},
-    output_tolerances={"w_t": {torch.float32: (0.5 + 1e-3, 0.0)}},
-    read_inputs=("w",),
-)
-
-
-def _pack_inputs(p, dtype, device, gen):
-    w = randn((p["n"], p["k"]), torch.float32, device, gen)
-    return {"w_t": ternary_quantize(w)[0]}
-
-
-PACK = KernelSpec(
-    name="pack_ternary",
-    summary="2-bit packing of ternary weights (PyTorch)",
-    args=("w_t",),
-    make_inputs=_pack_inputs,
-    reference=lambda w_t: {"packed": pack_ternary(w_t)},
-    returns=("packed",),
-    implementation=pack_ternary,
-    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("K=4", dict(n=3, k=4)), Case("K not /4", dict(n=5, k=33)),
-                   Case("wide", dict(n=64, k=1001))],
-           "gpu": [Case("1x1", dict(n=1, k=1)), Case("K not /4", dict(n=5, k=33)), Case("big", dict(n=512, k=4099))],
-           "bench": []},
-    dtypes={"cpu": [torch.int8], "gpu": [torch.int8]},
-    tolerances={torch.int8: (0.0, 0.0)},
-    read_inputs=("w_t",),
-)
-
-
-def check_ternary_quantize(fn):
-    return check(QUANTIZE, fn)
-
-
-def check_pack_ternary(fn):
-    return check(PACK, fn)
-
-
-def check_ternary_gemv(fn):
-    """Exercise: your decode launcher fn(x_q, x_scale, w_packed, w_scale, y)."""
-    return check(GEMV, fn)

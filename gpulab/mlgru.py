@@ -19,13 +19,15 @@ Forward. Pairs (a, b) meaning "h ↦ a·h + b" compose associatively:
 (a1, b1) then (a2, b2) = (a1·a2, a2·b1 + b2). So the recurrence can run
 
 * *recurrent*: one program per (batch row, block of channels), a loop over the T steps;
-  each step loads one [BLOCK_D] slice of f and i and stores h. T dependent steps, each
-  waiting on a small load: latency-bound on a GPU.
+  each step loads one [BLOCK_D] slice of f and i and stores h. The loads do not depend
+  on h, but each step waits for its own before the next is issued, so all programs
+  together keep only 2·B·D elements in flight: far too few bytes to cover the memory
+  latency, so it runs far below the bandwidth on a GPU.
 * *chunked*: the same programs, but each loop iteration loads a [BLOCK_T, BLOCK_D] tile,
   scans it in parallel with ``tl.associative_scan`` over the pairs (starting from zero),
   then adds the carried state: h = h_local + (∏ f) ⊙ h_carry. The carry (last row) goes to
-  the next chunk. Still one read of f and i and one write of h, but T/BLOCK_T dependent
-  iterations of large, coalesced loads instead of T tiny ones.
+  the next chunk. Still one read of f and i and one write of h, but BLOCK_T times more
+  bytes in flight per iteration (and the next tile prefetched while this one is scanned).
 
 Backward. With g_t = ∂L/∂h_t in total (through h_t's own gradient dh_t and through h_{t+1}):
 
@@ -40,7 +42,6 @@ stored in the input dtype, the final state ``h_last`` in float32.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,13 +49,11 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .harness.spec import Case, KernelSpec, bytes_of, randn
-from .validate import FLOAT_DTYPES, require_float, require_same_device, require_tensor
-
-RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chunked
+from .bitlinear import BitLinear
+from .validate import require_float, require_same_device, require_tensor
 
 
-# -- references ---------------------------------------------------------------------------
+# -- PyTorch reference ----------------------------------------------------------------------
 def scan_reference(f, i, h0):
     """h_t = f_t * h_{t-1} + i_t in float64, a plain loop over time."""
     f64, i64 = f.double(), i.double()
@@ -80,18 +79,6 @@ def scan_backward_reference(f, h0, h, dh, dh_last):
         df[:, t] = g * h_prev
         f_next = f64[:, t]
     return {"df": df, "di": di, "dh0": f_next * g if T else g}
-
-
-@torch.compiler.disable
-def scan_eager_loop(f, i, h0):
-    """The eager PyTorch loop: T tiny kernels for the multiply-add and T for the copy.
-    (Kept out of torch.compile: tracing thousands of steps takes longer than it saves.)"""
-    h = h0.float()
-    out = torch.empty_like(f)
-    for t in range(f.shape[1]):
-        h = torch.addcmul(i[:, t].float(), f[:, t].float(), h)
-        out[:, t] = h
-    return out, h
 
 
 def scan_torch(f, i, h0=None):
@@ -290,26 +277,24 @@ def scan_backward_chunked_into(f, h0, h, dh, dh_last, df, di, dh0):
     scan_backward_chunked_kernel[_grid(B, D)](f, h0, h, dh, dh_last, df, di, dh0, B, T, D)
 
 
+RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chunked
+
+
 def choose_kernel(T: int) -> str:
     """The rule: 'recurrent' for T <= RECURRENT_MAX_T, else 'chunked'."""
     return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
-
-
-def scan_into(f, i, h0, h, h_last):
-    """Forward with the kernel the rule picks."""
-    (scan_recurrent_into if choose_kernel(f.shape[1]) == "recurrent" else scan_chunked_into)(
-        f, i, h0, h, h_last)
-
-
-def scan_backward_into(f, h0, h, dh, dh_last, df, di, dh0):
-    (scan_backward_recurrent_into if choose_kernel(f.shape[1]) == "recurrent"
-     else scan_backward_chunked_into)(f, h0, h, dh, dh_last, df, di, dh0)
 
 
 _FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into}
 _BACKWARD = {"recurrent": scan_backward_recurrent_into, "chunked": scan_backward_chunked_into}
 
 
+def scan_into(f, i, h0, h, h_last):
+    """Forward with the kernel the rule picks."""
+    _FORWARD[choose_kernel(f.shape[1])](f, i, h0, h, h_last)
+
+
+# -- public API ---------------------------------------------------------------------------
 class MLGRUScan(torch.autograd.Function):
     """h, h_last = scan(f, i, h0) with Triton forward and backward kernels."""
 
@@ -343,7 +328,7 @@ class MLGRUScan(torch.autograd.Function):
 KERNELS = ("auto", "recurrent", "chunked", "torch")
 
 
-def _check_scan_inputs(f, i, h0):
+def _require_scan_inputs(f, i, h0):
     require_tensor("f", f, ndim=3)
     require_float("f", f)
     require_tensor("i", i, shape=f.shape, dtype=f.dtype)
@@ -363,7 +348,7 @@ def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None,
     "torch" (a plain-PyTorch log-step scan, the fast path on a CPU)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
-    _check_scan_inputs(f, i, h0)
+    _require_scan_inputs(f, i, h0)
     B, T, D = f.shape
     if kernel == "torch":
         return scan_torch(f, i, h0)
@@ -387,13 +372,7 @@ def mlgru_step(f_t: torch.Tensor, i_t: torch.Tensor, h: torch.Tensor | None = No
     return torch.addcmul(i_t.float(), f_t.float(), h.float())
 
 
-# -- the layer ----------------------------------------------------------------------------
-def _bitlinear(d_in: int, d_out: int) -> nn.Module:
-    """A ternary BitLinear projection (gpulab.bitlinear, notebook 02)."""
-    from .bitlinear import BitLinear
-    return BitLinear(d_in, d_out)
-
-
+# The layer.
 class MLGRU(nn.Module):
     """The MatMul-free linear GRU token mixer (paper form by default).
 
@@ -415,10 +394,10 @@ class MLGRU(nn.Module):
         if scan not in KERNELS:
             raise ValueError(f"scan must be one of {', '.join(map(repr, KERNELS))}, got {scan!r}")
         self.d_model, self.variant, self.lower_bound, self.scan = d_model, variant, lower_bound, scan
-        self.f_proj = _bitlinear(d_model, d_model)
-        self.c_proj = _bitlinear(d_model, d_model)
-        self.g_proj = _bitlinear(d_model, d_model)
-        self.o_proj = _bitlinear(d_model, d_model)
+        self.f_proj = BitLinear(d_model, d_model)
+        self.c_proj = BitLinear(d_model, d_model)
+        self.g_proj = BitLinear(d_model, d_model)
+        self.o_proj = BitLinear(d_model, d_model)
         if variant == "code":
             self.g_norm = nn.RMSNorm(d_model, eps=1e-6)
 
@@ -453,158 +432,3 @@ class MLGRU(nn.Module):
         f, i = self.gates(x_t)
         h = mlgru_step(f, i, h)
         return self.output(x_t, h), h
-
-
-# -- specs --------------------------------------------------------------------------------
-def _gates(shape, dtype, device, gen):
-    # Forget gates in (0, 1), mostly near 1 (long memory), differing per row.
-    z = randn(shape, torch.float32, device, gen, scale=1.5, offset=1.5)
-    return torch.sigmoid(z).to(dtype)
-
-
-def _scan_inputs(p, dtype, device, gen):
-    B, T, D = p["B"], p["T"], p["D"]
-    return {"f": _gates((B, T, D), dtype, device, gen),
-            "i": randn((B, T, D), dtype, device, gen),
-            "h0": randn((B, D), torch.float32, device, gen, scale=2.0)}
-
-
-def _scan_outputs(inp, dtype):
-    B, T, D = inp["f"].shape
-    return {"h": ((B, T, D), dtype), "h_last": ((B, D), torch.float32)}
-
-
-def _backward_inputs(p, dtype, device, gen):
-    fwd = _scan_inputs(p, dtype, device, gen)
-    h = scan_reference(**fwd)["h"].to(dtype)
-    B, T, D = h.shape
-    return {"f": fwd["f"], "h0": fwd["h0"], "h": h,
-            "dh": randn((B, T, D), dtype, device, gen),
-            "dh_last": randn((B, D), torch.float32, device, gen)}
-
-
-def _backward_outputs(inp, dtype):
-    B, T, D = inp["f"].shape
-    return {"df": ((B, T, D), dtype), "di": ((B, T, D), dtype), "dh0": ((B, D), torch.float32)}
-
-
-_TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
-_STATE_TOL = {d: (2e-5, 1e-4) for d in FLOAT_DTYPES}    # float32 state, for every input dtype
-
-_SMALL = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict(B=2, T=37, D=50)),
-          Case("blocks + tails", dict(B=3, T=21, D=70))]
-_SMALL_CHUNKED = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict(B=2, T=37, D=5)),
-                  Case("blocks + tails", dict(B=1, T=20, D=70))]
-_GPU = [Case("one step", dict(B=1, T=1, D=1)), Case("short, odd", dict(B=3, T=31, D=130)),
-        Case("ragged chunks", dict(B=2, T=1000, D=333)), Case("long", dict(B=4, T=4099, D=512))]
-_BENCH = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512))]
-_DTYPES = {"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]}
-
-
-def _fwd_bytes(p, dtype):
-    B, T, D = p["B"], p["T"], p["D"]
-    return 3 * B * T * D * bytes_of(dtype) + 2 * B * D * 4      # read f, i; write h; h0, h_last
-
-
-def _bwd_bytes(p, dtype):
-    B, T, D = p["B"], p["T"], p["D"]
-    return 5 * B * T * D * bytes_of(dtype) + 3 * B * D * 4      # read f, h, dh; write df, di
-
-
-def _fwd_spec(name, summary, impl, cpu_cases):
-    return KernelSpec(
-        name=name, summary=summary, args=("f", "i", "h0", "h", "h_last"),
-        make_inputs=_scan_inputs, reference=scan_reference, outputs=_scan_outputs,
-        implementation=impl, cases={"cpu": cpu_cases, "gpu": _GPU, "bench": _BENCH},
-        dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL},
-        bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
-        read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
-
-
-def _bwd_spec(name, summary, impl, cpu_cases):
-    return KernelSpec(
-        name=name, summary=summary, args=("f", "h0", "h", "dh", "dh_last", "df", "di", "dh0"),
-        make_inputs=_backward_inputs, reference=scan_backward_reference, outputs=_backward_outputs,
-        implementation=impl, cases={"cpu": cpu_cases, "gpu": _GPU, "bench": _BENCH},
-        dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"dh0": _STATE_TOL},
-        bytes_moved=_bwd_bytes, flops=lambda p, d: 4 * p["B"] * p["T"] * p["D"],
-        read_inputs=("f", "h0", "h", "dh", "dh_last"), bench_dtypes=[torch.bfloat16])
-
-
-SCAN_RECURRENT = _fwd_spec("mlgru_scan_recurrent", "h_t = f_t h_{t-1} + i_t, a loop over time",
-                           scan_recurrent_into, _SMALL)
-SCAN_CHUNKED = _fwd_spec("mlgru_scan_chunked", "the scan in chunks: parallel inside, carried across",
-                         scan_chunked_into, _SMALL_CHUNKED)
-SCAN_BACKWARD_RECURRENT = _bwd_spec("mlgru_scan_backward_recurrent",
-                                    "scan gradients, a reverse-time loop",
-                                    scan_backward_recurrent_into, _SMALL)
-SCAN_BACKWARD_CHUNKED = _bwd_spec("mlgru_scan_backward_chunked",
-                                  "scan gradients in chunks, walking time backwards",
-                                  scan_backward_chunked_into, _SMALL_CHUNKED)
-
-
-def _eager(inp):
-    return scan_eager_loop(inp["f"], inp["i"], inp["h0"])
-
-
-def _logstep(inp):
-    return scan_torch(inp["f"], inp["i"], inp["h0"])
-
-
-SCAN = KernelSpec(
-    name="mlgru_scan", summary="MLGRU scan forward (the kernel the rule picks)",
-    args=("f", "i", "h0", "h", "h_last"), make_inputs=_scan_inputs, reference=scan_reference,
-    outputs=_scan_outputs, implementation=scan_into,
-    cases={"cpu": [Case("one step", dict(B=1, T=1, D=1)), Case("chunked", dict(B=2, T=40, D=3))],
-           "gpu": _GPU, "bench": _BENCH},
-    dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL},
-    bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
-    baselines={"torch eager loop": _eager, "torch log-step scan": _logstep},
-    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16],
-    compile_baselines=("torch log-step scan",))   # the eager loop: Dynamo would unroll 8192 steps
-
-
-# Forward + backward through autograd, the way training calls it.
-def _train_inputs(p, dtype, device, gen):
-    fwd = _scan_inputs(p, dtype, device, gen)
-    B, T, D = p["B"], p["T"], p["D"]
-    return {**fwd, "dh": randn((B, T, D), dtype, device, gen),
-            "dh_last": randn((B, D), torch.float32, device, gen)}
-
-
-def _train_reference(f, i, h0, dh, dh_last):
-    out = scan_reference(f, i, h0)
-    grads = scan_backward_reference(f, h0, out["h"].to(f.dtype), dh, dh_last)
-    return {**out, "df": grads["df"], "di": grads["di"], "dh0": grads["dh0"]}
-
-
-def _fwd_bwd(scan):
-    def run(f, i, h0, dh, dh_last):
-        f = f.detach().requires_grad_()
-        i = i.detach().requires_grad_()
-        h0 = h0.detach().requires_grad_()
-        h, h_last = scan(f, i, h0)
-        torch.autograd.backward((h, h_last), (dh, dh_last))
-        return h.detach(), h_last.detach(), f.grad, i.grad, h0.grad
-    return run
-
-
-def mlgru_scan_train(f, i, h0, dh, dh_last):
-    """Forward and backward through ``mlgru_scan``: returns h, h_last, df, di, dh0."""
-    return _fwd_bwd(mlgru_scan)(f, i, h0, dh, dh_last)
-
-
-SCAN_TRAIN = KernelSpec(
-    name="mlgru_scan_train", summary="MLGRU scan forward + backward through autograd",
-    args=("f", "i", "h0", "dh", "dh_last"), make_inputs=_train_inputs, reference=_train_reference,
-    returns=("h", "h_last", "df", "di", "dh0"), implementation=mlgru_scan_train,
-    cases={"cpu": [Case("one step", dict(B=1, T=1, D=1)), Case("chunked", dict(B=2, T=40, D=3))],
-           "gpu": _GPU, "bench": _BENCH},
-    dtypes=_DTYPES, tolerances=_TOL, output_tolerances={"h_last": _STATE_TOL, "dh0": _STATE_TOL},
-    bytes_moved=lambda p, d: _fwd_bytes(p, d) + _bwd_bytes(p, d),
-    flops=lambda p, d: 6 * p["B"] * p["T"] * p["D"],
-    baselines={"torch eager loop": lambda inp: _fwd_bwd(scan_eager_loop)(**inp),
-               "torch log-step scan": lambda inp: _fwd_bwd(scan_torch)(**inp)},
-    bench_impl=lambda inp: mlgru_scan_train(**inp),
-    read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16],
-    compile_baselines=("torch log-step scan",))   # the eager loop: Dynamo would unroll 8192 steps

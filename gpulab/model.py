@@ -29,8 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm.auto import tqdm as tqdm_auto
+from tqdm.std import tqdm as tqdm_text
 
-from .mlgru import KERNELS, MLGRU, _bitlinear
+from .bitlinear import BitLinear
+from .mlgru import KERNELS, MLGRU
 from .validate import require_index_range, require_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -77,8 +80,8 @@ class GLU(nn.Module):
     def __init__(self, d_model: int, hidden: int | None = None):
         super().__init__()
         hidden = hidden or intermediate_size(d_model)
-        self.gate_proj = _bitlinear(d_model, 2 * hidden)
-        self.down_proj = _bitlinear(hidden, d_model)
+        self.gate_proj = BitLinear(d_model, 2 * hidden)
+        self.down_proj = BitLinear(hidden, d_model)
 
     def forward(self, x):
         gate, up = self.gate_proj(x).chunk(2, dim=-1)
@@ -259,26 +262,6 @@ def _progress_bar(iterable):
     most twice a second: each refresh is a message to the notebook, and a flood of them
     (thousands of steps) overflows the kernel's output queue, which drops messages."""
     try:
-        from tqdm.auto import tqdm
-        return tqdm(iterable, desc="training", leave=True, mininterval=0.5)
+        return tqdm_auto(iterable, desc="training", leave=True, mininterval=0.5)
     except Exception:   # e.g. "IProgress not found" with a mismatched ipywidgets
-        from tqdm.std import tqdm
-        return tqdm(iterable, desc="training", leave=True, mininterval=0.5)
-
-
-def plot_losses(losses: list[float], ax=None, smooth: int = 20):
-    """The training curve: raw losses and a running mean, with the uniform-guess level."""
-    import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(losses, alpha=0.35, lw=1, label="loss per step")
-    if len(losses) >= smooth:
-        t = torch.tensor(losses)
-        mean = t.unfold(0, smooth, 1).mean(1)
-        ax.plot(range(smooth - 1, len(losses)), mean.tolist(), lw=2, label=f"mean of {smooth} steps")
-    ax.axhline(math.log(VOCAB), color="k", ls="--", lw=1, label="uniform guess, ln 256")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.legend(fontsize=8)
-    plt.tight_layout()
-    return ax
+        return tqdm_text(iterable, desc="training", leave=True, mininterval=0.5)

@@ -15,7 +15,7 @@ Rounding rule (used by the kernels *and* the references): round half away from z
 Unfused, PyTorch reads and writes the row about ten times (square, mean, rsqrt,
 multiply, multiply, abs, max, divide, round, clamp, cast). The fused kernel reads x and
 w once and writes q (1 byte) and s: for a bf16 input that is 3 bytes per element
-instead of roughly 90.
+instead of several dozen (notebook 02 counts them).
 
 Training uses *fake* quantization with the straight-through estimator (STE): the
 forward returns the dequantized value ŷ = q / s, and the backward treats
@@ -31,24 +31,18 @@ saving comes from (up to 61% in the paper).
 """
 from __future__ import annotations
 
-import contextlib
-import json
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
 from . import runtime
-from .harness import checking
-from .harness.spec import Case, KernelSpec, bytes_of, randn
 from .validate import require_float, require_same_device, require_tensor
 
 ABSMAX_FLOOR = 1e-5
 MAX_COLS = 1 << 16
 
 
-# -- PyTorch references ---------------------------------------------------------------------
+# -- PyTorch reference ----------------------------------------------------------------------
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
     """The course's rounding rule: to nearest, ties away from zero."""
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
@@ -83,18 +77,6 @@ def rmsnorm_fakequant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     return (y + (yq - y).detach()).to(x.dtype)
 
 
-def _spec_reference(x, weight, eps=1e-6):
-    """float64 reference for the checks. ``x_q`` is the *unrounded* y·scale: any kernel
-    that rounds to nearest lands within 0.5 of it (the tolerance), whatever its
-    summation order, while truncation or a wrong scale do not."""
-    xd, wd = x.double(), weight.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-    y = xd * rstd * wd
-    scale = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
-    # scale first: a NaN read past a row shows there with the clearest hint
-    return {"scale": scale.squeeze(-1), "x_q": y * scale}
-
-
 # -- Triton kernels -------------------------------------------------------------------------
 @triton.jit
 def _round_half_away(v):
@@ -102,7 +84,7 @@ def _round_half_away(v):
 
 
 @triton.jit
-def _rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
+def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
                               n_rows, n_cols, stride_x, stride_q, stride_y, eps,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                               FAKE_QUANT: tl.constexpr):
@@ -133,7 +115,7 @@ def _rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr
 
 
 @triton.jit
-def _rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr,
+def rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr,
                               n_rows, n_cols, stride_x, stride_dy, stride_dx,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """Straight-through backward. Program p walks row blocks p, p+G, p+2G... (G programs),
@@ -164,10 +146,10 @@ def _rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_pt
 
 # On a GPU the number of warps is tuned per row length (the interpreter has one config).
 if runtime.interpreting():
-    _fwd_tuned = _rmsnorm_quant_fwd_kernel
+    _fwd_tuned = rmsnorm_quant_fwd_kernel
 else:
     _fwd_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
-                                 key=["n_cols", "BLOCK_R", "FAKE_QUANT"])(_rmsnorm_quant_fwd_kernel)
+                                 key=["n_cols", "BLOCK_R", "FAKE_QUANT"])(rmsnorm_quant_fwd_kernel)
 
 
 def _fwd_launch(grid, *args, num_warps, **kw):
@@ -211,7 +193,7 @@ def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, num_warps=_warps(block_r, block_n))
 
 
-def bwd_programs(n_rows: int, block_r: int) -> int:
+def _bwd_programs(n_rows: int, block_r: int) -> int:
     """How many programs the backward uses (each writes one partial dw row)."""
     n_blocks = triton.cdiv(n_rows, block_r)
     cap = 8 if runtime.interpreting() else 4 * runtime.num_sms()
@@ -223,16 +205,16 @@ def rmsnorm_quant_bwd_into(x, weight, rstd, dy, dx, dw):
     n_rows, n_cols = x.shape
     block_r, block_n = _blocks(n_rows, n_cols)
     block_r = max(1, min(block_r, 16))
-    grid = bwd_programs(n_rows, block_r)
+    grid = _bwd_programs(n_rows, block_r)
     part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device)
-    _rmsnorm_quant_bwd_kernel[(grid,)](x, weight, rstd, dy, dx, part, n_rows, n_cols,
+    rmsnorm_quant_bwd_kernel[(grid,)](x, weight, rstd, dy, dx, part, n_rows, n_cols,
                                        x.stride(0), dy.stride(0), dx.stride(0),
                                        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=_warps(block_r, block_n))
     torch.sum(part, dim=0, out=dw)
 
 
 # -- public API -----------------------------------------------------------------------------
-def _check_norm_inputs(x, weight):
+def _require_norm_inputs(x, weight):
     require_tensor("x", x)
     require_float("x", x)
     if x.dim() < 1:
@@ -252,7 +234,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
 
     x: [..., N] float32/float16/bfloat16, contiguous; weight: [N].
     Returns (x_q int8 [..., N], scale float32 [...]) with x_q ≈ rmsnorm(x)·weight·scale."""
-    _check_norm_inputs(x, weight)
+    _require_norm_inputs(x, weight)
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     lead, n = x.shape[:-1], x.shape[-1]
@@ -301,7 +283,7 @@ def rmsnorm_fakequant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     fused=None picks the Triton kernels when they are compiled for a GPU and the
     PyTorch reference otherwise (the interpreter is far too slow for training loops);
     fused=True forces the kernels (they run in the interpreter on a CPU)."""
-    _check_norm_inputs(x, weight)
+    _require_norm_inputs(x, weight)
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     if fused is None:
@@ -309,214 +291,3 @@ def rmsnorm_fakequant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if not fused:
         return rmsnorm_fakequant_ref(x, weight, eps)
     return RMSNormFakeQuant.apply(x, weight, eps)
-
-
-def saved_bytes(fn, *args) -> int:
-    """Bytes of the tensors autograd keeps for the backward of ``fn(*args)`` (each
-    distinct tensor counted once, inputs included): the activation memory of a layer,
-    measured the same way on a CPU and a GPU."""
-    seen = {}
-
-    def pack(t):
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        seen[key] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(seen.values())
-
-
-MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "memory" / "rmsnorm_fakequant.json"
-
-
-def gpu_activation_memory(fn, rows: int = 8192, cols: int = 4096, dtype=torch.bfloat16) -> dict:
-    """GPU only: the memory ``fn(x, w)`` keeps alive after its forward for the backward
-    (its output excluded) and its peak over forward + backward, in MiB, above what was
-    allocated before (x, w and dy)."""
-    x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
-    w = torch.ones(cols, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    fn(x, w).backward(dy)                     # compile and autotune outside the measurement
-    x.grad = w.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = fn(x, w)
-    kept = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    return {"kept_MiB": kept / 2**20, "peak_MiB": peak / 2**20}
-
-
-def activation_memory(save: bool = False) -> dict:
-    """Activation memory of RMSNorm + fake quantization, 8192 tokens × 4096, bf16:
-    autograd through the reference against the fused kernels. Measured on a GPU
-    (``save=True`` writes it to the repo); on a CPU, the figures saved from an H200."""
-    if runtime.mode() != "compiled":
-        return json.loads(MEMORY_RESULTS.read_text())
-    import datetime
-    rows = {name: gpu_activation_memory(fn) for name, fn in [
-        ("autograd through the reference", rmsnorm_fakequant_ref),
-        ("fused (gpulab)", lambda a, b: rmsnorm_fakequant(a, b, fused=True))]}
-    result = {"what": "RMSNorm + fake quantization forward and backward, 8192 x 4096 bfloat16",
-              "date": datetime.date.today().isoformat(), "gpu": runtime.gpu_name(),
-              "versions": runtime.versions(), "rows": rows}
-    if save:
-        MEMORY_RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        MEMORY_RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    return result
-
-
-def format_memory(result: dict) -> str:
-    ref, fused = result["rows"]["autograd through the reference"], result["rows"]["fused (gpulab)"]
-    lines = [f"{result['what']}, {result['gpu']} ({result['date']})"]
-    for name, r in result["rows"].items():
-        lines.append(f"  {name:32} kept after forward {r['kept_MiB']:8.2f} MiB   "
-                     f"peak over fwd+bwd {r['peak_MiB']:7.1f} MiB")
-    lines.append(f"  fused: keeps {fused['kept_MiB']:.2f} MiB (rstd) instead of {ref['kept_MiB']:.0f} MiB "
-                 f"(x, kept by both, is not counted); peak {100 * (1 - fused['peak_MiB'] / ref['peak_MiB']):.0f}% lower")
-    return "\n".join(lines)
-
-
-# -- checks (gpulab's int8 poison, -128, is a value absmax quantization never writes) ------
-check = checking.check
-rejects = checking.rejects
-
-
-def check_rmsnorm_quant(fn):
-    """Exercise: your fused forward launcher fn(x, weight, x_q, scale)."""
-    return check(FWD, fn)
-
-
-def check_rmsnorm_quant_bwd(fn):
-    """Exercise: your backward launcher fn(x, weight, rstd, dy, dx, dw)."""
-    return check(BWD, fn)
-
-
-# -- specs ----------------------------------------------------------------------------------
-def _fwd_inputs(p, dtype, device, gen):
-    x = randn((p["rows"], p["cols"]), dtype, device, gen, scale=2.0, offset=0.1)
-    if p["rows"] > 2:                              # one row of zeros: scale hits its floor
-        x[p["rows"] // 2] = 0
-    w = (1.0 + 0.5 * torch.randn(p["cols"], generator=gen, device=device)).to(dtype)
-    return {"x": x, "weight": w}
-
-
-_ROW_CASES_CPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
-                  Case("tail", dict(rows=37, cols=300)), Case("many short rows", dict(rows=130, cols=33))]
-_ROW_CASES_GPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
-                  Case("tail", dict(rows=1000, cols=1000)), Case("wide", dict(rows=129, cols=12345)),
-                  Case("many short rows", dict(rows=5000, cols=96))]
-
-FWD = KernelSpec(
-    name="rmsnorm_quant",
-    summary="fused RMSNorm + per-row absmax int8 quantization",
-    args=("x", "weight", "x_q", "scale"),
-    make_inputs=_fwd_inputs,
-    reference=_spec_reference,
-    outputs=lambda inp, dtype: {"x_q": (inp["x"].shape, torch.int8),
-                                "scale": ((inp["x"].shape[0],), torch.float32)},
-    implementation=rmsnorm_quant_into,
-    cases={"cpu": _ROW_CASES_CPU, "gpu": _ROW_CASES_GPU,
-           "bench": [Case("8192x8192", dict(rows=8192, cols=8192)),
-                     Case("8192x4096", dict(rows=8192, cols=4096))]},
-    dtypes={"cpu": [torch.float32, torch.float16, torch.bfloat16],
-            "gpu": [torch.float32, torch.bfloat16]},
-    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)},
-    # x_q is compared with the unrounded y·scale: rounding to nearest is within 0.5.
-    output_tolerances={"x_q": {torch.float32: (0.5 + 1e-3, 0.0)}},
-    bytes_moved=lambda p, dtype: p["rows"] * p["cols"] * (bytes_of(dtype) + 1) + 4 * p["rows"],
-    flops=lambda p, dtype: 8 * p["rows"] * p["cols"],
-    baselines={"torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"])},
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x", "weight"),
-    notes="x_q's reference is the unrounded y·scale; an int8 within 0.5 of it is correct.",
-)
-
-
-def _bwd_inputs(p, dtype, device, gen):
-    inp = _fwd_inputs(p, dtype, device, gen)
-    x = inp["x"]
-    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
-    dy = randn(x.shape, dtype, device, gen, scale=0.5)
-    return {**inp, "rstd": rstd, "dy": dy}
-
-
-def _bwd_reference(x, weight, rstd, dy):
-    xd, wd, dyd = x.double(), weight.double(), dy.double()
-    xhat = xd * rstd.double()[:, None]
-    g = dyd * wd
-    dx = (g - xhat * (xhat * g).mean(-1, keepdim=True)) * rstd.double()[:, None]
-    return {"dx": dx, "dw": (dyd * xhat).sum(0)}
-
-
-def _train_inputs(p, dtype, device, gen):
-    inp = _fwd_inputs(p, dtype, device, gen)
-    return {**inp, "dy": randn(inp["x"].shape, dtype, device, gen, scale=0.5)}
-
-
-def _fused_train_step(inp):
-    x = inp["x"].detach().requires_grad_()
-    w = inp["weight"].detach().requires_grad_()
-    RMSNormFakeQuant.apply(x, w, 1e-6).backward(inp["dy"])
-    return x.grad, w.grad
-
-
-def _eager_train_step(inp):
-    x = inp["x"].detach().requires_grad_()
-    w = inp["weight"].detach().requires_grad_()
-    rmsnorm_fakequant_ref(x, w, 1e-6).backward(inp["dy"])
-    return x.grad, w.grad
-
-
-BWD = KernelSpec(
-    name="rmsnorm_quant_bwd",
-    summary="straight-through backward of RMSNorm + fake quantization (dx, dw)",
-    args=("x", "weight", "rstd", "dy", "dx", "dw"),
-    make_inputs=_bwd_inputs,
-    reference=_bwd_reference,
-    outputs=lambda inp, dtype: {"dx": (inp["x"].shape, dtype), "dw": ((inp["x"].shape[1],), torch.float32)},
-    implementation=rmsnorm_quant_bwd_into,
-    cases={"cpu": _ROW_CASES_CPU, "gpu": _ROW_CASES_GPU,
-           # fwd+bwd timing, against eager autograd through the reference (see bench_impl)
-           "bench": [Case("8192x4096 fwd+bwd", dict(rows=8192, cols=4096))]},
-    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
-    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
-    # per row: fwd reads x, writes ŷ and rstd; bwd reads x, dy, rstd and writes dx
-    bytes_moved=lambda p, dtype: 5 * p["rows"] * p["cols"] * bytes_of(dtype),
-    flops=lambda p, dtype: 20 * p["rows"] * p["cols"],
-    baselines={"torch eager autograd": _eager_train_step},
-    bench_impl=_fused_train_step,
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x", "weight", "rstd", "dy"),
-)
-
-
-def _fq_inputs(p, dtype, device, gen):
-    return _fwd_inputs(p, dtype, device, gen)
-
-
-def _fq_reference(x, weight):
-    ref = _spec_reference(x, weight)
-    xd = x.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1) + 1e-6)
-    return {"y": round_half_away(ref["x_q"]) / ref["scale"][:, None], "rstd": rstd}
-
-
-FAKEQUANT_FWD = KernelSpec(
-    name="rmsnorm_fakequant_fwd",
-    summary="training forward: RMSNorm + fake quantization, stores ŷ and rstd",
-    args=("x", "weight", "y", "rstd"),
-    make_inputs=_fq_inputs,
-    reference=_fq_reference,
-    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype), "rstd": ((inp["x"].shape[0],), torch.float32)},
-    implementation=rmsnorm_fakequant_fwd_into,
-    cases={"cpu": _ROW_CASES_CPU[:4], "gpu": _ROW_CASES_GPU, "bench": []},
-    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
-    # ŷ = q/scale: a rounding tie resolved differently moves one element by 1/scale
-    # (≤ 1/127 of the row's absmax): allowed through atol relative to the data.
-    tolerances={torch.float32: (0.1, 1e-5), torch.float16: (0.1, 2e-3), torch.bfloat16: (0.1, 1e-2)},
-    read_inputs=("x", "weight"),
-)

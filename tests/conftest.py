@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ def device():
 
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# `gpulab grade` records progress under GPULAB_HOME: keep the tests' gradings out of ~/.gpulab
+os.environ["GPULAB_HOME"] = tempfile.mkdtemp(prefix="gpulab-home-")
 
 # Two xdist workers on two cores: one torch thread each, or they fight for the cores.
 if not gpulab.runtime._cuda_available():

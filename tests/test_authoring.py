@@ -9,7 +9,7 @@ def test_python_region_becomes_not_implemented():
     src = "def f(x):\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION\n"
     out = authoring.stub_code(src, "ex")
     assert "return x + 1" not in out
-    assert "    # YOUR CODE HERE\n    raise NotImplementedError()" in out
+    assert '    # YOUR CODE HERE\n    raise NotImplementedError("TODO (ex): write this part")' in out
 
 
 def test_jit_region_becomes_static_assert():
@@ -18,12 +18,12 @@ def test_jit_region_becomes_static_assert():
            "def launch(x):\n    ### BEGIN SOLUTION\n    k[(1,)](x, BLOCK=4)\n    ### END SOLUTION\n")
     out = authoring.stub_code(src, "ex9")
     assert 'tl.static_assert(False, "TODO (ex9)' in out
-    assert out.count("raise NotImplementedError()") == 1      # the launcher is plain Python
+    assert out.count("raise NotImplementedError(") == 1      # the launcher is plain Python
     assert "tl.store(x_ptr, 1)" not in out and "pid = tl.program_id(0)" in out
 
 
 def test_cell_without_markers_is_replaced_whole():
-    assert authoring.stub_code("x = 1", "ex") == "# YOUR CODE HERE\nraise NotImplementedError()"
+    assert authoring.stub_code("x = 1", "ex") == '# YOUR CODE HERE\nraise NotImplementedError("TODO (ex): write this cell")'
 
 
 def test_unclosed_region_is_an_error():
@@ -67,8 +67,22 @@ def test_generate_check_detects_a_stale_notebook(tmp_path):
     sol.mkdir()
     nb = authoring.from_percent("# %% solution id=e\nx = 1\n")
     nbformat.write(nb, sol / "a.ipynb")
-    assert authoring.generate(sol, nbs, check=True) == ["a.ipynb"]
+    assert authoring.generate(sol, nbs, check=True) == ["a.ipynb", "released_tests/a.json"]
     authoring.generate(sol, nbs)
+    assert (tmp_path / "released_tests" / "a.json").exists()
     assert authoring.generate(sol, nbs, check=True) == []
     (nbs / "a.ipynb").write_text((nbs / "a.ipynb").read_text().replace("YOUR CODE", "edited"))
     assert authoring.generate(sol, nbs, check=True) == ["a.ipynb"]
+
+
+def test_released_tests_keep_hidden_tests_points_and_imports():
+    nb = authoring.from_percent(
+        "# %%\nimport gpulab\nfrom gpulab import bitlinear as bl\n%matplotlib inline\nx = 1\n"
+        "# %% solution id=ex1\ndef f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n"
+        "# %% grade id=check1 points=3\nassert f() == 1\n### BEGIN HIDDEN TESTS\nassert f() + 1 == 2\n"
+        "### END HIDDEN TESTS\n")
+    data = authoring.released_tests(nb, "t.ipynb")
+    assert data["imports"] == ["import gpulab", "from gpulab import bitlinear as bl"]
+    assert data["solutions"] == ["ex1"]
+    (test,) = data["tests"]
+    assert test["grade_id"] == "check1" and test["points"] == 3 and "f() + 1 == 2" in test["source"]

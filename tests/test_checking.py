@@ -21,7 +21,8 @@ def _copy_spec(**kw):
 
 
 def test_a_correct_function_passes_and_reports():
-    rep = checking.check(_copy_spec(), lambda x, y: y.copy_(2 * x), quiet=True)
+    rep = checking.run_check(_copy_spec(), lambda x, y: y.copy_(2 * x), quiet=True)
+    assert checking.check(_copy_spec(), lambda x, y: y.copy_(2 * x), quiet=True) is None
     assert len(rep.cases) == 1 and "all 1 cases correct" in rep.summary()
 
 
@@ -132,3 +133,224 @@ def test_diagnose_flat_tail_never_written():
 def test_rejects_complains_when_a_check_accepts():
     with pytest.raises(AssertionError, match="accepted a wrong implementation"):
         checking.rejects(_copy_spec(), lambda x, y: y.copy_(2 * x))
+
+
+# -- what the check watches while the learner's function runs ---------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import gpulab  # noqa: E402
+from gpulab import basics  # noqa: E402
+
+
+@triton.jit
+def _add_unmasked_loads(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)                      # no mask: reads past the end...
+    y = tl.load(y_ptr + offs)
+    tl.store(out_ptr + offs, x + y, mask=offs < n)  # ...but never stores those lanes
+
+
+@triton.jit
+def _add_ok(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m), mask=m)
+
+
+def _launch(kernel):
+    def add(x, y, out):
+        kernel[(triton.cdiv(out.numel(), 256),)](x, y, out, out.numel(), BLOCK=256)
+    return add
+
+
+_SMALL_ADD = dict(cases=[Case("tail", dict(n=300))], dtypes=[torch.float32])
+
+
+@pytest.mark.skipif(gpulab.mode() == "compiled", reason="load addresses are checked in the interpreter")
+def test_a_load_past_the_end_is_reported_even_when_never_stored():
+    msg = checking.rejects("vector_add", _launch(_add_unmasked_loads), **_SMALL_ADD)
+    assert "a load past the end of input `x`" in msg and "missing its mask" in msg
+
+
+def test_a_kernel_exercise_needs_the_learners_own_kernel():
+    with checking.enforce_learner_kernels():
+        checking.check("vector_add", _launch(_add_ok), quiet=True, **_SMALL_ADD)
+        msg = checking.rejects("vector_add", lambda x, y, out: torch.add(x, y, out=out), **_SMALL_ADD)
+        assert "asks for a Triton kernel of your own" in msg and "no Triton kernel at all" in msg
+        msg = checking.rejects("vector_add", basics.add_into, **_SMALL_ADD)
+        assert "not yours (gpulab.basics.add_kernel)" in msg
+        # a PyTorch-level exercise says so
+        checking.check("vector_add", lambda x, y, out: torch.add(x, y, out=out), learner_kernel=False,
+                       quiet=True, **_SMALL_ADD)
+    # outside notebooks (package tests) gpulab's own kernels are checked as they are
+    checking.check("vector_add", basics.add_into, quiet=True, **_SMALL_ADD)
+
+
+def test_kernel_origin():
+    assert checking.kernel_origin(basics.add_kernel) == "gpulab.basics"
+    assert checking.kernel_origin(_add_ok) is None
+
+
+def test_a_broadcast_result_fails_with_a_shape_message():
+    spec = _copy_spec(name="test-bcast")
+    msg = checking.rejects(spec, lambda x, y: y.copy_((2 * x)[:, :1]))
+    assert "broadcasting a result of shape (4, 1)" in msg and "exact shape" in msg
+
+
+def test_nan_everywhere_does_not_report_largest_error_0():
+    msg = checking.rejects(_copy_spec(name="test-nan"), lambda x, y: y.fill_(float("nan")))
+    assert "largest error 0" not in msg and "every element is NaN or Inf" in msg
+    assert "arithmetic" in msg and "past the end" not in msg
+
+
+def test_inf_is_named_an_overflow():
+    def overflows(x, y):
+        y.copy_(2 * x)
+        y[:, 3] = float("inf")
+    msg = checking.rejects(_copy_spec(name="test-inf"), overflows)
+    assert "overflow" in msg
+
+
+def test_check_prints_one_line_and_returns_none(capsys):
+    assert checking.check(_copy_spec(), lambda x, y: y.copy_(2 * x)) is None
+    out = capsys.readouterr()
+    assert out.out.count("\n") == 1 and out.out.startswith("✔ test-copy") and not out.err
+
+
+def test_runtime_warnings_of_the_learners_call_stay_silent(capsys):
+    import warnings
+
+    def noisy(x, y):
+        warnings.warn("divide by zero encountered in log", RuntimeWarning)
+        y.copy_(2 * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checking.check(_copy_spec(), noisy, quiet=True)
+
+
+def test_returned_dtype_is_part_of_the_contract():
+    spec = _copy_spec(name="test-ret-dtype", outputs=None, returns=("y",),
+                      implementation=lambda x: (2 * x).to(x.dtype))
+    checking.check(spec, lambda x: 2 * x, quiet=True)
+    msg = checking.rejects(spec, lambda x: (2 * x).double())
+    assert "dtype float64, expected float32" in msg
+    ints = _copy_spec(name="test-int-dtype", outputs=None, returns=("y",),
+                      reference=lambda x: {"y": (x > 0).to(torch.int8)})
+    msg = checking.rejects(ints, lambda x: (x > 0).long())
+    assert "dtype int64, expected int8" in msg
+
+
+def test_no_cases_is_a_failure_not_a_pass():
+    with pytest.raises(CheckFailure, match="no cases"):
+        checking.check(_copy_spec(), lambda x, y: None, cases=[])
+
+
+# strided buffers: the row stride of x is not the row stride of y
+@triton.jit
+def _scale_rows(x_ptr, y_ptr, n_cols, sx, sy, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    m = c < n_cols
+    tl.store(y_ptr + r * sy + c, 2 * tl.load(x_ptr + r * sx + c, mask=m), mask=m)
+
+
+def _rows_launcher(which):
+    def fn(x, y):
+        sx, sy = x.stride(0), y.stride(0)
+        sx, sy = {"ok": (sx, sy), "x for y": (sx, sx), "contiguous": (x.shape[1], x.shape[1])}[which]
+        _scale_rows[(x.shape[0],)](x, y, x.shape[1], sx, sy, BLOCK=64)
+    return fn
+
+
+def test_strided_variant_catches_a_shared_stride():
+    spec = _copy_spec(name="test-strided", strided=("x", "y"))
+    rep = checking.run_check(spec, _rows_launcher("ok"), quiet=True)
+    assert "strided" in rep.summary()
+    for wrong in ("x for y", "contiguous"):
+        msg = checking.rejects(spec, _rows_launcher(wrong))
+        assert "strided" in msg and ("padding between the rows" in msg or "between the rows of" in msg), msg
+    # without the opt-in the same mistake passes: strides are only varied where the contract takes them
+    checking.check(_copy_spec(name="test-unstrided"), _rows_launcher("x for y"), quiet=True)
+
+
+def test_guarded_strided_view_layout():
+    x = torch.randn(3, 5)
+    g = Guarded.wrap(x.shape, x.dtype, "cpu", like=x, pad=3)
+    assert torch.equal(g.inner, x) and g.inner.stride() == (8, 1)
+    assert int(g.valid.sum()) == 15 and g.guard_damage() == (0, 0)
+    g.buf[g.guard + 6] = 1            # in the padding after row 0
+    assert g.gap_damage() == 1
+
+
+def test_edge_rows_zero_and_constant():
+    seen = []
+    spec = _copy_spec(name="test-edge", edge_rows=("x",))
+    rep = checking.run_check(spec, lambda x, y: (seen.append(x.clone()), y.copy_(2 * x)), quiet=True)
+    assert "edge data" in rep.summary()
+    last = seen[-1]
+    assert bool((last[0] == 0).all()) and bool((last[-1] == last[-1, 0]).all())
+    # a kernel that divides by the row's range breaks on a constant row
+    msg = checking.rejects(spec, lambda x, y: y.copy_(2 * x * (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) /
+                                                     (x.amax(1, keepdim=True) - x.amin(1, keepdim=True))))
+    assert "edge data" in msg and "NaN" in msg
+
+
+def test_edge_data_hook():
+    def halves(inputs, params, dtype, gen):
+        """exact .5 ties"""
+        return {"x": torch.full_like(inputs["x"], 2.5)}
+    spec = _copy_spec(name="test-ties", edge_data=halves,
+                      reference=lambda x: {"y": torch.round(x.double())})     # half to even: 2.5 -> 2
+    checking.check(spec, lambda x, y: y.copy_(torch.round(x)), quiet=True)
+    msg = checking.rejects(spec, lambda x, y: y.copy_(torch.floor(x + 0.5)))
+    assert "exact .5 ties" in msg
+
+
+def test_region_in_the_specs_axes():
+    e = torch.randn(2, 4, 3, 8).double()
+    g = e.clone()
+    g[:, 1] += 1
+    m, _ = diagnose("o", g, e, 1e-6, 1e-6, axes=("batch", "head", "token", "dim"))
+    assert "head 1 (of 4)" in m
+
+
+def test_guard_nan_hint_only_with_the_guard_pattern():
+    x = torch.randn(4, 8)
+    g = Guarded.wrap(x.shape, x.dtype, "cpu", like=x)
+    guard_nan = g.buf[0].clone()                      # an input guard value
+    e = torch.rand(4, 8).double()
+    got = e.float().clone()
+    got[1, 2] = guard_nan
+    m, _ = diagnose("y", got, e, 1e-6, 1e-6)
+    assert "past the end of an input" in m
+    got[1, 2] = float("nan")                          # an arithmetic NaN
+    m, _ = diagnose("y", got, e, 1e-6, 1e-6)
+    assert "past the end" not in m and "arithmetic" in m
+
+
+def test_compiled_mode_tells_reads_outside_from_arithmetic(monkeypatch):
+    """On a GPU loads are not watched and NaNs lose their payload: the check re-runs with
+    harmless guard values to see whether the wrong elements came from outside the inputs."""
+    monkeypatch.setattr(checking.runtime, "interpreting", lambda: False)
+
+    def reads_one_past(x, y):
+        beyond = torch.as_strided(x, (x.numel() + 1,), (1,))[-1]
+        canonical = torch.where(torch.isnan(beyond), torch.tensor(float("nan")), beyond)
+        y.copy_(2 * x)
+        y.view(-1)[-1] = canonical
+    msg = checking.rejects(_copy_spec(name="test-probe"), reads_one_past)
+    assert "read past the end of an input" in msg
+    msg = checking.rejects(_copy_spec(name="test-probe2"), lambda x, y: y.copy_(2 * x).view(-1).__setitem__(-1, float("nan")))
+    assert "arithmetic" in msg and "past the end" not in msg
+
+
+def test_fresh_case_defeats_a_hard_coded_grid():
+    spec = _copy_spec(name="test-fresh", fresh_case=lambda g: Case(
+        "random", dict(rows=int(torch.randint(5, 40, (1,), generator=g)), cols=33)))
+
+    def four_rows_only(x, y):
+        y[:4].copy_(2 * x[:4])           # covers the listed case (4 rows) and nothing more
+    msg = checking.rejects(spec, four_rows_only)
+    assert "random size" in msg and "never written" in msg
+    checking.check(spec, lambda x, y: y.copy_(2 * x), quiet=True)

@@ -1,2 +1,80 @@
-"""Grading of gpulab.basics: inputs, cases, specs, checks (being split out of the kernel file)."""
-from ..basics import *  # noqa: F401,F403
+"""Grading of notebook 00 (:mod:`gpulab.basics`): float64 references, inputs, cases,
+baselines and the specs ``vector_add`` and ``softmax``."""
+from __future__ import annotations
+
+import torch
+
+from ..basics import ADD_BLOCK, add_into, safe_softmax_unfused, softmax_into
+from ..harness.spec import Case, KernelSpec, bytes_of, randn
+
+
+# -- references (float64) -----------------------------------------------------------------
+def vector_add_reference(x, y):
+    return {"out": x.double() + y.double()}
+
+
+def softmax_reference(x):
+    return {"y": torch.softmax(x.double(), dim=-1)}
+
+
+# -- inputs -------------------------------------------------------------------------------
+def _vector_add_inputs(p, dtype, device, gen):
+    return {"x": randn((p["n"],), dtype, device, gen),
+            "y": randn((p["n"],), dtype, device, gen, offset=0.5)}
+
+
+def _softmax_inputs(p, dtype, device, gen):
+    # Scores with a large, row-dependent offset: an unsafe softmax (no max) overflows.
+    x = randn((p["rows"], p["cols"]), torch.float32, device, gen, scale=3.0)
+    x = x + torch.linspace(120, -60, p["rows"], device=device)[:, None]
+    return {"x": x.to(dtype)}
+
+
+# -- specs --------------------------------------------------------------------------------
+VECTOR_ADD = KernelSpec(
+    name="vector_add",
+    summary="out = x + y, elementwise",
+    args=("x", "y", "out"),
+    make_inputs=_vector_add_inputs,
+    reference=vector_add_reference,
+    outputs=lambda inp, dtype: {"out": (inp["x"].shape, dtype)},
+    implementation=add_into,
+    cases={
+        "cpu": [Case("one element", dict(n=1)), Case("tail", dict(n=1000)),
+                Case("one block", dict(n=ADD_BLOCK)), Case("blocks + tail", dict(n=3 * ADD_BLOCK + 77))],
+        "gpu": [Case("one element", dict(n=1)), Case("tail", dict(n=1000)),
+                Case("many blocks + tail", dict(n=(1 << 20) + 3))],
+        "bench": [Case(f"n=2^{k}", dict(n=1 << k)) for k in (20, 24, 28)],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)},
+    bytes_moved=lambda p, dtype: 3 * p["n"] * bytes_of(dtype),
+    flops=lambda p, dtype: p["n"],
+    baselines={"torch": lambda inp: inp["x"] + inp["y"]},
+    read_inputs=("x", "y"),
+)
+
+SOFTMAX = KernelSpec(
+    name="softmax",
+    summary="row softmax, one program per row",
+    args=("x", "y"),
+    make_inputs=_softmax_inputs,
+    reference=softmax_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype)},
+    implementation=softmax_into,
+    cases={
+        "cpu": [Case("single element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                Case("power of two", dict(rows=5, cols=256)), Case("tail", dict(rows=7, cols=1000))],
+        "gpu": [Case("single element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                Case("tail", dict(rows=37, cols=1000)), Case("wide", dict(rows=129, cols=12345))],
+        "bench": [Case(f"4096x{n}", dict(rows=4096, cols=n)) for n in (256, 1024, 4096, 16384)]
+        + [Case("8192x8192", dict(rows=8192, cols=8192))],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16, torch.float16]},
+    tolerances={torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (4e-3, 1e-2)},
+    bytes_moved=lambda p, dtype: 2 * p["rows"] * p["cols"] * bytes_of(dtype),
+    flops=lambda p, dtype: 5 * p["rows"] * p["cols"],
+    baselines={"torch": lambda inp: torch.softmax(inp["x"], dim=-1),
+               "torch (3 passes)": lambda inp: safe_softmax_unfused(inp["x"])},
+    read_inputs=("x",),
+)

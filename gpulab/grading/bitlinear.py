@@ -1,2 +1,158 @@
-"""Grading of gpulab.bitlinear: inputs, cases, specs, checks (being split out of the kernel file)."""
-from ..bitlinear import *  # noqa: F401,F403
+"""Grading of notebook 01 (:mod:`gpulab.bitlinear`): float64 references, inputs, cases,
+baselines and the specs ``ternary_quantize``, ``pack_ternary``, ``ternary_gemv``,
+``ternary_mm`` and ``ternary_matmul``."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, ternary_gemv_into, ternary_matmul_into,
+                         ternary_matmul_ref, ternary_mm_into, ternary_quantize, unpack_ternary)
+from ..harness.spec import Case, KernelSpec, bytes_of, randn
+from ..normquant import absmax_quantize
+
+
+# -- references (float64) -----------------------------------------------------------------
+def ternary_quantize_reference(w):
+    wd = w.double()
+    s = 1.0 / wd.abs().mean().clamp_min(WEIGHT_FLOOR)
+    # unrounded, clamped: rounding to nearest lands within 0.5
+    return {"w_scale": s, "w_t": (wd * s).clamp(-1, 1)}
+
+
+def pack_ternary_reference(w_t):
+    return {"packed": pack_ternary(w_t)}
+
+
+def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, **_):
+    w_t = unpack_ternary(w_packed, x_q.shape[1])    # from the packed bytes, so zeroing them shows
+    return {"y": ternary_matmul_ref(x_q, x_scale, w_t, w_scale)}
+
+
+# -- inputs -------------------------------------------------------------------------------
+def _quantize_inputs(p, dtype, device, gen):
+    return {"w": randn((p["n"], p["k"]), dtype, device, gen, scale=0.02)}
+
+
+def _pack_inputs(p, dtype, device, gen):
+    w = randn((p["n"], p["k"]), torch.float32, device, gen)
+    return {"w_t": ternary_quantize(w)[0]}
+
+
+def _matmul_inputs(p, dtype, device, gen):
+    m, k, n = p["m"], p["k"], p["n"]
+    x = randn((m, k), torch.float32, device, gen)
+    x_q, x_scale = absmax_quantize(x)
+    w = randn((n, k), torch.float32, device, gen)
+    w = w * (torch.rand((n, k), generator=gen, device=device) > 0.3)     # extra zeros
+    w_t, w_scale = ternary_quantize(w)
+    return {"x_q": x_q.contiguous(), "x_scale": x_scale.float().contiguous(),
+            "w_packed": pack_ternary(w_t), "w_scale": w_scale.reshape(1).float(),
+            # the same product in bf16, for the F.linear baseline
+            "x_bf16": (x_q.float() / x_scale[:, None]).to(torch.bfloat16),
+            "w_bf16": (w_t.float() / w_scale).to(torch.bfloat16)}
+
+
+def _matmul_outputs(inp, dtype):
+    return {"y": ((inp["x_q"].shape[0], inp["w_packed"].shape[0]), dtype)}
+
+
+def _matmul_bytes(p, dtype):
+    return p["n"] * triton.cdiv(p["k"], 4) + p["m"] * p["k"] + 4 * p["m"] + p["m"] * p["n"] * bytes_of(dtype)
+
+
+# -- baselines ----------------------------------------------------------------------------
+def _bf16_linear(inp):
+    """The same product as a bf16 F.linear."""
+    return F.linear(inp["x_bf16"], inp["w_bf16"])
+
+
+def _bench_with(launcher):
+    """Benchmark callable: bf16 output allocated once per input dict, outside the timing
+    (the default would take the output dtype from x_q, which is int8)."""
+    def run(inp):
+        if "_y" not in inp:
+            inp["_y"] = torch.empty((inp["x_q"].shape[0], inp["w_packed"].shape[0]),
+                                    dtype=torch.bfloat16, device=inp["x_q"].device)
+        launcher(inp["x_q"], inp["x_scale"], inp["w_packed"], inp["w_scale"], inp["_y"])
+        return inp["_y"]
+    return run
+
+
+# -- specs --------------------------------------------------------------------------------
+TERNARY_QUANTIZE = KernelSpec(
+    name="ternary_quantize",
+    summary="per-tensor absmean ternary quantization (PyTorch)",
+    args=("w",),
+    make_inputs=_quantize_inputs,
+    reference=ternary_quantize_reference,
+    returns=("w_t", "w_scale"),
+    implementation=ternary_quantize,
+    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("wide", dict(n=64, k=1000))],
+           "gpu": [Case("1x1", dict(n=1, k=1)), Case("odd", dict(n=7, k=33)), Case("big", dict(n=1024, k=4099))],
+           "bench": []},
+    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-5)},
+    output_tolerances={"w_t": {torch.float32: (0.5 + 1e-3, 0.0)}},
+    read_inputs=("w",),
+)
+
+PACK_TERNARY = KernelSpec(
+    name="pack_ternary",
+    summary="2-bit packing of ternary weights (PyTorch)",
+    args=("w_t",),
+    make_inputs=_pack_inputs,
+    reference=pack_ternary_reference,
+    returns=("packed",),
+    implementation=pack_ternary,
+    cases={"cpu": [Case("1x1", dict(n=1, k=1)), Case("K=4", dict(n=3, k=4)), Case("K not /4", dict(n=5, k=33)),
+                   Case("wide", dict(n=64, k=1001))],
+           "gpu": [Case("1x1", dict(n=1, k=1)), Case("K not /4", dict(n=5, k=33)), Case("big", dict(n=512, k=4099))],
+           "bench": []},
+    dtypes={"cpu": [torch.int8], "gpu": [torch.int8]},
+    tolerances={torch.int8: (0.0, 0.0)},
+    read_inputs=("w_t",),
+)
+
+_MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def _matmul_spec(name: str, summary: str, launcher, cases: dict) -> KernelSpec:
+    """The three matmul specs differ only in which launcher runs and on which shapes."""
+    return KernelSpec(
+        name=name, summary=summary, graph_timing=True,
+        args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
+        make_inputs=_matmul_inputs, reference=ternary_matmul_reference, outputs=_matmul_outputs,
+        implementation=launcher, cases=cases,
+        dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+        tolerances=_MATMUL_TOLERANCES, bytes_moved=_matmul_bytes,
+        flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+        baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
+        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
+
+
+TERNARY_GEMV = _matmul_spec(
+    "ternary_gemv", "int8 × 2-bit ternary GEMV (decode: one row at a time)", ternary_gemv_into,
+    {"cpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+             Case("ragged", dict(m=3, k=1001, n=77)), Case("two blocks", dict(m=2, k=2050, n=130))],
+     "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
+             Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
+     "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
+               Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]})
+
+TERNARY_MATMUL = _matmul_spec(
+    "ternary_matmul", "int8 × 2-bit ternary matmul (GEMV for one row, int8 tensor-core dots above)",
+    ternary_matmul_into,
+    {"cpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+             Case("prefill, two K steps", dict(m=20, k=257, n=65))],
+     "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
+             Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]})
+
+TERNARY_MM = _matmul_spec(
+    "ternary_mm", "int8 × 2-bit ternary matmul, tensor-core path only (prefill)", ternary_mm_into,
+    {"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
+     "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+             Case("ragged", dict(m=1000, k=4099, n=3001))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})

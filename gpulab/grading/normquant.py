@@ -1,2 +1,159 @@
-"""Grading of gpulab.normquant: inputs, cases, specs, checks (being split out of the kernel file)."""
-from ..normquant import *  # noqa: F401,F403
+"""Grading of notebook 02 (:mod:`gpulab.normquant`): float64 references, inputs, cases,
+baselines, the specs ``rmsnorm_quant``, ``rmsnorm_quant_bwd`` and
+``rmsnorm_fakequant_fwd``, and the activation-memory comparison.
+
+gpulab's int8 poison, -128, is a value absmax quantization never writes, so an
+unwritten ``x_q`` element is always recognised."""
+from __future__ import annotations
+
+import torch
+
+from ..harness import memory
+from ..harness.spec import Case, KernelSpec, bytes_of, randn
+from ..normquant import (ABSMAX_FLOOR, RMSNormFakeQuant, rmsnorm_fakequant, rmsnorm_fakequant_fwd_into,
+                         rmsnorm_fakequant_ref, rmsnorm_quant_bwd_into, rmsnorm_quant_into, rmsnorm_quant_ref,
+                         round_half_away)
+
+
+# -- references (float64) -----------------------------------------------------------------
+def rmsnorm_quant_reference(x, weight, eps=1e-6):
+    """``x_q`` is the *unrounded* y·scale: any kernel that rounds to nearest lands within
+    0.5 of it (the tolerance), whatever its summation order, while truncation or a wrong
+    scale do not."""
+    xd, wd = x.double(), weight.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    y = xd * rstd * wd
+    scale = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
+    # scale first: a NaN read past a row shows there with the clearest hint
+    return {"scale": scale.squeeze(-1), "x_q": y * scale}
+
+
+def rmsnorm_quant_bwd_reference(x, weight, rstd, dy):
+    xd, wd, dyd = x.double(), weight.double(), dy.double()
+    xhat = xd * rstd.double()[:, None]
+    g = dyd * wd
+    dx = (g - xhat * (xhat * g).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    return {"dx": dx, "dw": (dyd * xhat).sum(0)}
+
+
+def rmsnorm_fakequant_fwd_reference(x, weight):
+    ref = rmsnorm_quant_reference(x, weight)
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6)
+    return {"y": round_half_away(ref["x_q"]) / ref["scale"][:, None], "rstd": rstd}
+
+
+# -- inputs -------------------------------------------------------------------------------
+def _rows_inputs(p, dtype, device, gen):
+    x = randn((p["rows"], p["cols"]), dtype, device, gen, scale=2.0, offset=0.1)
+    if p["rows"] > 2:                              # one row of zeros: scale hits its floor
+        x[p["rows"] // 2] = 0
+    w = (1.0 + 0.5 * torch.randn(p["cols"], generator=gen, device=device)).to(dtype)
+    return {"x": x, "weight": w}
+
+
+def _bwd_inputs(p, dtype, device, gen):
+    inp = _rows_inputs(p, dtype, device, gen)
+    x = inp["x"]
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
+    dy = randn(x.shape, dtype, device, gen, scale=0.5)
+    return {**inp, "rstd": rstd, "dy": dy}
+
+
+# -- cases --------------------------------------------------------------------------------
+ROW_CASES_CPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                 Case("tail", dict(rows=37, cols=300)), Case("many short rows", dict(rows=130, cols=33))]
+ROW_CASES_GPU = [Case("one element", dict(rows=1, cols=1)), Case("odd row", dict(rows=3, cols=7)),
+                 Case("tail", dict(rows=1000, cols=1000)), Case("wide", dict(rows=129, cols=12345)),
+                 Case("many short rows", dict(rows=5000, cols=96))]
+
+
+# -- baselines ----------------------------------------------------------------------------
+def _fused_train_step(inp):
+    x = inp["x"].detach().requires_grad_()
+    w = inp["weight"].detach().requires_grad_()
+    RMSNormFakeQuant.apply(x, w, 1e-6).backward(inp["dy"])
+    return x.grad, w.grad
+
+
+def _eager_train_step(inp):
+    x = inp["x"].detach().requires_grad_()
+    w = inp["weight"].detach().requires_grad_()
+    rmsnorm_fakequant_ref(x, w, 1e-6).backward(inp["dy"])
+    return x.grad, w.grad
+
+
+# -- specs --------------------------------------------------------------------------------
+RMSNORM_QUANT = KernelSpec(
+    name="rmsnorm_quant",
+    summary="fused RMSNorm + per-row absmax int8 quantization",
+    args=("x", "weight", "x_q", "scale"),
+    make_inputs=_rows_inputs,
+    reference=rmsnorm_quant_reference,
+    outputs=lambda inp, dtype: {"x_q": (inp["x"].shape, torch.int8),
+                                "scale": ((inp["x"].shape[0],), torch.float32)},
+    implementation=rmsnorm_quant_into,
+    cases={"cpu": ROW_CASES_CPU, "gpu": ROW_CASES_GPU,
+           "bench": [Case("8192x8192", dict(rows=8192, cols=8192)),
+                     Case("8192x4096", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": [torch.float32, torch.float16, torch.bfloat16],
+            "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)},
+    # x_q is compared with the unrounded y·scale: rounding to nearest is within 0.5.
+    output_tolerances={"x_q": {torch.float32: (0.5 + 1e-3, 0.0)}},
+    bytes_moved=lambda p, dtype: p["rows"] * p["cols"] * (bytes_of(dtype) + 1) + 4 * p["rows"],
+    flops=lambda p, dtype: 8 * p["rows"] * p["cols"],
+    baselines={"torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"])},
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x", "weight"),
+    notes="x_q's reference is the unrounded y·scale; an int8 within 0.5 of it is correct.",
+)
+
+RMSNORM_QUANT_BWD = KernelSpec(
+    name="rmsnorm_quant_bwd",
+    summary="straight-through backward of RMSNorm + fake quantization (dx, dw)",
+    args=("x", "weight", "rstd", "dy", "dx", "dw"),
+    make_inputs=_bwd_inputs,
+    reference=rmsnorm_quant_bwd_reference,
+    outputs=lambda inp, dtype: {"dx": (inp["x"].shape, dtype), "dw": ((inp["x"].shape[1],), torch.float32)},
+    implementation=rmsnorm_quant_bwd_into,
+    cases={"cpu": ROW_CASES_CPU, "gpu": ROW_CASES_GPU,
+           # fwd+bwd timing, against eager autograd through the reference (see bench_impl)
+           "bench": [Case("8192x4096 fwd+bwd", dict(rows=8192, cols=4096))]},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
+    # per row: fwd reads x, writes ŷ and rstd; bwd reads x, dy, rstd and writes dx
+    bytes_moved=lambda p, dtype: 5 * p["rows"] * p["cols"] * bytes_of(dtype),
+    flops=lambda p, dtype: 20 * p["rows"] * p["cols"],
+    baselines={"torch eager autograd": _eager_train_step},
+    bench_impl=_fused_train_step,
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("x", "weight", "rstd", "dy"),
+)
+
+RMSNORM_FAKEQUANT_FWD = KernelSpec(
+    name="rmsnorm_fakequant_fwd",
+    summary="training forward: RMSNorm + fake quantization, stores ŷ and rstd",
+    args=("x", "weight", "y", "rstd"),
+    make_inputs=_rows_inputs,
+    reference=rmsnorm_fakequant_fwd_reference,
+    outputs=lambda inp, dtype: {"y": (inp["x"].shape, dtype), "rstd": ((inp["x"].shape[0],), torch.float32)},
+    implementation=rmsnorm_fakequant_fwd_into,
+    cases={"cpu": ROW_CASES_CPU, "gpu": ROW_CASES_GPU, "bench": []},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    # ŷ = q/scale: a rounding tie resolved differently moves one element by 1/scale
+    # (≤ 1/127 of the row's absmax): allowed through atol relative to the data.
+    tolerances={torch.float32: (0.1, 1e-5), torch.float16: (0.1, 2e-3), torch.bfloat16: (0.1, 1e-2)},
+    read_inputs=("x", "weight"),
+)
+
+
+# -- activation memory (measured like a benchmark) ----------------------------------------
+def activation_memory(save: bool = False) -> dict:
+    """Activation memory of RMSNorm + fake quantization, 8192 tokens × 4096, bf16:
+    autograd through the reference against the fused kernels. Measured on a GPU
+    (``save=True`` writes it to the repo); on a CPU, the figures saved from an H200."""
+    return memory.activation_memory(
+        "rmsnorm_fakequant", "RMSNorm + fake quantization forward and backward, 8192 x 4096 bfloat16",
+        {"autograd through the reference": rmsnorm_fakequant_ref,
+         "fused (gpulab)": lambda x, w: rmsnorm_fakequant(x, w, fused=True)},
+        rows=8192, cols=4096, dtype=torch.bfloat16, save=save)

@@ -200,7 +200,7 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
     rows = []
     for case in cases:
         for dtype in dtypes:
-            impl = spec.bench_impl or _default_impl(spec, dtype)
+            impl = spec.bench_impl or default_impl(spec, dtype)
             rows += measure(spec, case, dtype, {"gpulab": impl, **(extra or {})}, compile_baselines,
                             graph=spec.graph_timing)
             torch.cuda.empty_cache()
@@ -210,7 +210,7 @@ def run(name: str, cases: list[Case] | None = None, dtypes: list | None = None,
             f"calls over {SLOW_MS:.0f} ms: median of 3", "rows": rows}
 
 
-def _default_impl(spec: KernelSpec, dtype: torch.dtype) -> Callable[[dict], object]:
+def default_impl(spec: KernelSpec, dtype: torch.dtype) -> Callable[[dict], object]:
     """Call the package implementation with outputs allocated once, outside the timing.
     Make a new one per case: it keeps the outputs of the inputs it first saw."""
     outputs = {}
@@ -237,23 +237,90 @@ def load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def format_table(result: dict) -> str:
-    head = (f"{result['kernel']} on {result['gpu']} ({result['date']}; torch {result['versions']['torch']}, "
-            f"triton {result['versions']['triton']}); ceilings: "
-            f"{result['ceilings']['bytes_per_s'] / 1e12:.2f} TB/s, "
-            f"{result['ceilings']['flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)")
-    lines = [head, f"{'case':18} {'dtype':9} {'impl':24} {'time':>10} {'GB/s':>8} {'TFLOP/s':>8} "
-             f"{'roofline':>9} {'gpulab is':>10}"]
+TABLE_WIDTH = 88        # a notebook's output area (and a terminal) without wrapping
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                "int8": "int8", "uint8": "u8"}
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _time(ms: float) -> str:
+    """Eight characters: µs below 10 ms, ms above."""
+    return f"{ms * 1e3:6.1f}µs" if ms < 10 else f"{ms:6.2f}ms"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:5.2f}" if x < 100 else f"{x:5.0f}"
+
+
+def table_heading(result: dict) -> str:
+    c = result["ceilings"]
+    return (f"{result['kernel']} on {result['gpu']} ({result['date']}; torch "
+            f"{result['versions']['torch']}, triton {result['versions']['triton']}); measured "
+            f"ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)")
+
+
+def format_table(result: dict, width: int = TABLE_WIDTH) -> str:
+    """The saved or measured rows as text no wider than ``width`` (88) columns.
+    ``gpulab is`` > 1 means gpulab's kernel is that many times faster than the row;
+    ``g`` after a time marks a CUDA-graph timing."""
+    import textwrap
+    lines = textwrap.wrap(table_heading(result), width)
+    lines.append(f"{'case':18} {'dt':4} {'implementation':26} {'median':>8}   {'GB/s':>5} "
+                 f"{'TF/s':>6} {'roof':>4} {'gpulab':>6}")
     for r in result["rows"]:
+        impl = r["impl"].replace(" (compiled)", " compiled")
+        head = (f"{_fit(r['case'], 18):18} {_SHORT_DTYPE.get(r['dtype'], r['dtype'][:4]):4} "
+                f"{_fit(impl, 26):26}")
         if "error" in r:
-            lines.append(f"{r['case']:18} {r['dtype']:9} {r['impl']:24} {r['error'][:60]}")
+            lines.append(_fit(f"{head} {r['error']}", width))
             continue
+        graph = "g" if r.get("timing", "").startswith("CUDA graph") else " "
         lines.append(
-            f"{r['case']:18} {r['dtype']:9} {r['impl']:24} {r['ms'] * 1e3:8.1f}µs "
-            f"{r.get('GB/s', 0):8.0f} {r.get('TFLOP/s', 0):8.1f} {r.get('roofline_pct', 0):8.1f}% "
-            f"{r.get('speedup_vs_this', float('nan')):9.2f}×"
-            + ("  (CUDA graph)" if r.get("timing", "").startswith("CUDA graph") else ""))
+            f"{head} {_time(r['ms'])} {graph} {r.get('GB/s', 0):5.0f} {r.get('TFLOP/s', 0):6.1f} "
+            f"{r.get('roofline_pct', 0):3.0f}% {_ratio(r.get('speedup_vs_this', float('nan')))}×")
+    if any(r.get("timing", "").startswith("CUDA graph") for r in result["rows"]):
+        lines.append("g: timed in a CUDA graph; last column: how many times faster gpulab is")
+    else:
+        lines.append("last column: gpulab is that many times faster than the row's implementation")
     return "\n".join(lines)
+
+
+def table_html(result: dict) -> str:
+    """The same table as HTML, for notebooks (no width limit, full names)."""
+    import html
+    cells = ["case", "dtype", "implementation", "median", "GB/s", "TFLOP/s", "% of roofline",
+             "gpulab is × faster"]
+    out = [f"<p><b>{html.escape(table_heading(result))}</b></p>",
+           "<table><thead><tr>" + "".join(f"<th>{c}</th>" for c in cells) + "</tr></thead><tbody>"]
+    for r in result["rows"]:
+        left = [html.escape(str(r[k])) for k in ("case", "dtype", "impl")]
+        if "error" in r:
+            right = [f'<td colspan="5">{html.escape(r["error"])}</td>']
+        else:
+            graph = " (CUDA graph)" if r.get("timing", "").startswith("CUDA graph") else ""
+            right = [f"<td>{v}</td>" for v in (
+                f"{r['ms'] * 1e3:.1f} µs{graph}", f"{r.get('GB/s', 0):.0f}", f"{r.get('TFLOP/s', 0):.1f}",
+                f"{r.get('roofline_pct', 0):.1f}%", f"{r.get('speedup_vs_this', float('nan')):.2f}")]
+        out.append("<tr>" + "".join(f"<td>{v}</td>" for v in left) + "".join(right) + "</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+class BenchTable:
+    """A benchmark result as a notebook shows it: an HTML table in JupyterLab, an
+    88-column text table everywhere else (nbval, a terminal, a plain viewer)."""
+
+    def __init__(self, result: dict):
+        self.result = result
+
+    def __repr__(self) -> str:
+        return format_table(self.result)
+
+    def _repr_html_(self) -> str:
+        return table_html(self.result)
 
 
 def markdown(result: dict) -> str:

@@ -8,20 +8,40 @@ For every case of a :class:`~gpulab.harness.spec.KernelSpec` a check
    result instead of silently reading a neighbour's data,
 3. allocates each output inside a guarded buffer filled with a marked NaN
    ("poison"), so elements the kernel never wrote are recognisable,
-4. calls the implementation, then verifies the guard regions are untouched (the
-   interpreter never faults on out-of-bounds stores: this is how they are caught),
-   that the inputs are unchanged, and that every output matches the reference,
-5. on a mismatch raises :class:`CheckFailure` (an ``AssertionError``) saying which
+4. calls the implementation while watching it: which ``@triton.jit`` kernels it
+   launches (an exercise that asks for a kernel must launch one of the learner's own),
+   in the interpreter every address a ``tl.load`` reads (a load outside an argument's
+   real extent is reported even when its value is never stored), and any PyTorch
+   copy that broadcasts a smaller result into an output,
+5. verifies the guard regions are untouched (the interpreter never faults on
+   out-of-bounds stores: this is how they are caught), that the inputs are unchanged,
+   and that every output matches the reference with the exact shape and dtype,
+6. on a mismatch raises :class:`CheckFailure` (an ``AssertionError``) saying which
    case, how many and which elements, the largest error against the tolerance, and a
-   hint when the pattern is recognisable (missing mask, wrong scale, unread input...).
+   hint when the pattern is recognisable (missing mask, wrong scale, unread input,
+   NaN from arithmetic...).
+
+Beyond the spec's cases, a spec may ask for extra runs: row-padded strided buffers
+(``strided``), zero and constant rows (``edge_rows``) and other deliberate data
+(``edge_data``); see :mod:`gpulab.harness.spec`.
+
+``check`` prints one line and returns None (so a notebook cell displays nothing more);
+:func:`run_check` returns the :class:`CheckReport`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import sysconfig
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .. import runtime
 from .spec import Case, KernelSpec, generator, get
@@ -50,12 +70,14 @@ class CheckReport:
     name: str
     cases: list = field(default_factory=list)   # (case, dtype, max_abs_error)
     mode: str = ""
+    extra_runs: list = field(default_factory=list)   # labels of strided / edge-data runs
 
     def summary(self) -> str:
         dtypes = sorted({str(d).replace("torch.", "") for _, d, _ in self.cases})
         worst = max((e for _, _, e in self.cases), default=0.0)
+        extra = f" + {', '.join(sorted(set(self.extra_runs)))}" if self.extra_runs else ""
         return (f"✔ {self.name}: all {len(self.cases)} cases correct "
-                f"({len({c.label for c, _, _ in self.cases})} shapes × {', '.join(dtypes)}; "
+                f"({len({c.label for c, _, _ in self.cases})} shapes × {', '.join(dtypes)}{extra}; "
                 f"{self.mode}); largest error {worst:.2e}, guards and inputs intact")
 
     def __repr__(self) -> str:
@@ -88,36 +110,62 @@ def _guard_len(n: int) -> int:
 
 @dataclass
 class Guarded:
-    """A tensor living in the middle of a larger buffer with marked guard regions."""
+    """A tensor living in the middle of a larger buffer with marked guard regions.
+
+    With ``pad`` > 0 (and two or more dimensions) every row of the tensor is followed by
+    ``pad`` guard elements: the tensor is then a strided view whose row stride is
+    ``shape[-1] + pad``, and the padding counts as outside the tensor."""
     buf: torch.Tensor
     inner: torch.Tensor
     guard: int
     pristine: torch.Tensor  # copy of the whole buffer before the call
+    valid: torch.Tensor     # bool per element of buf: part of the tensor
 
     @classmethod
-    def wrap(cls, shape, dtype, device, *, like: torch.Tensor | None = None) -> "Guarded":
+    def wrap(cls, shape, dtype, device, *, like: torch.Tensor | None = None, pad: int = 0,
+             zero_guards: bool = False) -> "Guarded":
+        shape = tuple(int(s) for s in shape)
+        pad = pad if len(shape) >= 2 and shape[-1] > 0 else 0
         n = 1
         for s in shape:
-            n *= int(s)
-        g = _guard_len(n)
-        buf = torch.empty(n + 2 * g, dtype=dtype, device=device)
+            n *= s
+        extent = n if not pad else (n // shape[-1]) * (shape[-1] + pad)
+        g = _guard_len(extent)
+        buf = torch.empty(extent + 2 * g, dtype=dtype, device=device)
         if like is None:        # an output: poison everything
             _fill_bits(buf, _POISON_BITS, _INT_POISON)
+        elif zero_guards:       # an input with harmless guards (to test whether they are read)
+            buf.zero_()
         else:                   # an input: guards around a copy of the data
             _fill_bits(buf, _GUARD_BITS, None)
-            buf[g:g + n].copy_(like.reshape(-1))
-        inner = buf[g:g + n].view(shape)
-        return cls(buf, inner, g, buf.clone())
+        if pad:
+            inner = buf[g:g + extent].view(*shape[:-1], shape[-1] + pad)[..., :shape[-1]]
+        else:
+            inner = buf[g:g + n].view(shape)
+        if like is not None:
+            inner.copy_(like)
+        valid = torch.zeros(buf.numel(), dtype=torch.bool)
+        positions = torch.arange(buf.numel())
+        valid[positions.as_strided(inner.shape, inner.stride(), inner.storage_offset()).reshape(-1)] = True
+        return cls(buf, inner, g, buf.clone(), valid)
+
+    @property
+    def extent(self) -> int:
+        return self.buf.numel() - 2 * self.guard
 
     def guard_damage(self) -> tuple[int, int]:
-        """Number of changed elements (before the data, after the data)."""
-        changed = ~_same_bits(self.buf, self.pristine)
-        n_inner = self.inner.numel()
-        return int(changed[:self.guard].sum()), int(changed[self.guard + n_inner:].sum())
+        """Number of changed elements outside the tensor (before its first element, after)."""
+        changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
+        return int(changed[:self.guard].sum()), int(changed[self.guard:].sum())
+
+    def gap_damage(self) -> int:
+        """Changed elements in the padding between rows (strided views only)."""
+        changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
+        return int(changed[self.guard:self.guard + self.extent].sum())
 
     def last_damaged_after(self) -> int:
-        changed = ~_same_bits(self.buf, self.pristine)
-        tail = changed[self.guard + self.inner.numel():].nonzero()
+        changed = (~_same_bits(self.buf, self.pristine)).cpu()
+        tail = changed[self.guard + self.extent:].nonzero()
         return int(tail.max()) + 1 if tail.numel() else 0
 
 
@@ -137,36 +185,311 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(t, dtype=torch.bool)
 
 
+def _guard_derived(t: torch.Tensor) -> torch.Tensor:
+    """Elements of a float output holding a NaN whose payload is an input guard's (as
+    stored, or after a float conversion): a value loaded from past an input's end."""
+    dt = t.dtype
+    if dt not in _INT_VIEW:
+        return torch.zeros_like(t, dtype=torch.bool)
+    bits = t.reshape(-1).view(_INT_VIEW[dt])
+    marks = set()
+    for src, b in _GUARD_BITS.items():
+        one = torch.tensor([_signed(b, _INT_VIEW[src])], dtype=_INT_VIEW[src]).view(src)
+        for route in (one, one.float()):
+            marks.add(int(route.to(dt).view(_INT_VIEW[dt])[0]))
+    hit = torch.zeros_like(bits, dtype=torch.bool)
+    for m in marks:
+        hit |= bits == m
+    return (hit & torch.isnan(t.reshape(-1))).view(t.shape)
+
+
+# -- which kernels did the learner's function launch? --------------------------------------
+_LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in
+                       {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
+_GPULAB_ROOT = str(Path(__file__).resolve().parents[1])
+_LIBRARY_MODULES = ("gpulab", "torch", "triton")
+
+
+def kernel_origin(fn) -> str | None:
+    """Where the Python function of a ``@triton.jit`` kernel comes from: None when the
+    learner wrote it (a notebook cell, or any file outside gpulab and the installed
+    libraries), else the library module that defines it."""
+    fn = getattr(fn, "fn", fn)
+    module = getattr(fn, "__module__", "") or ""
+    if module.split(".")[0] in _LIBRARY_MODULES:
+        return module
+    code = getattr(fn, "__code__", None)
+    path = str(Path(code.co_filename).resolve()) if code is not None and code.co_filename else ""
+    if path.startswith(_GPULAB_ROOT) or (path and any(path.startswith(r) for r in _LIBRARY_ROOTS)):
+        return module or path
+    return None
+
+
+def _kernel_name(fn) -> str:
+    fn = getattr(fn, "fn", fn)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
+
+
+_ENFORCE_OVERRIDE: list[bool] = []
+
+
+@contextlib.contextmanager
+def enforce_learner_kernels(on: bool = True):
+    """Within this block, kernel exercises must launch a kernel of the learner's own
+    (on) or may launch any (off). Outside it the rule holds in notebooks (an IPython
+    kernel is running) and not in plain Python (package tests check gpulab's kernels)."""
+    _ENFORCE_OVERRIDE.append(on)
+    try:
+        yield
+    finally:
+        _ENFORCE_OVERRIDE.pop()
+
+
+def learner_kernel_rule_active() -> bool:
+    if _ENFORCE_OVERRIDE:
+        return _ENFORCE_OVERRIDE[-1]
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+# -- watching the learner's call -------------------------------------------------------------
+@dataclass
+class _Watched:
+    name: str
+    kind: str            # "input" or "output"
+    g: Guarded
+    lo: int = 0
+    hi: int = 0
+    elsize: int = 1
+    valid_np: np.ndarray | None = None
+    bad: list = field(default_factory=list)   # element indices into buf
+    first_program: tuple | None = None
+
+    def __post_init__(self):
+        self.elsize = self.g.buf.element_size()
+        self.lo = self.g.buf.data_ptr()
+        self.hi = self.lo + self.g.buf.numel() * self.elsize
+        self.valid_np = self.g.valid.numpy()
+
+
+class _BroadcastWatch(TorchFunctionMode):
+    """Records PyTorch writes into an output that broadcast a smaller result
+    (``y.copy_(r)`` with r of shape (rows, 1)) or resize it (``out=`` of another shape)."""
+
+    def __init__(self, outputs: dict[str, torch.Tensor]):
+        super().__init__()
+        self.outputs = outputs
+        self.found: list[str] = []
+
+    def _which(self, t) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        for name, o in self.outputs.items():
+            if o.numel() and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() \
+                    and tuple(t.shape) == tuple(o.shape) and t.storage_offset() == o.storage_offset():
+                return name
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            dst, src = args[0], args[1]
+            name = self._which(dst)
+            if name and src.dim() >= 1 and src.numel() != dst.numel():
+                self.found.append(f"`{name}` (shape {tuple(dst.shape)}) was filled by broadcasting a "
+                                  f"result of shape {tuple(src.shape)} into it")
+        out = kwargs.get("out")
+        out_name = self._which(out) if out is not None else None
+        shape = tuple(out.shape) if out_name else None
+        result = func(*args, **kwargs)
+        if out_name and tuple(out.shape) != shape:
+            self.found.append(f"`{out_name}` was resized from {shape} to {tuple(out.shape)} by an "
+                              f"`out=` argument")
+        return result
+
+
+class _CallWatch:
+    """Everything watched while the learner's function runs (see the module docstring)."""
+
+    def __init__(self, guarded_in: dict, guarded_out: dict):
+        self.launched: list = []
+        self.watched = [_Watched(k, "input", g) for k, g in guarded_in.items()] + \
+                       [_Watched(k, "output", g) for k, g in guarded_out.items()]
+        self.broadcast = _BroadcastWatch({k: g.inner for k, g in guarded_out.items()})
+        self._undo: list = []
+
+    # launches
+    def _hook_runs(self):
+        classes = []
+        from triton.runtime.jit import JITFunction
+        classes.append(JITFunction)
+        if runtime.interpreting():
+            from triton.runtime.interpreter import InterpretedFunction
+            classes.append(InterpretedFunction)
+        for cls in classes:
+            original = cls.__dict__.get("run")
+            if original is None:
+                continue
+
+            def run(kernel, *args, _original=original, **kwargs):
+                self.launched.append(getattr(kernel, "fn", kernel))
+                return _original(kernel, *args, **kwargs)
+            cls.run = run
+            self._undo.append((cls, "run", original))
+
+    # loads (interpreter only: there every address is a Python integer we can check)
+    def _hook_loads(self):
+        if not runtime.interpreting() or not self.watched:
+            return
+        from triton.runtime.interpreter import InterpreterBuilder
+        original = InterpreterBuilder.__dict__["create_masked_load"]
+        watched = self.watched
+
+        def create_masked_load(builder, ptrs, mask, other, *args, **kwargs):
+            try:
+                addrs = np.asarray(ptrs.data)
+                m = np.broadcast_to(np.asarray(mask.data, dtype=bool), addrs.shape)
+                used = addrs[m].astype(np.uint64, copy=False)
+                if used.size:
+                    for w in watched:
+                        sel = (used >= w.lo) & (used < w.hi)
+                        if sel.any():
+                            idx = ((used[sel] - np.uint64(w.lo)) // np.uint64(w.elsize)).astype(np.int64)
+                            outside = idx[~w.valid_np[idx]]
+                            if outside.size:
+                                if not w.bad:
+                                    w.first_program = tuple(getattr(builder, "grid_idx", None) or ())
+                                w.bad.append(outside)
+            except Exception:   # never let the watcher break a learner's kernel
+                pass
+            return original(builder, ptrs, mask, other, *args, **kwargs)
+        InterpreterBuilder.create_masked_load = create_masked_load
+        self._undo.append((InterpreterBuilder, "create_masked_load", original))
+
+    def __enter__(self):
+        self._hook_runs()
+        self._hook_loads()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        # Expected numerical warnings (log(0) of an empty state in the interpreter...)
+        # must not reach stderr: nbgrader scores a cell that writes to stderr as failed.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        self._np = np.errstate(all="ignore")
+        self._np.__enter__()
+        self.broadcast.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.broadcast.__exit__(*exc)
+        self._np.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        for cls, name, original in reversed(self._undo):
+            setattr(cls, name, original)
+        return False
+
+    def load_problems(self) -> list[str]:
+        out = []
+        for w in self.watched:
+            if not w.bad:
+                continue
+            idx = np.concatenate(w.bad)
+            g = w.g
+            start, end = g.guard, g.guard + g.extent
+            before, after = idx[idx < start], idx[idx >= end]
+            gap = idx[(idx >= start) & (idx < end)]
+            prog = (f" (first by program {w.first_program[:3] if len(w.first_program) > 3 else w.first_program})"
+                    if w.first_program else "")
+            what = f"{w.kind} `{w.name}`"
+            if after.size:
+                beyond = int(after.max()) - end + 1
+                where = _row_of(g, int(after.min()))
+                out.append(f"a load past the end of {what}: {after.size} element(s) read up to {beyond} "
+                           f"beyond its last element{where}{prog}, even if the value is never stored. A "
+                           f"tl.load is missing its mask, or the mask lets through offsets ≥ the length "
+                           f"(on a GPU this reads another tensor's memory or faults).")
+            if before.size:
+                out.append(f"a load before the start of {what}: {before.size} element(s) read up to "
+                           f"{start - int(before.min())} before its first element{prog}: a negative "
+                           f"offset or a wrong base pointer.")
+            if gap.size:
+                rs = g.inner.stride(-2) if g.inner.dim() >= 2 else 0
+                out.append(f"a load between the rows of {what}: {gap.size} element(s) read in the padding "
+                           f"after a row's {g.inner.shape[-1]} elements{prog}. `{w.name}` is a strided view "
+                           f"here (row stride {rs}): index rows with its own stride ({w.name}.stride(...)), "
+                           f"not the row length or another tensor's stride.")
+        return out
+
+
+def _row_of(g: Guarded, index: int) -> str:
+    """' (as if row r)' for a read past the end of a tensor with rows."""
+    if g.inner.dim() < 2:
+        return ""
+    rs = g.inner.stride(-2)
+    r = (index - g.guard) // rs if rs else 0
+    return f" (as if from row {r} of a tensor with {g.inner.reshape(-1, g.inner.shape[-1]).shape[0]} rows)"
+
+
 # -- the check ----------------------------------------------------------------------------
 def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = None,
           dtypes: list | None = None, device=None, seed: int | None = None,
-          quiet: bool = False) -> CheckReport:
+          quiet: bool = False, learner_kernel: bool | None = None) -> None:
     """Run ``fn`` on every case of ``spec``; raise :class:`CheckFailure` with a diagnosis
-    on the first wrong case, else print and return a :class:`CheckReport`."""
+    on the first wrong case, else print one line. Returns None, so that a notebook cell
+    ending in a check shows only that line.
+
+    ``learner_kernel`` overrides the spec's ``learner_kernel`` (False: the exercise is
+    PyTorch-level, any computation is fine)."""
+    run_check(spec, fn, cases=cases, dtypes=dtypes, device=device, seed=seed, quiet=quiet,
+              learner_kernel=learner_kernel)
+
+
+def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = None,
+              dtypes: list | None = None, device=None, seed: int | None = None,
+              quiet: bool = False, learner_kernel: bool | None = None) -> CheckReport:
+    """:func:`check`, returning the :class:`CheckReport`."""
     spec = get(spec) if isinstance(spec, str) else spec
     where = "gpu" if runtime.mode() == "compiled" else "cpu"
     device = torch.device(device) if device is not None else runtime.device()
-    cases = cases if cases is not None else spec.cases[where]
+    cases_given = cases
+    cases = list(cases) if cases is not None else list(spec.cases[where])
     dtypes = dtypes if dtypes is not None else [d for d in spec.dtypes[where] if runtime.supports(d)]
+    if not cases or not dtypes:
+        raise CheckFailure(f"{spec.name}: no cases to run (cases={cases}, dtypes={dtypes})")
+    wants_kernel = spec.wants_learner_kernel if learner_kernel is None else learner_kernel
+    must_be_own = wants_kernel and learner_kernel_rule_active()
     base = seed if seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     report = CheckReport(spec.name, mode=runtime.mode())
+    runs = [(i, case, dtype, None) for i, case in enumerate(cases) for dtype in dtypes]
+    if spec.strided:
+        runs.append((len(cases) - 1, cases[-1], dtypes[0], "strided"))
+    if spec.fresh_case is not None and cases_given is None:
+        fresh = spec.fresh_case(generator(base, "cpu"))
+        runs.append((len(cases), fresh, dtypes[0], "random size"))
+    if spec.edge_rows or spec.edge_data is not None:
+        runs += [(i, case, dtypes[0], "edge data") for i, case in enumerate(cases)]
     failures = []   # (has_hint, size, message, short)
-    for i, case in enumerate(cases):
-        for j, dtype in enumerate(dtypes):
-            s = base + 1000 * i + j
-            try:
-                err = _check_one(spec, fn, case, dtype, device, s, base)
-            except CheckFailure as f:
-                text = str(f)
-                failures.append(("Hint:" in text or "wrote" in text, i, text,
-                                 f"{case}, {str(dtype).replace('torch.', '')}"))
-                continue
-            report.cases.append((case, dtype, err))
+    own_kernel_seen = False
+    for n_run, (i, case, dtype, variant) in enumerate(runs):
+        s = base + 1000 * i + (dtypes.index(dtype) if variant is None else 500 + n_run)
+        label = f"{case}, {str(dtype).replace('torch.', '')}" + (f", {variant}" if variant else "")
+        try:
+            err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant)
+        except CheckFailure as f:
+            text = str(f)
+            failures.append((getattr(f, "telling", 1 if "Hint:" in text else 0), i, text, label))
+            continue
+        if must_be_own and not own_kernel_seen:
+            if not any(kernel_origin(k) is None for k in launched):
+                raise CheckFailure(_shortcut_message(spec, launched))
+            own_kernel_seen = True
+        report.cases.append((case, dtype, err))
+        if variant:
+            report.extra_runs.append(variant)
     if failures:
-        total = len(cases) * len(dtypes)
+        total = len(runs)
         # Explain the most telling failure: one with a hint, from the largest case.
         best = max(failures, key=lambda f: (f[0], f[1]))
-        head = (f"{spec.name}: {len(failures)} of {total} cases failed: "
+        head = (f"{spec.name}: {len(failures)} of {total} runs failed: "
                 + "; ".join(f[3] for f in failures[:6]) + ("; ..." if len(failures) > 6 else ""))
         raise CheckFailure(head + "\n" + best[2])
     if not quiet:
@@ -174,35 +497,80 @@ def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = No
     return report
 
 
-def _check_one(spec, fn, case, dtype, device, seed, base) -> float:
-    inputs = spec.make_inputs(case.params, dtype, device, generator(seed, device))
+def _shortcut_message(spec: KernelSpec, launched: list) -> str:
+    if launched:
+        names = sorted({_kernel_name(k) for k in launched})
+        did = (f"it launched only kernels that are not yours ({', '.join(names[:4])}): calling gpulab's "
+               f"(or another library's) implementation does not count")
+    else:
+        did = "it launched no Triton kernel at all (computing the result with PyTorch does not count)"
+    return (f"{spec.name}: this exercise asks for a Triton kernel of your own: your function must "
+            f"launch a @triton.jit kernel written in your notebook, but {did}. Write the kernel in "
+            f"the exercise cell and launch it from your function (kernel[grid](...)).")
+
+
+def _strided_pads(spec: KernelSpec) -> dict[str, int]:
+    """A different row padding for each strided argument, so strides differ pairwise."""
+    return {name: 3 + 2 * k for k, name in enumerate(spec.strided)}
+
+
+def _apply_edge_rows(inputs: dict, names: tuple[str, ...]) -> dict:
+    out = dict(inputs)
+    for name in names:
+        t = out.get(name)
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_floating_point():
+            continue
+        t = t.clone()
+        rows = t.reshape(-1, t.shape[-1]) if t.dim() >= 1 else t.reshape(1, 1)
+        rows[0] = 0
+        if rows.shape[0] >= 2:
+            rows[-1] = rows[-1, :1].clone() if rows.shape[1] else 0
+        out[name] = t
+    return out
+
+
+_RETURN_DTYPES: dict = {}
+
+
+def _expected_return_dtypes(spec: KernelSpec, inputs: dict, dtype) -> dict:
+    """For specs whose function returns its results: the dtypes gpulab's own
+    implementation returns (the exercise's contract), cached per dtype."""
+    key = (spec.name, dtype)
+    if key not in _RETURN_DTYPES:
+        found = {}
+        if spec.implementation is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    values = spec.call(spec.implementation, {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                                             for k, v in inputs.items()})
+                values = values if isinstance(values, (tuple, list)) else (values,)
+                found = {k: v.dtype for k, v in zip(spec.returns, values) if isinstance(v, torch.Tensor)}
+            except Exception:
+                found = {}
+        _RETURN_DTYPES[key] = found
+    return _RETURN_DTYPES[key]
+
+
+def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple[float, list]:
+    gen = generator(seed, device)
+    inputs = spec.make_inputs(case.params, dtype, device, gen)
+    if variant == "edge data":
+        inputs = _apply_edge_rows(inputs, spec.edge_rows)
+        if spec.edge_data is not None:
+            inputs = spec.edge_data(inputs, case.params, dtype, gen)
     expected = spec.reference(**inputs)
-    where = (f"case {case}, dtype {str(dtype).replace('torch.', '')}, seed {seed} "
-             f"(re-run with seed={base})")
+    where = (f"case {case}, dtype {str(dtype).replace('torch.', '')}"
+             + (f" ({variant}: {_variant_note(spec, variant)})" if variant else "")
+             + f", seed {seed} (re-run with seed={base})")
+    pads = _strided_pads(spec) if variant == "strided" else {}
 
-    guarded_in, call_inputs = {}, {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor) and v.is_contiguous() and v.numel() > 0:
-            guarded_in[k] = Guarded.wrap(v.shape, v.dtype, v.device, like=v)
-            call_inputs[k] = guarded_in[k].inner
-        else:
-            call_inputs[k] = v
-    guarded_out = {}
-    if spec.outputs is not None:
-        for k, (shape, odt) in spec.outputs(inputs, dtype).items():
-            guarded_out[k] = Guarded.wrap(shape, odt, device)
-    try:
-        result = spec.call(fn, call_inputs, {k: g.inner for k, g in guarded_out.items()})
-    except Exception as e:  # keep the learner's own error type, add where it happened
-        if hasattr(e, "add_note"):
-            e.add_note(f"gpulab: raised while checking {spec.name}, {where}")
-        raise
-    if runtime.mode() == "compiled":
-        torch.cuda.synchronize()
-
-    problems = []
+    guarded_in, guarded_out, result, watch = _guarded_call(spec, fn, inputs, dtype, device, pads, where)
+    problems = watch.load_problems()
     for k, g in guarded_out.items():
         before, after = g.guard_damage()
+        gap = g.gap_damage()
+        after -= gap
         if after:
             problems.append(
                 f"wrote {after} element(s) past the end of output `{k}` (up to "
@@ -211,6 +579,10 @@ def _check_one(spec, fn, case, dtype, device, seed, base) -> float:
         if before:
             problems.append(f"wrote {before} element(s) before the start of output `{k}`: "
                             f"a negative offset or a wrong base pointer.")
+        if gap:
+            problems.append(f"wrote {gap} element(s) into the padding between the rows of output `{k}`: "
+                            f"it is a strided view here (row stride {g.inner.stride(-2)}); index its rows "
+                            f"with its own stride, not the row length or another tensor's stride.")
     for k, g in guarded_in.items():
         before, after = g.guard_damage()
         if before or after:
@@ -218,8 +590,11 @@ def _check_one(spec, fn, case, dtype, device, seed, base) -> float:
                             f"a store through an input pointer, or an unmasked store.")
         if not bool(_same_bits(g.inner, inputs[k]).all()):
             problems.append(f"input `{k}` was modified: a kernel must not write to its inputs.")
+    problems += [f"{b}: write a result of the output's exact shape." for b in watch.broadcast.found]
     if problems:
-        raise CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
+        failure = CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
+        failure.telling = 3
+        raise failure
 
     if spec.outputs is not None:
         got = {k: g.inner for k, g in guarded_out.items()}
@@ -229,21 +604,103 @@ def _check_one(spec, fn, case, dtype, device, seed, base) -> float:
             raise CheckFailure(f"{spec.name}: {where}: expected {len(spec.returns)} returned "
                                f"value(s) ({', '.join(spec.returns)}), got {len(values)}.")
         got = dict(zip(spec.returns, values))
+        want = _expected_return_dtypes(spec, inputs, dtype)
+        for k, v in got.items():
+            exp_dt = want.get(k)
+            if exp_dt is None and isinstance(expected.get(k), torch.Tensor) and \
+                    not expected[k].is_floating_point():
+                exp_dt = expected[k].dtype     # integer results: the reference's dtype is the contract
+            if isinstance(v, torch.Tensor) and exp_dt is not None and v.dtype != exp_dt:
+                raise CheckFailure(
+                    f"{spec.name}: output `{k}` is wrong for {where}.\n  `{k}` has dtype "
+                    f"{str(v.dtype).replace('torch.', '')}, expected {str(exp_dt).replace('torch.', '')} "
+                    f"(convert with .to({exp_dt})).")
     worst = 0.0
+
+    def guards_matter(name: str) -> bool:
+        """Does output ``name`` change when only the inputs' guard values change? Then
+        the kernel read outside its inputs (the interpreter's load watch says so directly)."""
+        if runtime.interpreting():
+            return False
+        _, alt_out, alt_result, _ = _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=True)
+        alt = ({k: g.inner for k, g in alt_out.items()} if spec.outputs is not None else
+               dict(zip(spec.returns, alt_result if isinstance(alt_result, (tuple, list)) else (alt_result,))))
+        a, b = alt.get(name), got.get(name)
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            return False
+        atol, rtol = spec.tolerance(dtype, name)
+        return not bool(torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=True).all())
+
     for k, exp in expected.items():
         custom = (lambda k=k, exp=exp: spec.hint(k, got[k], exp, inputs)) if spec.hint else None
         msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k),
-                            unread=_unread_inputs(spec, inputs, k, got[k]), custom_hint=custom)
+                            unread=_unread_inputs(spec, inputs, k, got[k]), custom_hint=custom,
+                            axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k),
+                            poisoned=spec.outputs is not None)
         if msg:
-            raise CheckFailure(f"{spec.name}: output `{k}` is wrong for {where}.\n{msg}")
+            failure = CheckFailure(f"{spec.name}: output `{k}` is wrong for {where}.\n{msg}")
+            # Which failure explains best: a hint on an output of a few elements says less
+            # than one on a real tensor.
+            big = isinstance(got[k], torch.Tensor) and got[k].numel() > 2
+            failure.telling = (2 if big else 1) if "Hint:" in msg else 0
+            raise failure
         worst = max(worst, err)
-    return worst
+    return worst, watch.launched
+
+
+def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=False):
+    """Call ``fn`` once on guarded copies of ``inputs`` and poisoned outputs, watched."""
+    guarded_in, call_inputs = {}, {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and (v.is_contiguous() or k in pads) and v.numel() > 0:
+            guarded_in[k] = Guarded.wrap(v.shape, v.dtype, v.device, like=v, pad=pads.get(k, 0),
+                                         zero_guards=zero_guards)
+            call_inputs[k] = guarded_in[k].inner
+        else:
+            call_inputs[k] = v
+    guarded_out = {}
+    if spec.outputs is not None:
+        for k, (shape, odt) in spec.outputs(inputs, dtype).items():
+            guarded_out[k] = Guarded.wrap(shape, odt, device, pad=pads.get(k, 0))
+    watch = _CallWatch(guarded_in, guarded_out)
+    try:
+        with watch, spec.expected_warnings():
+            result = spec.call(fn, call_inputs, {k: g.inner for k, g in guarded_out.items()})
+            if runtime.mode() == "compiled":
+                torch.cuda.synchronize()
+    except Exception as e:  # keep the learner's own error type, add where it happened
+        if hasattr(e, "add_note") and not zero_guards:
+            e.add_note(f"gpulab: raised while checking {spec.name}, {where}")
+        raise
+    return guarded_in, guarded_out, result, watch
+
+
+def _variant_note(spec, variant) -> str:
+    if variant == "random size":
+        return "sizes drawn at random"
+    if variant == "strided":
+        return "row-padded buffers, " + ", ".join(f"`{k}` row stride = row length + {p}"
+                                                  for k, p in _strided_pads(spec).items())
+    parts = []
+    if spec.edge_rows:
+        parts.append(f"first row of {', '.join(spec.edge_rows)} all zero, last row constant")
+    if spec.edge_data is not None:
+        doc = (spec.edge_data.__doc__ or "").strip().split("\n")[0]
+        parts.append(doc or "deliberate edge data")
+    return "; ".join(parts)
 
 
 def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
-    """Lazily: names of inputs whose zeroing reproduces the (wrong) output."""
+    """Lazily: what reproduces the (wrong) output: ["x", ...] for inputs whose zeroing
+    does, or one sentence for two inputs swapped or one read in place of the other."""
+    def same(alt) -> bool:
+        return got.shape == alt.shape and bool(torch.allclose(
+            got.double().nan_to_num(), alt.double().nan_to_num(), atol=1e-3, rtol=1e-2))
+
     def find():
         names = []
+        if not isinstance(got, torch.Tensor):
+            return names
         for name in spec.read_inputs:
             v = inputs[name]
             zeroed = {**inputs, name: torch.zeros_like(v)}
@@ -251,9 +708,26 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
                 alt = spec.reference(**zeroed)[out_name]
             except Exception:
                 continue
-            if got.shape == alt.shape and torch.allclose(got.double().nan_to_num(),
-                                                         alt.double().nan_to_num(), atol=1e-3, rtol=1e-2):
+            if same(alt):
                 names.append(name)
+        if names:
+            return names
+        tensors = [k for k in spec.read_inputs if isinstance(inputs.get(k), torch.Tensor)]
+        for i, a in enumerate(tensors):
+            for b in tensors[i + 1:]:
+                va, vb = inputs[a], inputs[b]
+                if va.shape != vb.shape or va.dtype != vb.dtype:
+                    continue
+                for change, text in (({a: vb, b: va}, f"`{a}` and `{b}` swapped"),
+                                     ({b: va}, f"`{a}` read where `{b}` is meant"),
+                                     ({a: vb}, f"`{b}` read where `{a}` is meant")):
+                    try:
+                        alt = spec.reference(**{**inputs, **change})[out_name]
+                    except Exception:
+                        continue
+                    if same(alt):
+                        return [f"the output is exactly what you get with {text}: check which pointer "
+                                f"(or argument) each load uses."]
         return names
     return find
 
@@ -261,8 +735,13 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
 # -- diagnosis ----------------------------------------------------------------------------
 def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol: float,
              unread: Callable[[], list[str]] | None = None,
-             custom_hint: Callable[[], str | None] | None = None) -> tuple[str | None, float]:
-    """Compare one output with its reference. Returns (message or None, max abs error)."""
+             custom_hint: Callable[[], str | None] | None = None,
+             axes: tuple[str, ...] | None = None,
+             reads_outside: Callable[[], bool] | None = None,
+             poisoned: bool = True) -> tuple[str | None, float]:
+    """Compare one output with its reference. Returns (message or None, max abs error).
+    ``poisoned``: the output was allocated by the check and filled with poison (False for
+    results a function returns, where no element can be "never written")."""
     if not isinstance(got, torch.Tensor):
         return f"  `{name}` should be a tensor, got {type(got).__name__}.", float("inf")
     if tuple(got.shape) != tuple(exp.shape):
@@ -273,7 +752,7 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
     close = torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
     # Still holding the poison value and wrong: never written. (An integer poison is a
     # legal value, so an element that happens to be right is not counted.)
-    unwritten = _poisoned(got).cpu() & ~close
+    unwritten = (_poisoned(got).cpu() if poisoned else torch.zeros_like(close)) & ~close
     close &= ~unwritten
     diff = (g - e).abs()
     finite = torch.isfinite(diff)
@@ -282,8 +761,20 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
         return None, max_err
     bad = ~close
     n, nbad = bad.numel(), int(bad.sum())
+    nonfinite = int((bad & ~finite & ~unwritten).sum())
+    if bool(unwritten.any()) and int((bad & ~unwritten).sum()) == 0:
+        err_text = f"{int(unwritten.sum())} of them were never written"
+    elif nonfinite == nbad:
+        err_text = (f"no wrong element is even finite ({nonfinite} NaN/Inf)" if nonfinite < n else
+                    "every element is NaN or Inf")
+    elif nonfinite:
+        err_text = (f"largest finite error {float(diff[bad & finite].max()):.3g}, and {nonfinite} "
+                    f"element(s) NaN/Inf")
+    else:
+        err_text = f"largest error {float(diff[bad & finite].max()):.3g}" if bool((bad & finite).any()) \
+            else "largest error: none finite"
     lines = [f"  {nbad} of {n} elements ({100 * nbad / n:.1f}%) are wrong; "
-             f"largest error {max_err:.3g} (tolerance: atol {atol:g}, rtol {rtol:g})."]
+             f"{err_text} (tolerance: atol {atol:g}, rtol {rtol:g})."]
     idx = bad.nonzero()[:5]
     shown = []
     for ix in idx:
@@ -292,45 +783,93 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
         shown.append(f"[{', '.join(map(str, t))}]: got {gv}, expected {e[t].item():.6g}")
     lines.append("  first wrong elements: " + "; ".join(shown))
     hint = None if bool(unwritten.any()) or custom_hint is None else custom_hint()
-    hint = hint or _hint(g, e, bad, unwritten, atol, rtol, unread)
+    hint = hint or _hint(g, e, bad, unwritten, atol, rtol, unread, got, axes, reads_outside)
     if hint:
         lines.append("  Hint: " + hint)
     return "\n".join(lines), max_err
 
 
-def _hint(g, e, bad, unwritten, atol, rtol, unread) -> str | None:
+def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_outside=None) -> str | None:
     n = bad.numel()
     flat_bad = bad.reshape(-1)
     if bool(unwritten.all()):
         return ("nothing was written to this output: is the store missing, does the kernel "
                 "write somewhere else, or was the grid empty?")
     if bool(unwritten.any()):
-        return _region_hint(unwritten, "never written",
+        return _region_hint(unwritten, "never written", axes,
                             tail="the grid does not cover the whole tensor: launch "
                                  "triton.cdiv(n, BLOCK) programs",
                             cols="the block is narrower than the row (BLOCK must be at least "
                                  "the row length, e.g. triton.next_power_of_2(n_cols)) or the "
                                  "mask cuts the row short",
                             rows="check the grid size and how program_id maps to rows")
-    nan_bad = bad & ~torch.isfinite(g) & torch.isfinite(e)
-    if bool(nan_bad.any()):
-        return (f"{int(nan_bad.sum())} element(s) are NaN/Inf where the answer is finite. gpulab "
-                "surrounds every input with NaN, so this usually means a load read past the end "
-                "of an input (a missing mask), or masked-out lanes without a safe `other=` value "
-                "fed a max or a sum.")
-    if unread is not None:
+    nonfinite = bad & ~torch.isfinite(g) & torch.isfinite(e)
+    guard = _guard_derived(raw).cpu() & nonfinite if raw is not None else nonfinite & False
+    if bool(guard.any()):
+        return (f"{int(guard.sum())} element(s) are NaN where the answer is finite, and they carry the "
+                f"bit pattern gpulab puts around every input: a load read past the end of an input (a "
+                f"missing mask, or masked-out lanes without a safe `other=`) and its value reached the "
+                f"output.")
+    if reads_outside is not None and _safely(reads_outside):
+        return ("the wrong elements change when only the values around the inputs change: a load "
+                "read past the end of an input (a missing mask, or an offset beyond the tensor) and "
+                "its value reached the output.")
+    if bool(nonfinite.any()):
+        k = int(nonfinite.sum())
+        n_inf = int((nonfinite & torch.isinf(g)).sum())
+        n_nan = k - n_inf
+        if n_nan == 0:
+            return (f"{k} element(s) are ±Inf where the answer is finite: an overflow in arithmetic, "
+                    f"e.g. exp of a large score without subtracting the running max first, or a "
+                    f"float16 accumulator.")
+        return (f"{k} element(s) are NaN ({n_inf} Inf) where the answer is finite, and nothing read "
+                f"outside the inputs: the NaN comes from arithmetic: 0/0 (a sum over an empty or fully masked row "
+                f"divided by itself), inf − inf (exp(−inf − (−inf)) when a running max is still −inf, "
+                f"or an overflowed exp), or inf·0. Check the max subtraction (max, not min) and how "
+                f"empty/masked rows and lanes are handled.")
+    fin = bad & torch.isfinite(g) & torch.isfinite(e) & (e != 0)
+    if bool(fin.any()):
+        gb, eb = g[fin], e[fin]
+        if bool(torch.isclose(gb * eb, torch.ones_like(gb), rtol=1e-2, atol=0).all()) and \
+                not bool(torch.isclose(eb.abs(), torch.ones_like(eb), rtol=1e-2).all()):
+            return ("the wrong elements are the reciprocals of the answer: a scale (or a division) is "
+                    "inverted, e.g. mean|w| where 1/mean|w| is meant.")
+    if unread is not None and n > 2:
         names = unread()
+        if len(names) == 1 and names[0].startswith("the output is exactly"):
+            return names[0]
         if names:
             return (f"the output is exactly what you get with input(s) {', '.join(names)} set to "
                     f"zero: {'is it' if len(names) == 1 else 'are they'} ever loaded?")
     if bool((g == 0).all()) and not bool((e == 0).all()):
         return "the output is all zeros: were the results stored?"
+    axis_hint = _normalisation_axis_hint(g, e)
+    if axis_hint:
+        return axis_hint
+    repeated = _broadcast_axis(g, e, atol, rtol)
+    if repeated is not None:
+        return (f"along axis {repeated} every slice holds one repeated value, and the answer does not: "
+                f"a result of size 1 on that axis (e.g. shape (rows, 1)) was broadcast into the output; "
+                f"compute the output at its full shape.")
     big = bad & (e.abs() > 10 * atol) & torch.isfinite(g)
+    if int(big.sum()) == 1 and n == 1:
+        ratio = float((g[big] / e[big]).reshape(-1)[0])
+        return (f"the single value is off by a factor {ratio:.4g} (got/expected): a scale or a "
+                f"reduction (mean, max, sum) differs from the answer's.")
     if int(big.sum()) >= 2:
         ratio = g[big] / e[big]
         med = float(ratio.median())
         if abs(med) > 0 and float((ratio - med).abs().max()) < 1e-2 * abs(med) + rtol and \
                 abs(med - 1) > max(rtol, 1e-3):
+            rows_bad = bad.reshape(-1, bad.shape[-1]).any(1) if bad.dim() >= 2 else None
+            # rows that are right although they hold values a scale would change
+            rows_right = (~rows_bad & (e.abs() > 10 * atol).reshape(-1, e.shape[-1]).any(1)
+                          if rows_bad is not None else None)
+            if rows_right is not None and bool(rows_right.any()):
+                return (f"rows {_ranges(rows_bad.nonzero().flatten().tolist())} are off by a constant "
+                        f"factor (≈ {med:.4g}) and the other rows are right: those rows' normalisation is "
+                        f"wrong (e.g. a stale running max, or a sum that includes masked-out lanes: "
+                        f"each row is off by its own constant factor).")
             return (f"every wrong element is off by the same factor ≈ {med:.4g}: a scale is "
                     f"wrong or missing (a 1/sum, a 127/absmax, a softmax scale...).")
         if g.dim() >= 2:
@@ -346,7 +885,10 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread) -> str | None:
                     return ("each row is off by its own constant factor: the row's normalisation "
                             "is wrong (e.g. a stale running max, or a sum that includes "
                             "masked-out lanes).")
-    region = _region_hint(bad, "wrong",
+    clamp = _clamp_hint(g, e, bad, atol)
+    if clamp:
+        return clamp
+    region = _region_hint(bad, "wrong", axes,
                           tail="the last, partial block is mishandled: check its mask",
                           cols="the tail of each row (the last, partial block) is mishandled: "
                                "check the mask and the `other=` value",
@@ -355,15 +897,74 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread) -> str | None:
         return region
     if int(flat_bad.sum()) < n:
         return "the errors are scattered: compare your math with the reference step by step."
+    return ("every element is wrong, with no pattern the check recognises: compare your math with "
+            "the reference step by step (on one small case).")
+
+
+def _safely(probe: Callable[[], bool]) -> bool:
+    try:
+        return bool(probe())
+    except Exception:
+        return False
+
+
+def _clamp_hint(g, e, bad, atol) -> str | None:
+    """The answer saturates at its bounds (many elements equal its min or max) and every
+    wrong element lies beyond them: a clamp is missing."""
+    finite_e = e[torch.isfinite(e)]
+    gbad = g[bad & torch.isfinite(g)]
+    if not finite_e.numel() or not gbad.numel():
+        return None
+    lo, hi = float(finite_e.min()), float(finite_e.max())
+    saturated = int(((e == lo) | (e == hi)).sum())
+    if lo < hi and saturated >= max(3, e.numel() // 100) and \
+            bool(((gbad > hi + atol) | (gbad < lo - atol)).all()):
+        return (f"every wrong element lies outside [{lo:g}, {hi:g}], the range the answer saturates "
+                f"at: a clamp to that range is missing.")
     return None
 
 
-def _region_hint(mask, what, *, tail, cols, rows) -> str | None:
+def _normalisation_axis_hint(g, e) -> str | None:
+    """For outputs whose rows sum to 1 (softmax): the output sums to 1 along another axis."""
+    if g.dim() < 2 or g.shape[-1] < 2 or not bool(torch.isfinite(g).all()):
+        return None
+    if not bool(torch.allclose(e.sum(-1), torch.ones_like(e.sum(-1)), atol=1e-3)):
+        return None
+    if bool(torch.allclose(g.sum(-1), torch.ones_like(g.sum(-1)), atol=1e-3)):
+        return None
+    for axis in range(g.dim() - 1):
+        if g.shape[axis] > 1 and bool(torch.allclose(g.sum(axis), torch.ones_like(g.sum(axis)), atol=1e-3)):
+            return (f"the output sums to 1 along axis {axis}, the answer along the last axis: the "
+                    f"max and the sum run over the wrong axis (use dim=-1).")
+    return None
+
+
+def _broadcast_axis(g, e, atol, rtol) -> int | None:
+    """An axis (size > 1) along which the output is constant while the answer is not (and
+    the constants are not just 0 and 1, which a saturated result gives too)."""
+    for axis in range(g.dim() - 1, -1, -1):
+        if g.shape[axis] < 2:
+            continue
+        first_g = g.narrow(axis, 0, 1)
+        first_e = e.narrow(axis, 0, 1)
+        trivial = bool(((first_g == 0) | (first_g.abs() == 1)).all())
+        if not trivial and \
+                bool(torch.isclose(g, first_g.expand_as(g), atol=atol, rtol=rtol, equal_nan=True).all()) and \
+                not bool(torch.isclose(e, first_e.expand_as(e), atol=atol, rtol=rtol, equal_nan=True).all()):
+            return axis - g.dim()
+    return None
+
+
+def _region_hint(mask, what, axes=None, *, tail, cols, rows) -> str | None:
     """Describe where in the tensor the True elements of ``mask`` are, if it has a shape."""
     flat = mask.reshape(-1)
     idx = flat.nonzero().flatten()
     n = flat.numel()
     first = int(idx.min())
+    if axes and len(axes) == mask.dim():
+        named = _axes_hint(mask, what, axes)
+        if named:
+            return named
     if first > 0 and bool(flat[first:].all()):
         return f"elements from flat index {first} on ({n - first} of {n}) are {what}: {tail}."
     if mask.dim() >= 2 and mask.shape[-1] > 1:
@@ -374,9 +975,34 @@ def _region_hint(mask, what, *, tail, cols, rows) -> str | None:
             return f"columns {c0}..{mask.shape[-1] - 1} of every row are {what}: {cols}."
         row_bad = m2.any(1)
         if bool(row_bad.any()) and not bool(row_bad.all()):
-            rb = row_bad.nonzero().flatten()
-            return (f"only rows {_ranges(rb.tolist())} (of {m2.shape[0]}) are {what}: {rows}.")
+            rb = row_bad.nonzero().flatten().tolist()
+            if _n_ranges(rb) > 3:
+                return (f"rows {_ranges(rb)} (of {m2.shape[0]}) are {what} and the rest right, with no "
+                        f"pattern in where they are: the mistake depends on each row's data (e.g. which "
+                        f"states are empty, which values are largest), not on its position.")
+            return (f"only rows {_ranges(rb)} (of {m2.shape[0]}) are {what}: {rows}.")
     return None
+
+
+def _axes_hint(mask, what, axes) -> str | None:
+    """'only head 1, 3 (of 4) are wrong' in the spec's own axis names, for the axes
+    along which the wrong elements are confined to some indices."""
+    parts = []
+    for d, axis_name in enumerate(axes):
+        size = mask.shape[d]
+        if size < 2:
+            continue
+        other = tuple(i for i in range(mask.dim()) if i != d)
+        hit = mask.any(dim=other) if other else mask
+        if bool(hit.any()) and not bool(hit.all()):
+            parts.append(f"{axis_name} {_ranges(hit.nonzero().flatten().tolist())} (of {size})")
+    if not parts:
+        return None
+    return f"the {what} elements are confined to " + ", ".join(parts) + "."
+
+
+def _n_ranges(xs: list[int]) -> int:
+    return sum(1 for i, x in enumerate(xs) if i == 0 or x != xs[i - 1] + 1)
 
 
 def _ranges(xs: list[int], limit: int = 4) -> str:
@@ -399,7 +1025,7 @@ def rejects(spec: KernelSpec | str, fn: Callable, **kw) -> str:
     """For tests of the checks themselves: the failure message ``check`` gives ``fn``.
     Raises AssertionError if the check wrongly accepts ``fn``."""
     try:
-        check(spec, fn, quiet=True, **kw)
+        run_check(spec, fn, quiet=True, **kw)
     except CheckFailure as e:
         return str(e)
     raise AssertionError(f"the check for {spec if isinstance(spec, str) else spec.name} "

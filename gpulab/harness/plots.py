@@ -1,4 +1,5 @@
-"""Static matplotlib figures of benchmark results: live on a GPU, saved ones elsewhere.
+"""Static matplotlib figures: benchmark results (live on a GPU, saved ones elsewhere)
+and training curves.
 
 On a GPU, :func:`benchmark` times gpulab's kernel (and, optionally, the learner's) against
 the PyTorch baselines right now. In interpreter mode it plots the results saved in
@@ -7,6 +8,8 @@ notebook reads the same either way.
 """
 from __future__ import annotations
 
+import math
+import sys
 from typing import Callable
 
 from . import bench as _bench
@@ -26,10 +29,50 @@ def benchmark(name: str, extra: dict[str, Callable[[dict], object]] | None = Non
             print(f"No saved GPU results for {name} yet (run `gpulab bench {name} --save` on a GPU).")
             return None
         source = "saved results: this machine runs the interpreter, whose timings mean nothing"
-    print(_bench.format_table(result))
+    show_table(result)
     if show:
         plot(result, metric=metric, subtitle=source)
     return result
+
+
+def show_table(result: dict) -> None:
+    """Display a benchmark table: HTML in a notebook, 88 columns of text elsewhere."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        from IPython.display import display
+        display(_bench.BenchTable(result))
+    else:
+        print(_bench.format_table(result))
+
+
+def plain_number(value: float, _pos=None) -> str:
+    """1, 16, 512, 2K, 32K, 1M: tick labels without exponents."""
+    if value >= 1024 and float(value).is_integer() and value % 1024 == 0:
+        return f"{int(value) // 1024 ** 2}M" if value % 1024 ** 2 == 0 else f"{int(value) // 1024}K"
+    return f"{value:g}"
+
+
+def readable_log_axis(ax, axis: str = "x", ticks=None):
+    """A log-scale axis whose labels do not overlap: major ticks at ``ticks`` (default: the
+    plotted values, thinned to at most 10), labelled as plain numbers; no minor labels.
+    Call it after plotting, e.g. ``readable_log_axis(ax)`` for a batch-size axis."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    if ticks is None:
+        values = set()
+        for line in ax.get_lines():
+            data = line.get_xdata() if axis == "x" else line.get_ydata()
+            values.update(float(v) for v in data if float(v) > 0)
+        ticks = sorted(values)
+        step = max(1, -(-len(ticks) // 10))
+        ticks = ticks[::step]
+    which.set_major_locator(FixedLocator(list(ticks)))
+    which.set_major_formatter(FuncFormatter(plain_number))
+    which.set_minor_locator(NullLocator())
+    which.set_minor_formatter(NullFormatter())
+    return ax
 
 
 def plot(result: dict, metric: str = "auto", subtitle: str = "", ax=None):
@@ -65,4 +108,25 @@ def plot(result: dict, metric: str = "auto", subtitle: str = "", ax=None):
     ax.legend(fontsize=8)
     plt.tight_layout()
     plt.show()
+    return ax
+
+
+def plot_losses(losses: list[float], ax=None, smooth: int = 20, vocab_size: int | None = None):
+    """A training curve: the loss of every step and a running mean; with ``vocab_size``,
+    the loss of a uniform guess over the vocabulary (ln vocab_size) as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(losses, alpha=0.35, lw=1, label="loss per step")
+    if len(losses) >= smooth:
+        window = [sum(losses[k - smooth:k]) / smooth for k in range(smooth, len(losses) + 1)]
+        ax.plot(range(smooth - 1, len(losses)), window, lw=2, label=f"mean of {smooth} steps")
+    if vocab_size:
+        ax.axhline(math.log(vocab_size), color="k", ls="--", lw=1,
+                   label=f"uniform guess, ln {vocab_size}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
     return ax

@@ -12,14 +12,26 @@ A :class:`KernelSpec` says
 * the cases to run: small ones for the CPU interpreter, larger ones for a GPU,
   and benchmark sizes,
 * bytes moved and FLOPs for a case, for roofline figures,
-* the PyTorch baselines a benchmark compares against.
+* the PyTorch baselines a benchmark compares against,
+* what the check must try beyond fresh random data (all optional, off by default):
+  ``strided`` (arguments whose contract takes strides get a run with row-padded,
+  differently strided buffers), ``edge_rows`` (zero and constant rows), ``edge_data``
+  (any other deliberate data: exact rounding ties, all-zero weights, full block tables),
+  ``axes`` (what each output axis means, so a diagnosis can say "heads 2..3" instead
+  of "rows 8..15"), and ``learner_kernel`` (whether the exercise asks for a Triton
+  kernel of the learner's own; PyTorch-level exercises set it False).
 """
 from __future__ import annotations
 
+import copy
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
+
+from .. import runtime
 
 _REGISTRY: dict[str, "KernelSpec"] = {}
 
@@ -67,6 +79,31 @@ class KernelSpec:
     bench_dtypes: list | None = None           # default: the GPU's default dtype
     bench_impl: Callable[[dict], Any] | None = None  # default: implementation, outputs preallocated
     notes: str = ""
+    # -- what a check tries beyond fresh random data (see the module docstring) ---------
+    # Does the exercise ask for a @triton.jit kernel of the learner's own? None: yes when
+    # the spec has ``outputs`` (a launcher), no for functions that return their results.
+    learner_kernel: bool | None = None
+    # Arguments (inputs or outputs, 2-D or more) whose contract takes strides: one extra
+    # run gives each of them its own row padding, so a kernel that assumes contiguous
+    # rows, or uses one tensor's stride for another, is caught.
+    strided: tuple[str, ...] = ()
+    # Float inputs whose rows may legally be all zero or constant: an extra run per case
+    # sets the first row to 0 and the last row to one repeated value.
+    edge_rows: tuple[str, ...] = ()
+    # edge_data(inputs, params, dtype, gen) -> inputs: deliberate data for an extra run
+    # per case (exact .5 ties, all-zero weights, full block tables...).
+    edge_data: Callable[[dict, dict, torch.dtype, torch.Generator], dict] | None = None
+    # fresh_case(gen) -> Case: one more run per check on sizes drawn at random (within
+    # CPU-friendly bounds), so a block or grid hard-coded to cover the listed cases fails.
+    fresh_case: Callable[[torch.Generator], Case] | None = None
+    # Names of each output's axes, e.g. {"o": ("batch", "head", "dim")}: diagnoses then
+    # locate wrong elements in those terms.
+    axes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # NumPy floating-point warnings ("divide", "invalid", "over") that Triton's interpreter
+    # raises on this kernel's intended math and a GPU never shows, e.g. log(0) = -inf for
+    # an empty attention state, evaluated before tl.where discards it. Silenced while a
+    # check calls an implementation in the interpreter, and nowhere else.
+    expected_fp_warnings: tuple[str, ...] = ()
 
     def __post_init__(self):
         old = _REGISTRY.get(self.name)
@@ -76,6 +113,19 @@ class KernelSpec:
         _REGISTRY[self.name] = self
 
     # -- helpers shared by checks, tests and benchmarks --------------------------------
+    @property
+    def wants_learner_kernel(self) -> bool:
+        return self.outputs is not None if self.learner_kernel is None else self.learner_kernel
+
+    def variant(self, **changes) -> "KernelSpec":
+        """A copy with some fields changed, not registered (for one-off checks and tests)."""
+        twin = copy.copy(self)
+        for k, v in changes.items():
+            if not hasattr(twin, k):
+                raise AttributeError(f"KernelSpec has no field {k!r}")
+            setattr(twin, k, v)
+        return twin
+
     def tolerance(self, dtype: torch.dtype, output: str | None = None) -> tuple[float, float]:
         """(atol, rtol) for an output computed from ``dtype`` inputs; exact outputs
         (integer results) get their own entry in ``output_tolerances``."""
@@ -86,6 +136,12 @@ class KernelSpec:
         params = case.params if isinstance(case, Case) else case
         device = torch.device(device or "cpu")
         return self.make_inputs(params, dtype, device, generator(seed, device))
+
+    def expected_warnings(self):
+        """Context in which NumPy ignores :attr:`expected_fp_warnings` (interpreter only)."""
+        if not self.expected_fp_warnings or not runtime.interpreting():
+            return contextlib.nullcontext()
+        return np.errstate(**{kind: "ignore" for kind in self.expected_fp_warnings})
 
     def call(self, fn: Callable, inputs: dict, outputs: dict | None = None):
         """Call ``fn`` positionally in ``args`` order."""
@@ -112,6 +168,12 @@ def get(name: str) -> KernelSpec:
 
 def all_specs() -> dict[str, KernelSpec]:
     return dict(_REGISTRY)
+
+
+def register(spec: KernelSpec) -> None:
+    """Make ``spec`` the one registered under its name (the grader uses this to put
+    back a spec a notebook replaced)."""
+    _REGISTRY[spec.name] = spec
 
 
 def generator(seed: int, device) -> torch.Generator:

@@ -5,13 +5,27 @@ files work with nbgrader itself:
 
 * ``### BEGIN SOLUTION`` / ``### END SOLUTION`` in a code cell: the region becomes
   ``# YOUR CODE HERE`` plus a stub at the same indent. In ordinary Python the stub is
-  ``raise NotImplementedError()``; inside a ``@triton.jit`` function (where ``raise``
+  ``raise NotImplementedError("TODO (grade_id): ...")`` (the id lets gpulab name the
+  unfinished exercise in its short error message); inside a ``@triton.jit`` function (where ``raise``
   does not compile) it is ``tl.static_assert(False, "TODO: ...")``, which fails both in
   the interpreter and when compiled for a GPU.
 * A solution cell (``metadata.nbgrader.solution``) without markers is replaced whole;
   a markdown solution cell becomes ``YOUR ANSWER HERE``.
 * ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``: removed.
 * Outputs and execution counts are cleared.
+
+Next to the learner notebooks it writes the released tests,
+``gpulab/data/grading/NN_topic.json``: every grade cell's full source (hidden tests
+included), its points and optional timeout (``metadata.gpulab.timeout``), and the
+imports of the course's own setup cells. ``gpulab grade`` rebuilds each test cell from
+them, so instructors can keep ``solutions/`` private and a learner cannot edit, empty or
+delete a test to change the grade.
+Links are generated too (see :mod:`gpulab.tools.links`): in every solution the setup
+cell's first part (the Colab install and ``gpulab.setup()``) is rewritten from
+:data:`SETUP_TEMPLATE`, and the Colab/Binder badges under the title are rewritten to
+open that notebook's learner version in the course repository; the README's badges
+follow the same address. So ``gpulab generate`` also rewrites ``solutions/`` and
+``README.md`` when the repository address changed, and ``--check`` reports them.
 
 ``python -m gpulab.tools.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
 ``--check`` only reports stale or missing files and exits 1 if there are any.
@@ -22,14 +36,20 @@ whose cell headers may carry ``solution id=...``, ``grade id=... points=N`` or
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import json
 import re
 import sys
 from pathlib import Path
 
+from .links import GitHubRepo, course_repo
+from .progress import EXERCISES
+
 
 ROOT = Path(__file__).resolve().parents[2]
+RELEASED_TESTS = Path(__file__).resolve().parents[1] / "data" / "grading"
+RELEASE_FORMAT = 1
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 
@@ -79,13 +99,13 @@ def stub_code(source: str, grade_id: str) -> str:
             if _jit_def_at(lines, i, indent):
                 out.append(f'{pad}tl.static_assert(False, "TODO ({grade_id}): write this part of the kernel")')
             else:
-                out.append(f"{pad}raise NotImplementedError()")
+                out.append(f'{pad}raise NotImplementedError("TODO ({grade_id}): write this part")')
             i = j + 1
             continue
         out.append(line)
         i += 1
     if not found:
-        return "# YOUR CODE HERE\nraise NotImplementedError()"
+        return f'# YOUR CODE HERE\nraise NotImplementedError("TODO ({grade_id}): write this cell")'
     return "\n".join(out)
 
 
@@ -139,34 +159,192 @@ def learner_version(nb) -> "nbformat.NotebookNode":
     return nb
 
 
+def top_level_imports(source: str) -> list[str]:
+    """The import statements at the top level of a code cell (IPython magics skipped)."""
+    lines = [l for l in source.split("\n") if not l.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return []
+    return [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def released_tests(nb, name: str) -> dict:
+    """What ``gpulab grade`` needs from a solution notebook (see the module docstring)."""
+    imports, tests, solutions = [], [], []
+    for cell in nb.cells:
+        meta = nbgrader_meta(cell)
+        if cell.cell_type != "code":
+            continue
+        if meta.get("grade") and not meta.get("solution"):
+            tests.append({"grade_id": meta["grade_id"], "points": float(meta["points"]),
+                          "source": cell.source,
+                          "timeout": cell.get("metadata", {}).get("gpulab", {}).get("timeout")})
+        elif meta.get("solution"):
+            solutions.append(meta["grade_id"])
+        else:
+            imports += [i for i in top_level_imports(cell.source) if i not in imports]
+    return {"format": RELEASE_FORMAT, "notebook": name, "imports": imports, "tests": tests,
+            "solutions": solutions}
+
+
+def _dump_json(data: dict) -> str:
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+# The first part of every notebook's setup cell, up to and including ``gpulab.setup()``;
+# what follows that line in a solution is the notebook's own and is kept.
+SETUP_TEMPLATE = """\
+# Setup. In Colab, install gpulab first. Everywhere: import gpulab BEFORE defining any
+# kernel, because it decides (once) whether Triton compiles or interprets.
+import subprocess
+import sys
+
+if "google.colab" in sys.modules and subprocess.call([sys.executable, "-c", "import gpulab"]) != 0:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           "{install}"])
+import gpulab
+
+gpulab.setup()"""
+SETUP_LINE = "gpulab.setup()"
+BADGE_LINE = re.compile(r"^\[!\[(Open In Colab|Binder)\]")
+
+
+def fill_links(nb, learner_path: str, repo: GitHubRepo) -> bool:
+    """Rewrite the templated parts of a solution in place: the setup cell's head and the
+    badges under the title (added after the title when missing). Returns True if changed."""
+    changed = False
+    setup = next((c for c in nb.cells if c.cell_type == "code"
+                  and any(l.strip() == SETUP_LINE for l in c.source.split("\n"))), None)
+    if setup is not None:
+        lines = setup.source.split("\n")
+        end = next(i for i, l in enumerate(lines) if l.strip() == SETUP_LINE)
+        new = "\n".join([SETUP_TEMPLATE.format(install=repo.pip_install())] + lines[end + 1:])
+        changed |= new != setup.source
+        setup.source = new
+    title = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if title is not None and title.source.lstrip().startswith("#"):
+        lines = [l for l in title.source.split("\n") if not BADGE_LINE.match(l)]
+        at = 1                     # after the title line, separated by blank lines
+        block = ["", *repo.badges(learner_path).split("\n")]
+        rest = lines[at:]
+        while rest and not rest[0].strip():
+            rest.pop(0)
+        new = "\n".join(lines[:at] + block + ([""] + rest if rest else []))
+        changed |= new != title.source
+        title.source = new
+    return changed
+
+
+def exercise_index(notebooks: list) -> list[dict]:
+    """The course's graded exercises, for ``gpulab progress``: one entry per notebook
+    ``{notebook, title, exercises: [{grade_id, points}]}``, from (solution) notebooks."""
+    index = []
+    for name, nb in notebooks:
+        title = next((c.source.split("\n")[0].lstrip("# ").strip() for c in nb.cells
+                      if c.cell_type == "markdown" and c.source.startswith("#")), Path(name).stem)
+        exercises = [{"grade_id": nbgrader_meta(c)["grade_id"], "points": nbgrader_meta(c)["points"]}
+                     for c in nb.cells if nbgrader_meta(c).get("grade")]
+        index.append({"notebook": name, "title": title, "exercises": exercises})
+    return index
+
+
+def render_index(index: list[dict]) -> str:
+    """The index as JSON, one exercise per line (readable diffs)."""
+    notebooks = []
+    for nb in index:
+        exercises = ",\n".join("   " + json.dumps(ex, ensure_ascii=False) for ex in nb["exercises"])
+        notebooks.append(f' {{"notebook": {json.dumps(nb["notebook"])}, "title": '
+                         f'{json.dumps(nb["title"], ensure_ascii=False)},\n  "exercises": [\n{exercises}]}}')
+    return "[\n" + ",\n".join(notebooks) + "\n]\n"
+
+
 def _dump(nb) -> str:
     import nbformat
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
 
 
 def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "notebooks",
-             check: bool = False) -> list[str]:
-    """Write (or, with check, compare) every learner notebook. Returns stale file names."""
+             check: bool = False, released: Path | None = None, repo: GitHubRepo | None = None) -> list[str]:
+    """Write (or, with check, compare) every learner notebook, released-test file, the
+    links of every solution and the README's badges. Returns the stale files' names. The
+    released tests go to the package's data (for the course's own solutions) or, by
+    default for other folders, next to ``notebooks`` in ``released_tests/``."""
     import nbformat
+    own = Path(solutions).resolve() == (ROOT / "solutions").resolve()
+    if released is None:
+        released = RELEASED_TESTS if own else Path(notebooks).parent / "released_tests"
+    repo = repo or course_repo()
+    root = solutions.parent
     stale = []
-    expected = set()
-    for src in sorted(solutions.glob("*.ipynb")):
-        nb = nbformat.read(src, as_version=4)
-        validate_solution(nb, src.name)
-        text = _dump(learner_version(nb))
-        dst = notebooks / src.name
-        expected.add(dst.name)
+    expected, expected_tests = set(), set()
+
+    def put(dst: Path, text: str, label: str) -> None:
         if not dst.exists() or dst.read_text() != text:
-            stale.append(dst.name)
+            stale.append(label)
             if not check:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_text(text)
+
+    readme = root / "README.md"
+    if readme.exists():
+        text = readme.read_text()
+        new = repo.retarget(text)
+        if new != text:
+            stale.append("README.md (links)")
+            if not check:
+                readme.write_text(new)
+    read = []
+    for src in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(src, as_version=4)
+        validate_solution(nb, src.name)
+        read.append((src.name, nb))
+        learner_path = (notebooks / src.name).relative_to(root).as_posix() \
+            if notebooks.is_relative_to(root) else src.name
+        if fill_links(nb, learner_path, repo):
+            stale.append(f"{solutions.name}/{src.name} (links)")
+            if not check:
+                src.write_text(_dump(nb))
+        dst = notebooks / src.name
+        expected.add(dst.name)
+        put(dst, _dump(learner_version(nb)), dst.name)
+        tests = released / f"{src.stem}.json"
+        expected_tests.add(tests.name)
+        put(tests, _dump_json(released_tests(nb, src.name)), f"{released.name}/{tests.name}")
+    if own:
+        put(EXERCISES, render_index(exercise_index(read)), "gpulab/data/exercises.json")
     for extra in sorted(notebooks.glob("*.ipynb")):
         if extra.name not in expected:
             stale.append(extra.name + " (no solution)")
             if not check:
                 extra.unlink()
+    for extra in sorted(released.glob("*.json")):
+        if extra.name not in expected_tests:
+            stale.append(f"{released.name}/{extra.name} (no solution)")
+            if not check:
+                extra.unlink()
     return stale
+
+
+def load_released(name_or_path: str | Path, released: Path = RELEASED_TESTS) -> dict | None:
+    """The released tests of a notebook: from a JSON file given by path, else the one
+    shipped for the notebook's file name (``05_paged_attention.ipynb`` -> ``05_paged_attention.json``)."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        return json.loads(p.read_text())
+    candidate = released / f"{p.stem}.json"
+    if candidate.exists():
+        return json.loads(candidate.read_text())
+    return None
+
+
+def find_released(grade_ids: set[str], released: Path = RELEASED_TESTS) -> dict | None:
+    """The released tests whose grade ids overlap most with ``grade_ids`` (a renamed file)."""
+    best, best_n = None, 0
+    for path in sorted(released.glob("*.json")):
+        data = json.loads(path.read_text())
+        n = len(grade_ids & {t["grade_id"] for t in data["tests"]} | grade_ids & set(data["solutions"]))
+        if n > best_n:
+            best, best_n = data, n
+    return best
 
 
 # -- building a solution notebook from a py:percent script ------------------------------------
@@ -216,7 +394,7 @@ def from_percent(text: str) -> "nbformat.NotebookNode":
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpulab generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if notebooks/ is stale")
+    p.add_argument("--check", action="store_true", help="fail if notebooks/ or the released tests are stale")
     p.add_argument("--from-percent", nargs=2, metavar=("SRC", "OUT"))
     a = p.parse_args(argv)
     if a.from_percent:
@@ -232,7 +410,7 @@ def main(argv=None) -> int:
             return 1
         print("notebooks/ is up to date")
         return 0
-    print(f"regenerated {len(stale)} notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    print(f"regenerated {len(stale)} file(s)" + (": " + ", ".join(stale) if stale else ""))
     return 0
 
 

@@ -11,6 +11,9 @@ commands:
   grade NB...     execute notebooks and grade their exercises (writes grades.json)
   bench [NAME...] benchmark kernels on a GPU against PyTorch (--save, --list)
   compile-check   compile every kernel for sm_75, sm_80 and sm_90 without a GPU
+  profile NAME    profile a benchmark case (Nsight Compute, else torch.profiler;
+                  on a CPU: the saved H200 report)
+  progress        every exercise of the course with its status and points
 """
 
 
@@ -32,6 +35,10 @@ def main(argv=None) -> int:
         from ..harness.bench import main as m
     elif cmd == "compile-check":
         from ..harness.compile_check import main as m
+    elif cmd == "profile":
+        from ..harness.profiler import main as m
+    elif cmd == "progress":
+        from .progress import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

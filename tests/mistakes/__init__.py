@@ -1,0 +1,63 @@
+"""A catalogue of plausible learner mistakes, per graded exercise.
+
+Each :class:`Mistake` is a wrong implementation a learner could write, run against the
+exercise's visible check exactly as the grade cell runs it (notebook rules: the kernel
+must be the learner's own), with the words a diagnosis naming the right cause must
+contain. ``needs`` names spec fields the check needs to catch it that the exercise's
+spec does not set yet (the catalogue then runs it against ``spec.variant(**needs)``
+and the report counts it apart). ``python -m tests.mistakes.report`` prints the catch
+rate and the hint accuracy; tests/test_mistakes.py asserts every entry.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gpulab.harness import checking
+from gpulab.harness.spec import get
+
+MODULES = ("nb00", "nb01", "nb04", "nb06")
+
+
+@dataclass
+class Mistake:
+    exercise: str                 # notebook/grade id, e.g. "00/check-add"
+    spec: str
+    name: str                     # what the learner did
+    fn: Callable
+    expect: tuple[str, ...]       # the message names the right cause if it contains one of these
+    kw: dict = field(default_factory=dict)      # extra check arguments, as in the grade cell
+    needs: dict = field(default_factory=dict)   # spec fields not set yet that catch it
+    weak: str = ""    # why the generic diagnosis cannot name this cause (it counts as a miss)
+
+    @property
+    def id(self) -> str:
+        return f"{self.exercise}: {self.name}"
+
+
+@dataclass
+class Outcome:
+    caught: bool
+    right_cause: bool
+    message: str
+
+
+def run(m: Mistake, with_needs: bool = True) -> Outcome:
+    spec = get(m.spec)
+    if m.needs and with_needs:
+        spec = spec.variant(**m.needs)
+    try:
+        with checking.enforce_learner_kernels(True):
+            checking.run_check(spec, m.fn, quiet=True, **m.kw)
+    except Exception as e:   # a CheckFailure, or the learner's own error
+        text = f"{type(e).__name__}: {e}"
+        return Outcome(True, any(x in text for x in m.expect), text)
+    return Outcome(False, False, "")
+
+
+def catalogue() -> list[Mistake]:
+    out = []
+    for name in MODULES:
+        out += importlib.import_module(f"{__name__}.{name}").MISTAKES
+    return out

@@ -1,0 +1,24 @@
+"""Every mistake of the catalogue (tests/mistakes/) is caught and its cause named.
+Entries that need a spec field the exercise's spec does not set yet run against
+``spec.variant(**needs)``: they prove the harness catches them once the spec opts in."""
+import pytest
+
+from mistakes import catalogue, run
+
+CATALOGUE = catalogue()
+
+
+@pytest.mark.parametrize("mistake", CATALOGUE, ids=[m.id for m in CATALOGUE])
+def test_mistake_is_caught_with_the_right_cause(mistake):
+    outcome = run(mistake)
+    assert outcome.caught, f"{mistake.id}: the check accepted it"
+    if mistake.weak:
+        pytest.xfail(f"hint not specific: {mistake.weak}") if not outcome.right_cause else None
+    assert outcome.right_cause, f"{mistake.id}: expected one of {mistake.expect} in:\n{outcome.message}"
+
+
+def test_every_graded_exercise_of_the_catalogue_has_at_least_five_mistakes():
+    counts = {}
+    for m in CATALOGUE:
+        counts[m.exercise] = counts.get(m.exercise, 0) + 1
+    assert all(n >= 5 for n in counts.values()), counts
