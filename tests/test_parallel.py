@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import gpulab
 from gpulab.grading import parallel as gp
-from gpulab.harness.checking import CheckFailure, check
+from gpulab.harness.checking import rejects
+from gpulab.harness.spec import Case
 from gpulab.parallel import bandwidth as bw
 from gpulab.parallel import faults, launch
 from gpulab.parallel.collectives import (all_reduce_reference, chunk_bounds, one_shot_all_reduce,
@@ -185,8 +187,13 @@ def _stub(t):
     raise NotImplementedError()
 
 
-def test_ring_check_accepts_the_package_ring():
-    assert "correct on 2, 3 gloo processes" in gp.check_ring_all_reduce(ring_all_reduce, world_sizes=(2, 3))
+def _ranks(*sizes, timeout_s=5.0):
+    return [Case(f"{sizes} ranks", dict(world_sizes=sizes, timeout_s=timeout_s))]
+
+
+def test_ring_check_accepts_the_package_ring(capsys):
+    gpulab.check("ring_all_reduce", ring_all_reduce, cases=_ranks(2, 3))
+    assert "correct on 2, 3 gloo processes" in capsys.readouterr().out
 
 
 RING_MUTANTS = {
@@ -204,21 +211,20 @@ RING_MUTANTS = {
 @pytest.mark.parametrize("name", list(RING_MUTANTS))
 def test_ring_check_rejects_and_explains(name):
     fn, expected = RING_MUTANTS[name]
-    with pytest.raises(CheckFailure) as info:
-        gp.check_ring_all_reduce(fn, world_sizes=(2, 3), timeout_s=5, quiet=True)
-    assert expected in str(info.value), str(info.value)
+    message = rejects("ring_all_reduce", fn, cases=_ranks(2, 3))
+    assert expected in message, message
 
 
 def test_ring_check_names_swapped_neighbours_that_only_deadlock_from_three_ranks():
     t = time.monotonic()
-    with pytest.raises(CheckFailure, match="only shows from 3 ranks on"):
-        gp.check_ring_all_reduce(lambda x: _ring(x, recv_from=+1), world_sizes=(2, 3), timeout_s=2, quiet=True)
+    message = rejects("ring_all_reduce", lambda x: _ring(x, recv_from=+1), cases=_ranks(2, 3, timeout_s=2.0))
+    assert "only shows from 3 ranks on" in message
     assert time.monotonic() - t < 25
 
 
 def test_ring_check_lets_the_stub_error_through():
     with pytest.raises(NotImplementedError):
-        gp.check_ring_all_reduce(_stub, world_sizes=(2,), quiet=True)
+        gpulab.check("ring_all_reduce", _stub, cases=_ranks(2))
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------
@@ -252,7 +258,7 @@ def test_partial_sums_are_the_exact_integers_and_one_scale_matches_the_matmul(de
 
 
 def test_scale_kernel_passes_its_check():
-    check(gp.SCALE, gp.SCALE.implementation)
+    gpulab.check("scale_partial_sums", gp.SCALE_PARTIAL_SUMS.implementation)
 
 
 def test_tp_layers_reject_what_cannot_be_split():
@@ -297,9 +303,11 @@ def _no_reduce(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=N
     return ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=out_dtype)
 
 
-def test_tp_check_accepts_the_package_split():
-    assert "bit-identical" in gp.check_tensor_parallel_glu(glu_shards, row_parallel_matmul,
-                                                           dtypes=(torch.float32,), quiet=True)
+def test_tp_checks_accept_the_package_split_and_reduction(capsys):
+    gpulab.check("glu_shards", glu_shards, dtypes=[torch.float32])
+    gpulab.check("row_parallel_matmul", row_parallel_matmul, dtypes=[torch.float32])
+    out = capsys.readouterr().out
+    assert "glu_shards: shards right" in out and "row_parallel_matmul: TP=2 output bit-identical" in out
 
 
 @pytest.mark.parametrize("shard,expected", [
@@ -307,18 +315,16 @@ def test_tp_check_accepts_the_package_split():
     (_down_misaligned, "w_down columns are units"), (_same_units_everywhere, "on no rank")])
 def test_tp_check_explains_a_wrong_split_without_starting_ranks(shard, expected):
     t = time.monotonic()
-    with pytest.raises(CheckFailure) as info:
-        gp.check_tensor_parallel_glu(shard, quiet=True)
-    assert expected in str(info.value), str(info.value)
+    message = rejects("glu_shards", shard)
+    assert expected in message, message
     assert time.monotonic() - t < 2
 
 
 @pytest.mark.parametrize("matmul,expected", [(row_parallel_matmul_float, "all-reduce the *int32* partial sums"),
                                              (_no_reduce, "the all-reduce is missing")])
 def test_tp_check_explains_a_wrong_reduction(matmul, expected):
-    with pytest.raises(CheckFailure) as info:
-        gp.check_tensor_parallel_glu(glu_shards, matmul, dtypes=(torch.float32,), quiet=True)
-    assert expected in str(info.value), str(info.value)
+    message = rejects("row_parallel_matmul", matmul, dtypes=[torch.float32])
+    assert expected in message, message
 
 
 # -- faults ---------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Grading of gpulab.parallel (notebook 10): the learner's ring all-reduce and the
-column/row split of a ternary GLU MLP, each run on real gloo process groups.
+"""Grading of gpulab.parallel (notebook 10). The exercises run on real gloo process
+groups, so their specs carry a ``checker`` that ``gpulab.check`` runs in place of the
+per-case calls (world sizes, rows and timeouts come from the cases' parameters):
 
-* :func:`check_ring_all_reduce` runs ``fn(tensor)`` on 2, 3 and 4 CPU processes (one
-  launch per rank count) on two kinds of input:
+* ``gpulab.check("ring_all_reduce", fn)`` runs ``fn(tensor)`` on 2, 3 and 4 CPU processes
+  (one launch per rank count) on two kinds of input:
 
-  - *fingerprints*: rank r holds (n+1)^r · (7, 11, 13)[i mod 3] at flat index i. Every sum of
-    these is an exact float32 integer whose base-(n+1) digits say how many times each
-    rank's value was added at each element, so a wrong result tells *which*
+  - *fingerprints*: rank r holds (n+1)^r · (7, 11, 13)[i mod 3] at flat index i. Every
+    sum of these is an exact float32 integer whose base-(n+1) digits say how many times
+    each rank's value was added at each element, so a wrong result tells *which*
     contributions are missing, doubled or misplaced (missing all-gather, off-by-one
     step, wrong chunk offsets);
   - random data in float32, float64, float16 and bfloat16 against a float64 sum.
@@ -14,10 +15,13 @@ column/row split of a ternary GLU MLP, each run on real gloo process groups.
   Sizes include fewer elements than ranks and sizes not divisible by n; every rank must
   end with the same bits. A deadlock is cut by the process group's timeout and
   diagnosed (ring neighbours).
-* :func:`check_tensor_parallel_glu` checks the learner's ``shard(w_gate_up, w_down,
-  rank, world_size)`` structurally (which rows and columns each rank got, for 2, 3 and
-  4 ranks), then runs TP=2 with the learner's shards and ``matmul`` on gloo and
-  requires the output to be *bit-identical* to TP=1.
+* ``gpulab.check("glu_shards", shard)`` checks ``shard(w_gate_up, w_down, rank,
+  world_size)`` structurally (which rows and columns each rank got, for 2, 3 and 4
+  ranks), then runs the GLU at TP=2 with those shards on gloo: the output must be
+  *bit-identical* to TP=1.
+* ``gpulab.check("row_parallel_matmul", matmul)`` runs the same TP=2 GLU with gpulab's
+  split and the learner's ``matmul(x_q, x_scale, w_packed, w_scale, out_dtype, group)``.
+* ``scale_partial_sums`` is an ordinary kernel spec: the exact epilogue of the TP layers.
 """
 from __future__ import annotations
 
@@ -28,14 +32,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import runtime
-from ..harness.checking import CheckFailure, check, diagnose
+from ..harness.checking import CheckFailure, diagnose
 from ..harness.spec import Case, KernelSpec, randn
 from ..parallel import launch
 from ..parallel.collectives import all_reduce_reference
-from ..parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, random_glu,
+from ..parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, glu_shards, random_glu,
                                         row_parallel_matmul, row_parallel_matmul_float,
                                         scale_partial_sums_into)
-from ..bitlinear import ternary_matmul
+from ..bitlinear import pack_ternary, ternary_matmul, unpack_ternary
 
 # -- the exact epilogue kernel: a spec like every kernel (checks, compile check) --------------------
 def _scale_inputs(p, dtype, device, gen):
@@ -50,7 +54,7 @@ def _scale_reference(acc, x_scale, w_scale):
     return {"y": acc.double() / (x_scale.double()[:, None] * w_scale.double())}
 
 
-SCALE = KernelSpec(
+SCALE_PARTIAL_SUMS = KernelSpec(
     name="scale_partial_sums",
     summary="int32 partial sums -> one scale per row (the ternary matmul's epilogue, for TP)",
     args=("acc", "x_scale", "w_scale", "y"),
@@ -64,10 +68,6 @@ SCALE = KernelSpec(
     tolerances={torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 8e-3)},
     read_inputs=("acc", "x_scale", "w_scale"),
 )
-
-
-def check_scale_partial_sums(fn):
-    return check(SCALE, fn)
 
 
 # -- ring all-reduce ------------------------------------------------------------------------------
@@ -286,15 +286,16 @@ def _timed_out(e: BaseException) -> bool:
     return isinstance(e, launch.RanksTimedOut) or "timed out" in str(e).lower()
 
 
-def check_ring_all_reduce(fn, world_sizes=RING_WORLD_SIZES, timeout_s: float = 15.0,
-                          seed: int | None = None, quiet: bool = False) -> str:
-    """Grade ``fn(tensor)``, an in-place sum over all ranks of the default process group,
-    on gloo with each rank count in ``world_sizes`` (module docstring). Raises
-    :class:`CheckFailure` with a diagnosis; returns the summary line when right."""
-    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2 ** 31, ()).item()))
+def _ring_checker(fn, cases, dtypes, seed, quiet) -> None:
+    """RING_ALL_REDUCE's check: ``fn(tensor)``, an in-place sum over all ranks of the
+    default process group, on gloo with each rank count of the cases (module docstring).
+    Raises :class:`CheckFailure` with a diagnosis; prints one line when right."""
+    world_sizes = sorted({n for c in cases for n in c.params["world_sizes"]})
+    timeout_s = max(c.params.get("timeout_s", 15.0) for c in cases)
+    gen = torch.Generator().manual_seed(seed)
     passed, count = [], 0
     for n in world_sizes:
-        cases = _ring_cases(n, gen)
+        cases = [c for c in _ring_cases(n, gen) if c[1] == "fingerprint" or c[2].dtype in dtypes]
         try:
             # CPU tensors only: fork even where CUDA is in use (fast, and keeps notebook functions)
             results = launch.run_ranks(_run_ring_cases, n, fn, cases, backend="gloo", start_method=_FORK,
@@ -335,11 +336,11 @@ def check_ring_all_reduce(fn, world_sizes=RING_WORLD_SIZES, timeout_s: float = 1
             count += 1
         passed.append(n)
         count += sum(1 for c in cases if c[1] == "fingerprint")
-    summary = (f"✔ ring_all_reduce: {count} cases correct on {', '.join(map(str, passed))} gloo processes "
-               f"(uneven sizes, fewer elements than ranks, float32/64/16 and bfloat16; identical on every rank)")
+    kinds = ", ".join(str(d).replace("torch.", "") for d in dtypes)
     if not quiet:
-        print(summary)
-    return summary
+        print(f"✔ ring_all_reduce: {count} cases correct on {', '.join(map(str, passed))} gloo processes "
+              f"(uneven sizes, fewer elements than ranks, exact fingerprints, random {kinds}; identical on "
+              f"every rank)")
 
 
 # -- the column/row split of a GLU MLP ----------------------------------------------------------
@@ -454,14 +455,15 @@ def _tp_rank(shard, matmul, rows, dtype, seed):
     return out
 
 
-def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int = 2, rows=(1,),
-                              dtypes=(torch.float32, torch.bfloat16), timeout_s: float = 30.0,
-                              seed: int | None = None, quiet: bool = False) -> str:
-    """Grade the learner's GLU split ``shard(w_gate_up, w_down, rank, world_size)`` and
-    row-parallel ``matmul(x_q, x_scale, w_packed, w_scale, out_dtype)``: TP=world_size
-    must equal TP=1 bit for bit (module docstring)."""
-    s = seed if seed is not None else int(torch.randint(0, 2 ** 31, ()).item())
-    _check_shard_structure(shard, torch.Generator().manual_seed(s))
+def _tp_check(shard, matmul, cases, dtypes, seed, quiet, structure: bool, what: str) -> None:
+    """Run the GLU at TP=world_size with ``shard`` and ``matmul`` on gloo processes; the
+    output must equal TP=1 bit for bit (module docstring)."""
+    s = seed
+    if structure:
+        _check_shard_structure(shard, torch.Generator().manual_seed(s))
+    world_size = cases[0].params["world_size"]
+    rows = sorted({m for c in cases for m in c.params["rows"]})
+    timeout_s = max(c.params.get("timeout_s", 30.0) for c in cases)
     checked = 0
     for dtype in dtypes:
         for m in rows:
@@ -473,7 +475,7 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
                                        collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
             except Exception as e:
                 if _timed_out(e):
-                    raise CheckFailure(f"TP={world_size}: the ranks timed out waiting for each other: does "
+                    raise CheckFailure(f"{what}, TP={world_size}: the ranks timed out waiting for each other: does "
                                        f"every rank call the same collectives (an all_reduce on every rank, "
                                        f"in the same order)?") from None
                 raise
@@ -483,7 +485,7 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
                 y = out["yours"]
                 if not isinstance(y, torch.Tensor) or y.shape != tp1.shape or y.dtype != tp1.dtype:
                     got = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
-                    raise CheckFailure(f"{where}, rank {r}: matmul gave {got}, expected {tp1.dtype} "
+                    raise CheckFailure(f"{what}: {where}, rank {r}: the layer's output is {got}, expected {tp1.dtype} "
                                        f"{tuple(tp1.shape)} (return the reduced output in out_dtype).")
                 if torch.equal(y, tp1):
                     continue
@@ -510,10 +512,89 @@ def check_tensor_parallel_glu(shard, matmul=row_parallel_matmul, world_size: int
                         hint = ("compare with TP=1 step by step: partial sums of this rank's inputs "
                                 "(ternary_partial_sums), an all_reduce of them, one scale "
                                 "(scale_partial_sums).")
-                raise CheckFailure(head + "\n  Hint: " + hint)
+                raise CheckFailure(f"{what}: " + head + "\n  Hint: " + hint)
             checked += 1
-    summary = (f"✔ tensor-parallel GLU: shards right for 2, 3 and 4 ranks; TP={world_size} output bit-identical "
-               f"to TP=1 in {checked} case(s) ({', '.join(str(d).replace('torch.', '') for d in dtypes)})")
     if not quiet:
-        print(summary)
-    return summary
+        print(f"✔ {what}: " + ("shards right for 2, 3 and 4 ranks; " if structure else "")
+              + f"TP={world_size} output bit-identical to TP=1 in {checked} case(s) "
+              f"({', '.join(str(d).replace('torch.', '') for d in dtypes)})")
+
+
+def _shards_checker(fn, cases, dtypes, seed, quiet) -> None:
+    """GLU_SHARDS' check: the learner's split, run with gpulab's row-parallel matmul."""
+    _tp_check(fn, row_parallel_matmul, cases, dtypes, seed, quiet, True, "glu_shards")
+
+
+def _row_parallel_checker(fn, cases, dtypes, seed, quiet) -> None:
+    """ROW_PARALLEL_MATMUL's check: the learner's reduction, with gpulab's split."""
+    _tp_check(glu_shards, fn, cases, dtypes, seed, quiet, False, "row_parallel_matmul")
+
+
+
+# -- specs: the exercises are checked on processes, by each spec's checker ------------------------
+def _ring_inputs(p, dtype, device, gen):
+    n, numel = p["world_sizes"][0], p.get("numel", 1001)
+    return {"tensor": randn((n, numel), torch.float32, "cpu", gen).to(dtype)}
+
+
+RING_ALL_REDUCE = KernelSpec(
+    name="ring_all_reduce",
+    summary="ring all-reduce (reduce-scatter + all-gather) on isend/irecv, gloo processes",
+    args=("tensor",), returns=("tensor",),
+    make_inputs=_ring_inputs,
+    reference=lambda tensor: {"tensor": all_reduce_reference(list(tensor))},   # every rank's result
+    cases={"cpu": [Case("2, 3 and 4 ranks", dict(world_sizes=(2, 3, 4)))],
+           "gpu": [Case("2, 3 and 4 ranks", dict(world_sizes=(2, 3, 4)))], "bench": []},
+    dtypes={"cpu": [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+            "gpu": [torch.float32, torch.float64, torch.float16, torch.bfloat16]},
+    tolerances=_RING_TOL, learner_kernel=False, checker=_ring_checker,
+    notes="rank r's input is tensor[r]; fingerprint cases are exact (module docstring)",
+)
+
+
+def _glu_inputs(p, dtype, device, gen):
+    return {"w_gate_up": _distinct_ternary(2 * TP_HIDDEN, TP_D_MODEL, gen),
+            "w_down": _distinct_ternary(TP_HIDDEN, TP_D_MODEL, gen).t().contiguous(),
+            "rank": 0, "world_size": p["world_size"]}
+
+
+def _glu_reference(w_gate_up, w_down, rank, world_size):
+    gu, dn = glu_shards(w_gate_up, w_down, rank, world_size)
+    return {"w_gate_up_shard": gu, "w_down_shard": dn}
+
+
+_TP_CASES = {"cpu": [Case("TP=2, decode row", dict(world_size=2, rows=(1,)))],
+             "gpu": [Case("TP=2, decode row", dict(world_size=2, rows=(1,)))], "bench": []}
+_TP_DTYPES = {"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]}
+
+GLU_SHARDS = KernelSpec(
+    name="glu_shards",
+    summary="column/row split of a ternary GLU MLP (TP=2 must equal TP=1 bit for bit)",
+    args=("w_gate_up", "w_down", "rank", "world_size"), returns=("w_gate_up_shard", "w_down_shard"),
+    make_inputs=_glu_inputs, reference=_glu_reference, cases=_TP_CASES, dtypes=_TP_DTYPES,
+    tolerances={torch.float32: (0.0, 0.0), torch.bfloat16: (0.0, 0.0)},
+    learner_kernel=False, checker=_shards_checker,
+)
+
+
+def _row_inputs(p, dtype, device, gen):
+    x_q = torch.randint(-127, 128, (1, TP_HIDDEN), generator=gen, dtype=torch.int8)
+    w_t = torch.randint(-1, 2, (TP_D_MODEL, TP_HIDDEN), generator=gen, dtype=torch.int8)
+    return {"x_q": x_q, "x_scale": torch.rand(1, generator=gen) + 0.5, "w_packed": pack_ternary(w_t),
+            "w_scale": torch.rand(1, generator=gen) + 0.5, "out_dtype": dtype}
+
+
+def _row_reference(x_q, x_scale, w_packed, w_scale, out_dtype):
+    """At TP=1 the row-parallel product is the whole product: x_q·W_tᵀ / (s_x s_w)."""
+    w_t = unpack_ternary(w_packed, x_q.shape[-1])
+    return {"y": (x_q.double() @ w_t.double().t()) / (x_scale.double()[:, None] * w_scale.double())}
+
+
+ROW_PARALLEL_MATMUL = KernelSpec(
+    name="row_parallel_matmul",
+    summary="row-parallel ternary matmul: int32 partial sums, all-reduce, one scale",
+    args=("x_q", "x_scale", "w_packed", "w_scale", "out_dtype"), returns=("y",),
+    make_inputs=_row_inputs, reference=_row_reference, cases=_TP_CASES, dtypes=_TP_DTYPES,
+    tolerances={torch.float32: (0.0, 0.0), torch.bfloat16: (0.0, 0.0)},
+    learner_kernel=False, checker=_row_parallel_checker,
+)

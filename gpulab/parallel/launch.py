@@ -266,8 +266,9 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
     """Run ``fn(*args, **kwargs)`` on ranks 0..world_size-1 and return what each did,
     without raising for a rank's failure (fault demos need the whole picture).
 
-    ``fail_fast``: stop the others as soon as one rank fails (they would only wait for
-    it); with ``False`` every rank gets until ``timeout_s`` to report its own view.
+    ``fail_fast``: stop the others half a second after one rank fails (they would only
+    wait for it; the half second collects reports that tell the cause from its echoes);
+    with ``False`` every rank gets until ``timeout_s`` to report its own view.
     Raises :class:`RanksTimedOut` only if ranks are still running at ``timeout_s`` with
     no failure to explain it."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -308,6 +309,11 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if fail_fast and any(not o.ok for o in outcomes.values()):
+                # one rank failed: the others' reports of the same moment still help tell the
+                # cause from its echoes (a peer's "connection closed"); collect them briefly
+                deadline = min(deadline, time.monotonic() + 0.5)
+                fail_fast = False
             try:
                 msg = results.get(timeout=min(0.05, left))
             except queue.Empty:
@@ -318,12 +324,8 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, backend: str | None
                     # dead: give its report (if any) a moment to come through the queue
                     if now - dead_since.setdefault(r, now) > 0.5:
                         outcomes[r] = RankOutcome(r, exitcode=p.exitcode, seconds=time.time() - started)
-                if fail_fast and any(not o.ok for o in outcomes.values()):
-                    break
                 continue
             outcomes[msg[1]] = _outcome(msg)
-            if fail_fast and not outcomes[msg[1]].ok:
-                break
         # Let ranks that reported finish their exit (final barrier), then stop the rest.
         if len(outcomes) == world_size and all(o.ok for o in outcomes.values()):
             end = time.monotonic() + min(10.0, collective_timeout_s)
@@ -374,7 +376,10 @@ def raise_first_failure(outcomes: list[RankOutcome], world_size: int | None = No
     failed = [o for o in outcomes if not o.ok and not o.stopped]
     if not failed:
         return
-    raised = sorted((o for o in failed if o.error_type), key=lambda o: o.seconds or 0.0)
+    # A rank whose peer vanished reports "connection closed": an echo of the failure that
+    # made the peer exit. The cause is a rank that raised something else, else one that died.
+    raised = sorted((o for o in failed if o.error_type),
+                    key=lambda o: (_is_lost_peer(o.message), o.seconds or 0.0))
     died = [o for o in failed if not o.error_type]
     if died and all(_is_lost_peer(o.message) for o in raised):
         raised = []     # the others only saw the dead rank's connection drop: it is the cause
