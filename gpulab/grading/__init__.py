@@ -6,7 +6,8 @@ A new technique adds its module here: that is its one registry line.
 """
 import importlib
 
-TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "attention", "paged", "cascade", "parallel")
+TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "attention", "paged", "cascade",
+              "engine", "speculative", "parallel")
 
 for _name in TECHNIQUES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -430,7 +430,7 @@ def _row_of(g: Guarded, index: int) -> str:
 
 
 # -- the check ----------------------------------------------------------------------------
-def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = None,
+def check(spec: KernelSpec | str, fn: Callable, *scenario_args, cases: list[Case] | None = None,
           dtypes: list | None = None, device=None, seed: int | None = None,
           quiet: bool = False, learner_kernel: bool | None = None) -> None:
     """Run ``fn`` on every case of ``spec``; raise :class:`CheckFailure` with a diagnosis
@@ -438,7 +438,11 @@ def check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None = No
     ending in a check shows only that line.
 
     ``learner_kernel`` overrides the spec's ``learner_kernel`` (False: the exercise is
-    PyTorch-level, any computation is fine)."""
+    PyTorch-level, any computation is fine). A name registered with
+    :func:`scenario_check` runs that check instead: ``check(name, learner_object, *args)``."""
+    if isinstance(spec, str) and spec in SCENARIO_CHECKS:
+        SCENARIO_CHECKS[spec](fn, *scenario_args)
+        return None
     run_check(spec, fn, cases=cases, dtypes=dtypes, device=device, seed=seed, quiet=quiet,
               learner_kernel=learner_kernel)
 

@@ -99,10 +99,9 @@ def check_in_progress(exc: BaseException):
         tb = e.__traceback__
         while tb is not None:
             code = tb.tb_frame.f_code
-            if code.co_filename.startswith(GPULAB_DIR) and code.co_name == "check" \
-                    and "spec" in tb.tb_frame.f_locals:
-                spec = tb.tb_frame.f_locals["spec"]
-                return spec if hasattr(spec, "summary") else None
+            if code.co_filename.startswith(GPULAB_DIR) and code.co_name in ("check", "run_check") \
+                    and hasattr(tb.tb_frame.f_locals.get("spec"), "summary"):
+                return tb.tb_frame.f_locals["spec"]
             tb = tb.tb_next
     return None
 

@@ -14,6 +14,9 @@ commands:
   profile NAME    profile a benchmark case (Nsight Compute, else torch.profiler;
                   on a CPU: the saved H200 report)
   progress        every exercise of the course with its status and points
+  serve           an OpenAI-compatible HTTP server over the engine (--host, --port)
+  train           train the serving engine's ternary transformer, save a 2-bit checkpoint
+  serve-bench     drive the serving engine with a generated workload (vs static batching)
 """
 
 
@@ -39,6 +42,12 @@ def main(argv=None) -> int:
         from ..harness.profiler import main as m
     elif cmd == "progress":
         from .progress import main as m
+    elif cmd == "serve":
+        from ..engine.server import main as m
+    elif cmd == "train":
+        from ..engine.train import main as m
+    elif cmd == "serve-bench":
+        from ..engine.serve_bench import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

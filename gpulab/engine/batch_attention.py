@@ -1,0 +1,91 @@
+r"""Attention for every batch shape the scheduler produces, over the paged KV cache.
+
+A step mixes two shapes (the runner puts decodes first):
+
+* **decode** rows: one new query per sequence over its whole history. That is
+  notebook 05's paged decode (``gpulab.paged.paged_decode_attention``), or, when all
+  of them share cached prefix pages, notebook 06's cascade
+  (``gpulab.cascade.cascade_decode_attention``: the shared prefix is read once).
+* **append** rows (prefill and chunked prefill, FlashInfer's "append"/paged-prefill):
+  request b brings ``qo_indptr[b+1] - qo_indptr[b]`` new queries whose keys and values
+  were just written to the end of its ``kv_lens[b]`` cached tokens. Query i of those T
+  sits at position ``kv_lens[b] - T + i`` and attends to keys 0 .. that position:
+  a causal mask shifted by the history.
+
+``append_attention_reference`` is the PyTorch definition of the append shape, with the
+signature of the Triton kernel being written for ``gpulab.prefill``; the engine uses it
+on the CPU and until that kernel lands.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cascade import cascade_decode_attention
+from ..paged import gather_kv, paged_decode_attention, paged_decode_into
+from .. import runtime
+
+
+def append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
+                               scale: float | None = None, causal: bool = True) -> torch.Tensor:
+    """Ragged multi-query attention over paged history (PyTorch, float32 math).
+
+    q: [total_q, Hq, D]; k_cache, v_cache: [pages, page_size, Hkv, D]; qo_indptr: int32
+    [B+1]; block_tables: int32 [B, W]; kv_lens: int32 [B] (history + the new tokens).
+    Returns o [total_q, Hq, D] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    indptr, lens = qo_indptr.tolist(), kv_lens.tolist()
+    g = q.shape[1] // k_cache.shape[2]
+    for b in range(len(lens)):
+        lo, hi = indptr[b], indptr[b + 1]
+        if hi == lo:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables, lens[b], b)          # [N, Hkv, D]
+        qb = q[lo:hi].float().transpose(0, 1)                                  # [Hq, T, D]
+        kb = k.float().repeat_interleave(g, 1).transpose(0, 1)
+        vb = v.float().repeat_interleave(g, 1).transpose(0, 1)
+        s = qb @ kb.transpose(1, 2) * scale                                    # [Hq, T, N]
+        if causal:
+            t, n = hi - lo, lens[b]
+            seen = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
+            s = s.masked_fill(~seen, -math.inf)
+        out[lo:hi] = (torch.softmax(s, dim=-1) @ vb).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, hook=None, prefix=None):
+    """Paged decode for one query per sequence: the one place the engine calls it.
+
+    ``prefix = (prefix_pages, prefix_len)``: every sequence shares those pages first and
+    ``block_table``/``seq_lens`` describe only each one's own suffix; cascade attention
+    then reads the prefix once for the whole batch. ``hook`` replaces gpulab's kernel
+    (notebook 07 wires in the learner's own). While a CUDA graph is being captured, the
+    launcher runs without the public function's host checks (they read seq_lens on the
+    host, which a capture forbids); the runner checked the plan when it built it."""
+    if prefix is not None:
+        return cascade_decode_attention(q, k_cache, v_cache, prefix[0], prefix[1], block_table, seq_lens, scale)
+    if hook is not None:
+        return hook(q, k_cache, v_cache, block_table, seq_lens)
+    if runtime.mode() == "compiled" and torch.cuda.is_current_stream_capturing():
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        paged_decode_into(q, k_cache, v_cache, block_table, seq_lens, o, lse, scale)
+        return o
+    # the interpreter pays per program: one partition per sequence is fastest there
+    splits = 1 if runtime.interpreting() else None
+    return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits=splits)
+
+
+def shared_prefix_pages(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:
+    """How many leading pages every sequence of a decode batch has in common (full
+    pages only: each sequence must also have at least one token after them)."""
+    if len(block_tables) < 2:
+        return 0
+    n = min((length - 1) // block_size for length in seq_lens)
+    first = block_tables[0]
+    k = 0
+    while k < n and all(bt[k] == first[k] for bt in block_tables):
+        k += 1
+    return k

@@ -1,0 +1,283 @@
+"""The step loop: schedule, run, sample, retire. Everything else is in its own file.
+
+>>> llm = LLM()                                     # the shipped checkpoint
+>>> out = llm.generate(["Shall I compare thee"], SamplingParams(max_tokens=40))
+>>> print(out[0].text)
+
+or request by request (what a server does)::
+
+    rid = llm.add_request("Tyger Tyger", SamplingParams(temperature=0.8, seed=1))
+    while llm.has_unfinished():
+        for update in llm.step():      # requests that got a token (or finished) this step
+            ...
+
+One :meth:`LLM.step`:
+
+1. the scheduler picks sequences and token counts within the budget (and preempts);
+2. the runner copies shared pages that are about to be written, plans the step once and
+   runs the model's layers over the paged cache;
+3. sequences whose prompt is now fully computed get a token from the sampler (the n
+   completions of a request fork here, sharing the prompt's pages);
+4. finished sequences release their pages: full pages stay in the prefix cache.
+
+Bad requests (empty prompt, prompt longer than the context, invalid sampling
+parameters, more pages than the pool has) are refused by ``add_request`` with a
+:class:`RequestError` saying what to change; ``generate`` reports that error on the
+request's own output and serves the others.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import runtime
+from .block_manager import BlockManager
+from .metrics import EngineMetrics, RequestMetrics, StepRecord
+from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
+from .runner import ModelRunner
+from .sampling import sample
+from .scheduler import Scheduler
+from .sequence import RequestError, SamplingParams, Sequence, Status, draw_seed, validate_request
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int = 256               # KV pages in the pool
+    block_size: int = 16                # tokens per page
+    max_num_seqs: int = 32              # sequences per step (and the largest CUDA graph)
+    max_num_batched_tokens: int = 256   # the token budget of one step
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    cascade: bool = False               # shared-prefix decode batches through cascade attention
+    cuda_graphs: bool = True            # compiled mode only
+    linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
+    attention: str = "auto"             # auto: triton when compiled (GPU), torch on the CPU
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+    @property
+    def text(self) -> str:
+        return decode_tokens(self.token_ids)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text if self.completions else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids if self.completions else []
+
+
+class LLM:
+    def __init__(self, model: TernaryTransformer | None = None, config: EngineConfig | None = None,
+                 decode_hook=None, block_manager_cls=BlockManager, scheduler_cls=Scheduler, **overrides):
+        """``decode_hook(q, k_cache, v_cache, block_table, seq_lens) -> o`` replaces the
+        paged-decode kernel; ``block_manager_cls`` and ``scheduler_cls`` swap in other
+        implementations of those parts (notebook 07 plugs in the learner's)."""
+        if config is not None and overrides:
+            raise TypeError("pass either config or keyword overrides, not both")
+        self.config = config = config or EngineConfig(**overrides)
+        if model is None:
+            model = load_checkpoint(device=runtime.device(), dtype=runtime.default_dtype())
+        self.model = model
+        self.max_model_len = model.cfg.max_seq_len
+        self.block_manager = block_manager_cls(config.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.chunked_prefill, self.max_model_len)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
+                                  config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
+        self.metrics = EngineMetrics(config.num_blocks)
+        self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate_request(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a RequestError saying what is wrong."""
+        ids = validate_request(prompt, params, self.model.cfg.vocab_size, self.max_model_len)
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = self.block_manager.blocks_for(total)
+        if need > self.config.num_blocks:
+            raise RequestError(f"the request needs up to {total} tokens of KV cache = {need} pages of "
+                               f"{self.config.block_size}, but the pool has only {self.config.num_blocks} "
+                               f"pages: lower max_tokens or the prompt length, or give the engine more pages")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises :class:`RequestError` for a bad one
+        (nothing is allocated then)."""
+        params = SamplingParams() if params is None else params
+        ids = self.validate_request(prompt, params)
+        request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params,
+                       draw_seed() if params.seed is None else params.seed, arrival_time=now)
+        self.groups[request_id] = [seq]
+        self.metrics.requests[request_id] = RequestMetrics(request_id, now, len(ids))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for seq in self.groups.get(request_id, []):
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self._maybe_close(request_id, time.perf_counter())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching; returns the requests that got tokens."""
+        t0 = time.perf_counter()
+        batch = self.schedule()
+        if not batch.items:
+            return []
+        prefill = batch.prefill_flags          # before the step counts the tokens as computed
+        logits, seqs, plan = self.runner.run(batch.items, batch.copies)
+        self.scheduler.postprocess(batch)
+        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan)
+
+    def schedule(self):
+        """The scheduler's batch for this step (see :mod:`.scheduler`)."""
+        batch = self.scheduler.schedule()
+        if not batch.items and self.scheduler.has_work() and not self.scheduler.running \
+                and not batch.preempted:
+            raise RuntimeError("the scheduler admitted nothing although the engine is idle: "
+                               "a waiting request can never fit (this is a bug: add_request checks it)")
+        return batch
+
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """One new token for each sequence whose row of ``logits`` is ready to sample."""
+        seqs, rows = self._fork_completions(seqs)
+        tokens = sample(logits[rows] if rows is not None else logits, seqs)
+        return {seq: [tok] for seq, tok in zip(seqs, tokens)}
+
+    def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
+             plan) -> list[RequestOutput]:
+        """Append each sequence's new tokens (a speculative step may bring several),
+        retire those that hit EOS, max_tokens or the context, record the step
+        (``prefill``: which of the batch's items were prompt chunks)."""
+        n_prefill = sum(n for (_, n), p in zip(batch.items, prefill) if p)
+        now = time.perf_counter()
+        touched = {}
+        for seq, tokens in new_tokens.items():
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            for tok in tokens:
+                seq.token_ids.append(tok)
+                reason = ("eos" if seq.params.stop_at_eos and tok == EOS else
+                          "length" if seq.num_output_tokens >= seq.params.max_tokens
+                          or seq.num_tokens >= self.max_model_len else None)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    break
+            touched[seq.request_id] = None
+        self.metrics.steps.append(StepRecord(
+            t0, now, len(batch.items), n_prefill, batch.num_tokens - n_prefill,
+            self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
+            len(batch.preempted), plan.use_graph, plan.prefix is not None,
+            [(s.seq_id, n, prefill) for (s, n), prefill in zip(batch.items, prefill)],
+            [s.seq_id for s in batch.preempted]))
+        return [self._maybe_close(rid, now) for rid in touched]
+
+    def _fork_completions(self, seqs: list[Sequence]):
+        """A request with n > 1 forks when its prompt is done: the other n - 1 completions
+        share its pages and sample their first token from the same logits."""
+        if all(s.params.n == 1 or s.num_output_tokens > 0 or s.index > 0 for s in seqs):
+            return seqs, None
+        out, rows = [], []
+        for r, seq in enumerate(seqs):
+            out.append(seq)
+            rows.append(r)
+            if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+                for i in range(1, seq.params.n):
+                    child = Sequence(next(self._seq_ids), seq.request_id, list(seq.token_ids),
+                                     seq.num_prompt_tokens, seq.params, seq.seed, index=i,
+                                     arrival_time=seq.arrival_time, status=Status.RUNNING)
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.running.append(child)
+                    self.groups[seq.request_id].append(child)
+                    out.append(child)
+                    rows.append(r)
+        return out, torch.tensor(rows, device=self.runner.device)
+
+    def _maybe_close(self, request_id: str, now: float) -> RequestOutput:
+        group = self.groups[request_id]
+        done = all(s.finished for s in group)
+        m = self.metrics.requests[request_id]
+        m.first_token = min((s.first_token_time for s in group if s.first_token_time is not None), default=None)
+        m.num_output_tokens = sum(s.num_output_tokens for s in group)
+        m.num_cached_tokens = group[0].num_cached_tokens
+        m.num_preemptions = sum(s.num_preemptions for s in group)
+        if done and m.finish is None:
+            m.finish = now
+        out = RequestOutput(request_id, group[0].token_ids[:group[0].num_prompt_tokens],
+                            [Completion(s.index, s.output_ids, s.finish_reason) for s in group],
+                            done, metrics=m)
+        if done:
+            del self.groups[request_id]
+        return out
+
+    # -- offline use ------------------------------------------------------------------------
+    def generate(self, prompts, params=None, progress: bool = False) -> list[RequestOutput]:
+        """Serve a list of prompts to completion; one output per prompt, in order. A bad
+        request's output carries its ``error`` and no tokens; the others are served."""
+        return generate_all(self, prompts, params, progress)
+
+    # -- views ------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        return self.metrics.summary(self.block_manager.hit_rate())
+
+    def idle(self) -> bool:
+        """No requests and every page free (cached pages count as free)."""
+        return not self.has_unfinished() and self.block_manager.num_free == self.config.num_blocks
+
+
+def generate_all(engine, prompts, params=None, progress: bool = False) -> list[RequestOutput]:
+    """Offline serving with any engine that has add_request/step/has_unfinished."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+    order, results = [], {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            order.append(engine.add_request(p, sp))
+        except RequestError as e:
+            key = f"rejected-{i}"
+            results[key] = RequestOutput(key, [], finished=True, error=str(e))
+            order.append(key)
+    bar = tqdm(total=len(order) - len(results), desc="requests", mininterval=0.5) if progress else None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [results[k] for k in order]

@@ -1,0 +1,118 @@
+"""What a serving run measures.
+
+Per request: **TTFT** (time to first token: arrival -> first generated token, which
+includes queueing and the whole prefill), **TPOT** (time per output token after the
+first: (finish - first token) / (outputs - 1)), **end-to-end latency** (arrival ->
+finish). Per run: **throughput** (generated tokens per second of wall time), requests
+per second, KV **pages in use** per step, the **prefix-cache hit rate** (prompt tokens
+found in the cache / prompt tokens looked up) and preemptions. Every step is also
+recorded (what ran, how many pages), for the timeline plots of ``gpulab serve-bench``.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    request_id: str
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    finish: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish is None or self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class StepRecord:
+    start: float
+    end: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    pages_used: int
+    pages_cached: int
+    waiting: int
+    preempted: int
+    graph: bool
+    cascade: bool = False
+    scheduled: list[tuple[int, int, bool]] = field(default_factory=list)   # (seq id, tokens, prefill?)
+    preempted_ids: list[int] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+class EngineMetrics:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.requests: dict[str, RequestMetrics] = {}
+        self.steps: list[StepRecord] = []
+
+    def summary(self, hit_rate: float | None = None) -> dict:
+        done = [r for r in self.requests.values() if r.finish is not None]
+        out_tokens = sum(r.num_output_tokens for r in done)
+        t0 = min((r.arrival for r in self.requests.values()), default=0.0)
+        t1 = max((r.finish for r in done), default=t0)
+        wall = max(t1 - t0, 1e-9)
+
+        def stats(name, vals):
+            return {f"{name}_p50": percentile(vals, 50), f"{name}_p90": percentile(vals, 90),
+                    f"{name}_mean": statistics.fmean(vals) if vals else None}
+        s = {"requests": len(done), "output_tokens": out_tokens, "wall_s": wall,
+             "throughput_tok_s": out_tokens / wall, "requests_per_s": len(done) / wall,
+             "steps": len(self.steps),
+             "pages_used_mean": statistics.fmean([r.pages_used for r in self.steps]) if self.steps else 0.0,
+             "pages_used_max": max((r.pages_used for r in self.steps), default=0), "pages_total": self.num_pages,
+             "preemptions": sum(r.preempted for r in self.steps),
+             "prefix_hit_rate": hit_rate,
+             "graph_steps": sum(r.graph for r in self.steps),
+             "cascade_steps": sum(r.cascade for r in self.steps)}
+        s.update(stats("ttft_s", [r.ttft for r in done if r.ttft is not None]))
+        s.update(stats("tpot_s", [r.tpot for r in done if r.tpot is not None]))
+        s.update(stats("e2e_s", [r.e2e for r in done]))
+        return s
+
+    def to_json(self) -> dict:
+        return {"requests": [asdict(r) | {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}
+                             for r in self.requests.values()],
+                "steps": [asdict(s) for s in self.steps]}
+
+
+def format_summary(s: dict, title: str = "") -> str:
+    """A small table of a run's summary (times in ms)."""
+    ms = lambda v: "-" if v is None else f"{v * 1e3:9.1f}"  # noqa: E731
+    lines = [title] if title else []
+    lines += [f"requests {s['requests']}, output tokens {s['output_tokens']}, {s['steps']} steps, "
+              f"wall {s['wall_s']:.2f} s, throughput {s['throughput_tok_s']:.1f} tok/s",
+              f"{'':10}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}"]
+    for k, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "latency")):
+        lines.append(f"{label:10}{ms(s[k + '_p50'])} {ms(s[k + '_p90'])} {ms(s[k + '_mean'])}")
+    hr = s.get("prefix_hit_rate")
+    lines.append(f"pages used: mean {s['pages_used_mean']:.1f}, max {s['pages_used_max']} of {s['pages_total']}; "
+                 f"preemptions {s['preemptions']}; prefix-cache hit rate "
+                 f"{'-' if hr is None else f'{100 * hr:.0f}%'}")
+    return "\n".join(lines)

@@ -1,0 +1,312 @@
+r"""The model the engine serves: a tiny byte-level ternary transformer, and the plain
+reference decoder that defines what the engine must output.
+
+Architecture (the BitNet b1.58 recipe at toy size, on gpulab's kernels):
+
+    tokens -> embedding -> N x [ x = x + o_proj(Attn(RoPE(qkv_proj(x))))
+                                 x = x + down_proj(SiLU(gate) ⊙ up),  [gate, up] = gate_up(x) ]
+           -> RMSNorm -> head -> logits over 256 bytes + BOS + EOS
+
+* Every projection is a :class:`gpulab.bitlinear.BitLinear`: it normalises its own input
+  (RMSNorm with a learned weight, so it *is* the block's pre-norm), quantizes it to int8
+  per token and multiplies by ternary weights. Packed for inference, that is the fused
+  RMSNorm+quant kernel (notebook 02) followed by the 2-bit ternary matmul (notebook 01).
+* Attention: rotary position embeddings (RoPE, rotate-half form) and grouped-query
+  attention, ``n_heads`` query heads sharing ``n_kv_heads`` key/value heads.
+* Embedding, final norm and head stay in full precision, as in the BitNet papers.
+
+The layers take flat token rows ``x [..., d_model]`` and an ``attend(layer, q, k, v)``
+callback: training passes causal attention over [B, T], the reference decoder a
+contiguous per-request cache, and the engine's runner paged attention over a whole
+batch. So the model is written once and every way of running it shares its weights and
+arithmetic.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..bitlinear import BitLinear, unpack_ternary
+from ..model import load_corpus
+from ..normquant import rmsnorm_quant_ref
+
+BOS, EOS = 256, 257             # specials after the 256 byte values
+CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "ternary_poet.pt"
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+def encode_prompt(text: str, bos: bool = True) -> list[int]:
+    """UTF-8 bytes as token ids, after a BOS token."""
+    return ([BOS] if bos else []) + list(text.encode("utf-8"))
+
+
+def decode_tokens(tokens) -> str:
+    """Token ids back to text; specials are dropped, invalid UTF-8 becomes �."""
+    return bytes(int(t) for t in tokens if int(t) < 256).decode("utf-8", errors="replace")
+
+
+def corpus_tokens(name: str = "poems.txt") -> torch.Tensor:
+    """The corpus as one stream: BOS poem EOS BOS poem EOS ... (a poem starts at the line
+    before its "by ..." line)."""
+    poems = re.split(r"\n\s*\n(?=[^\n]+\nby )", load_corpus(name).strip())
+    ids = []
+    for p in poems:
+        ids += encode_prompt(p.strip() + "\n") + [EOS]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# -- configuration --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 258
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    hidden: int = 384
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for k, v in asdict(self).items():
+            if k != "rope_theta" and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"ModelConfig.{k} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden=128,
+                   max_seq_len=256)       # tests and CPU demos
+
+
+# -- layers ---------------------------------------------------------------------------------
+def rope_tables(cfg: ModelConfig, device=None):
+    """cos, sin [max_seq_len, head_dim / 2] for rotate-half RoPE, float32."""
+    inv = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] rotated by the angles of its position (cos, sin: [..., D/2])."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[..., None, :], sin[..., None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def packed_bitlinear_reference(layer: BitLinear, x: torch.Tensor) -> torch.Tensor:
+    """What a packed BitLinear computes, in PyTorch ops only: RMSNorm + int8 absmax
+    quantization, the integer product with the unpacked ternary weights, one scale."""
+    x_q, x_s = rmsnorm_quant_ref(x, layer.norm_weight, layer.eps)
+    w_t = unpack_ternary(layer.w_packed, layer.in_features).float()
+    acc = x_q.float() @ w_t.t()       # integers, exact in float32 for these sizes
+    return (acc / (x_s[..., None] * layer.w_scale.float())).to(x.dtype)
+
+
+def run_bitlinear(layer: BitLinear, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """The layer's own forward (Triton kernels once packed) or the PyTorch reference."""
+    if reference and layer.packed:
+        return packed_bitlinear_reference(layer, x)
+    return layer(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.qkv_proj = BitLinear(cfg.d_model, q + 2 * kv)
+        self.o_proj = BitLinear(q, cfg.d_model)
+        self.gate_up = BitLinear(cfg.d_model, 2 * cfg.hidden)
+        self.down_proj = BitLinear(cfg.hidden, cfg.d_model)
+
+    def forward(self, x, cos, sin, attend, layer: int, reference: bool = False):
+        c = self.cfg
+        lin = lambda m, t: run_bitlinear(m, t, reference)  # noqa: E731
+        qkv = lin(self.qkv_proj, x)
+        q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
+                             c.n_kv_heads * c.head_dim], dim=-1)
+        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
+        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        o = attend(layer, q, k, v)                       # [..., n_heads, head_dim]
+        x = x + lin(self.o_proj, o.flatten(-2))
+        gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
+        return x + lin(self.down_proj, F.silu(gate) * up)
+
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TernaryTransformer(nn.Module):
+    """A byte-level decoder-only transformer with ternary (BitLinear) projections.
+
+    >>> model = TernaryTransformer(TINY)
+    >>> model(torch.tensor([encode_prompt("Tyger")])).shape   # training forward
+    torch.Size([1, 6, 258])
+    """
+
+    def __init__(self, cfg: ModelConfig = ModelConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def packed(self) -> bool:
+        return self.blocks[0].qkv_proj.packed
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                      reference: bool = False) -> torch.Tensor:
+        """Final-norm hidden states of tokens [...] at positions [...] (same shape)."""
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, attend, i, reference)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h).float()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training/teacher-forcing forward: tokens [B, T] -> logits [B, T, vocab]."""
+        if tokens.dim() != 2 or tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"tokens must be [B, T] with T <= {self.cfg.max_seq_len}, got {tuple(tokens.shape)}")
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.logits(self.hidden_states(tokens, pos, causal_attention))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab_size), tokens[:, 1:].reshape(-1))
+
+    def pack(self) -> "TernaryTransformer":
+        """Every BitLinear to 2-bit packed inference weights (one-way)."""
+        for m in self.modules():
+            if isinstance(m, BitLinear):
+                m.pack()
+        return self.eval()
+
+
+def causal_attention(layer: int, q, k, v):
+    """q [B, T, Hq, D], k, v [B, T, Hkv, D] -> [B, T, Hq, D] (training path)."""
+    g = q.shape[-2] // k.shape[-2]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(g, -2).transpose(1, 2),
+                                       v.repeat_interleave(g, -2).transpose(1, 2), is_causal=True)
+    return o.transpose(1, 2)
+
+
+# -- sizes and checkpoints ------------------------------------------------------------------
+def model_sizes(model: TernaryTransformer) -> dict:
+    """Bytes of the weights with every parameter in bf16, and as served: ternary
+    projections packed at 2 bits (+ one float32 scale each), the rest (embedding, head,
+    norm weights) kept in 16 bits."""
+    ternary = packed = 0
+    ternary_ids = set()
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            ternary += m.in_features * m.out_features
+            packed += m.out_features * -(-m.in_features // 4) + 4
+            if m.weight is not None:
+                ternary_ids.add(id(m.weight))
+    other = sum(p.numel() for p in model.parameters() if id(p) not in ternary_ids)
+    return {"ternary_params": ternary, "other_params": other,
+            "bf16_bytes": 2 * (ternary + other), "packed_bytes": packed + 2 * other}
+
+
+def format_sizes(model: TernaryTransformer) -> str:
+    s = model_sizes(model)
+    return (f"{s['ternary_params'] / 1e6:.2f} M ternary weights: {s['bf16_bytes'] / 1e6:.2f} MB in bf16, "
+            f"{s['packed_bytes'] / 1e6:.2f} MB with 2-bit packing "
+            f"({s['bf16_bytes'] / s['packed_bytes']:.1f}x smaller; embedding, head and norms stay 16-bit)")
+
+
+def save_checkpoint(model: TernaryTransformer, path=CHECKPOINT) -> Path:
+    """Packed 2-bit weights + 16-bit rest + the config, in one torch file."""
+    if not model.packed:
+        raise ValueError("pack the model first (model.pack()): checkpoints hold 2-bit weights")
+    state = {k: (v.half() if v.is_floating_point() and "w_scale" not in k else v).cpu()
+             for k, v in model.state_dict().items()}
+    path = Path(path)
+    torch.save({"config": asdict(model.cfg), "state": state}, path)
+    return path
+
+
+def load_checkpoint(path=CHECKPOINT, device=None, dtype=torch.float32) -> TernaryTransformer:
+    """A packed model ready to serve; float weights in ``dtype`` on ``device``."""
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    model = TernaryTransformer(ModelConfig(**blob["config"])).pack()
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in blob["state"].items()}
+    model.load_state_dict(state)
+    return prepare_for_serving(model, device, dtype)
+
+
+def prepare_for_serving(model: TernaryTransformer, device=None, dtype=torch.float32) -> TernaryTransformer:
+    """Packed, in eval mode, float parameters in ``dtype`` (scales and RoPE tables stay float32)."""
+    model = model.pack().to(device)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+# -- the reference decoder ------------------------------------------------------------------
+@torch.no_grad()
+def reference_generate(model: TernaryTransformer, prompt: list[int], max_tokens: int,
+                       stop_at_eos: bool = True) -> list[int]:
+    """Greedy decoding of one request with a contiguous KV cache, PyTorch ops only.
+
+    This defines the engine's expected output: whatever the schedule, the engine's greedy
+    tokens must equal these. Returns the generated tokens (without the prompt)."""
+    cfg = model.cfg
+    if not prompt or len(prompt) >= cfg.max_seq_len:
+        raise ValueError(f"prompt must have 1..{cfg.max_seq_len - 1} tokens, got {len(prompt)}")
+    dev = model.rope_cos.device
+    caches = [[None, None] for _ in range(cfg.n_layers)]
+
+    def attend(layer, q, k, v):                      # q [T, Hq, D]; k, v [T, Hkv, D]
+        kc, vc = caches[layer]
+        kc = k if kc is None else torch.cat([kc, k])
+        vc = v if vc is None else torch.cat([vc, v])
+        caches[layer] = [kc, vc]
+        return attention_with_history(q, kc, vc)
+
+    out: list[int] = []
+    tokens, start = list(prompt), 0
+    while len(out) < max_tokens and len(tokens) < cfg.max_seq_len:
+        new = torch.tensor(tokens[start:], device=dev)
+        pos = torch.arange(start, len(tokens), device=dev)
+        h = model.hidden_states(new, pos, attend, reference=True)
+        nxt = int(model.logits(h[-1]).argmax())
+        out.append(nxt)
+        tokens.append(nxt)
+        start = len(tokens) - 1
+        if stop_at_eos and nxt == EOS:
+            break
+    return out
+
+
+def attention_with_history(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> torch.Tensor:
+    """The last T = len(q) of N keys are the queries' own tokens: query i sees keys
+    0 .. N - T + i (causal with an offset). q [T, Hq, D], k, v [N, Hkv, D] -> [T, Hq, D]."""
+    t, n = q.shape[0], k.shape[0]
+    g = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("thd,nhd->htn", q.float(), k.float().repeat_interleave(g, 1)) * scale
+    allowed = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
+    return torch.einsum("htn,nhd->thd", p, v.float().repeat_interleave(g, 1)).to(q.dtype)

@@ -1,0 +1,137 @@
+"""Iteration-level scheduling (continuous batching): every step decides afresh which
+sequences run and how many of their tokens.
+
+One step has a *token budget* (``max_num_batched_tokens``) and a cap on sequences
+(``max_num_seqs``). :meth:`Scheduler.schedule`:
+
+1. **Running sequences first**, oldest first. A decoding sequence needs 1 token; one
+   still in its prompt needs the rest of it, cut to what the budget has left (*chunked
+   prefill*: a long prompt is spread over several steps, mixed with other requests'
+   decodes, so it never stalls them for long). If the KV pool cannot hold the new
+   tokens, the newest running sequence is *preempted*: its pages are released and it
+   goes back to the front of the waiting queue, to be recomputed later. The oldest
+   requests keep their place: first come, first served.
+2. **Then waiting sequences**, in arrival order, while budget, sequence slots and pages
+   remain. Admission looks the prompt up in the prefix cache first: cached pages are
+   reused and only the rest is computed. The queue is not skipped: if its head does not
+   fit, later requests wait too (no starvation of long prompts).
+
+The result, a :class:`ScheduledBatch`, says for each chosen sequence how many tokens
+to run, plus the page copies (copy-on-write) to do first. After the step,
+:meth:`Scheduler.postprocess` appends the sampled tokens and retires finished sequences.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, tokens to run)
+    copies: list[tuple[int, int]] = field(default_factory=list)       # pages to copy first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    @property
+    def prefill_flags(self) -> list[bool]:
+        """Per item: does it compute prompt tokens (before postprocess counts them)?"""
+        return [s.num_computed_tokens < s.num_prompt_tokens or n > 1 for s, n in self.items]
+
+    def __len__(self):
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, chunked_prefill: bool = True,
+                 max_model_len: int | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, "
+                             f"got {max_num_seqs}, {max_num_batched_tokens}")
+        if not chunked_prefill and max_model_len and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill a whole prompt must fit one step: "
+                             f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({max_model_len})")
+        self.bm = block_manager
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release ``seq``'s pages and requeue it first; it will recompute its tokens."""
+        self.bm.free_sequence(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.budget
+        # 1. running sequences, oldest first; preempt the newest when pages run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.can_append(seq, n):
+                victim = self.running.pop()
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.copies += self.bm.append_slots(seq, n)
+                batch.items.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # 2. waiting sequences in arrival order (not in a step that had to preempt)
+        while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq)
+            todo = seq.num_tokens - len(hits) * self.bm.block_size
+            if todo > budget and not self.chunked_prefill:
+                break
+            n = min(todo, budget)
+            if not self.bm.can_allocate(seq, hits, seq.num_tokens - todo + n):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, hits, seq.num_tokens - todo + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """After the step ran: count the computed tokens and register full pages."""
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.bm.commit_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire ``seq``: release its pages (their hashes stay cached) and drop it."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.bm.free_sequence(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

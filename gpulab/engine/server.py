@@ -1,0 +1,447 @@
+"""An OpenAI-compatible HTTP server over the engine (``gpulab serve``).
+
+Endpoints: ``POST /v1/completions`` (streaming by server-sent events with
+``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(Prometheus text format). The byte-level model has no chat template, so there is no
+``/v1/chat/completions``.
+
+How requests meet the engine. The engine is not thread-safe, so one thread owns it:
+:class:`EngineLoop` runs ``add_request``/``abort``/``step`` on that thread only. An HTTP
+handler sends it a command through a queue and awaits the answer; every step's outputs
+go back to the handler of each request through an asyncio queue. So requests from many
+clients join the running batch at the next step, a bad request gets its own 4xx while
+the others keep streaming, and a client that disconnects aborts its request, which
+frees its pages.
+
+>>> from gpulab.engine.server import create_app        # doctest: +SKIP
+>>> app = create_app()                                  # the shipped checkpoint
+>>> # uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import concurrent.futures
+import itertools
+import json
+import queue
+import threading
+import time
+import traceback
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .engine import LLM, RequestOutput
+from .model import encode_prompt
+from .sequence import RequestError, SamplingParams
+
+MODEL_NAME = "gpulab-ternary-poet"
+
+
+# -- the request body -------------------------------------------------------------------------
+class CompletionRequest(BaseModel):
+    """The fields of OpenAI's completions API that a byte-level model can honour; any
+    other field is an error (so a typo is not silently ignored)."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = MODEL_NAME
+    prompt: str | list[int] | list[str]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # an extension, as in vLLM
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    user: str | None = None
+    stream_options: dict | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
+def error_body(message: str, type_: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _prompt_of(req: CompletionRequest):
+    p = req.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise APIError(400, "send one prompt per request (this server takes a string or a list of "
+                                "token ids)", "prompt")
+        p = p[0]
+    return p
+
+
+def _sampling_params(req: CompletionRequest) -> SamplingParams:
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs are not supported by this server: leave the field out", "logprobs")
+    if req.echo and req.stream:
+        raise APIError(400, "echo is supported only without stream", "echo")
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                          max_tokens=req.max_tokens, seed=req.seed, n=req.n)
+
+
+def _stops(req: CompletionRequest) -> list[str]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise APIError(400, "stop takes up to 4 non-empty strings", "stop")
+    return stops
+
+
+# -- the engine's thread --------------------------------------------------------------------------
+@dataclass
+class Subscription:
+    """Where one request's outputs go: an asyncio queue on the server's event loop."""
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class EngineLoop:
+    """Owns the engine: every call to it happens on this object's thread."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.commands: queue.Queue = queue.Queue()
+        self.subscribers: dict[str, Subscription] = {}
+        self.ids = itertools.count()
+        self.steps = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="gpulab-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.commands.put(("wake",))
+        self.thread.join(timeout=10)
+
+    # called from the event loop ------------------------------------------------------------
+    async def submit(self, prompt, params: SamplingParams) -> tuple[str, Subscription]:
+        """Queue a request; raises :class:`RequestError` (for a 400) if the engine refuses it."""
+        sub = Subscription(asyncio.get_running_loop())
+        done = concurrent.futures.Future()
+        self.commands.put(("add", f"cmpl-{next(self.ids)}", prompt, params, sub, done))
+        return await asyncio.wrap_future(done), sub
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    # the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            if not self.llm.has_unfinished():
+                self._handle(self.commands.get())        # idle: sleep until a command comes
+            while True:                                  # all that arrived joins this step
+                try:
+                    self._handle(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            if self.stopping.is_set() or not self.llm.has_unfinished():
+                continue
+            try:
+                outputs = self.llm.step()
+            except Exception as e:            # a bug, not a bad request: fail what is running, go on
+                traceback.print_exc()
+                self._fail_all(f"the engine failed a step: {type(e).__name__}: {e}")
+                continue
+            self.steps += 1
+            for out in outputs:
+                sub = self.subscribers.get(out.request_id)
+                if sub is not None:
+                    sub.put(out)
+                if out.finished:
+                    self.subscribers.pop(out.request_id, None)
+
+    def _handle(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, prompt, params, sub, done = command
+            try:
+                self.llm.add_request(prompt, params, request_id=rid)
+            except RequestError as e:
+                done.set_exception(e)
+                return
+            self.subscribers[rid] = sub
+            done.set_result(rid)
+        elif kind == "abort":
+            rid = command[1]
+            if rid in self.llm.groups:
+                self.llm.abort(rid)
+            sub = self.subscribers.pop(rid, None)
+            if sub is not None:
+                sub.put(None)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, sub in list(self.subscribers.items()):
+            if rid in self.llm.groups:
+                self.llm.abort(rid)
+            sub.put(RuntimeError(message))
+        self.subscribers.clear()
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+class ServerMetrics:
+    def __init__(self, engine: EngineLoop):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("gpulab_requests", "completion requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("gpulab_prompt_tokens", "prompt tokens received", registry=r)
+        self.generated_tokens = Counter("gpulab_generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("gpulab_time_to_first_token_seconds", "time to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.e2e = Histogram("gpulab_request_latency_seconds", "arrival to last token", registry=r,
+                             buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        llm = engine.llm
+        Gauge("gpulab_kv_pages_used", "KV pages held by requests", registry=r).set_function(
+            lambda: llm.block_manager.num_used)
+        Gauge("gpulab_kv_pages_total", "KV pages in the pool", registry=r).set_function(
+            lambda: llm.config.num_blocks)
+        Gauge("gpulab_requests_running", "requests in the running batch", registry=r).set_function(
+            lambda: len(llm.scheduler.running))
+        Gauge("gpulab_requests_waiting", "requests waiting for pages", registry=r).set_function(
+            lambda: len(llm.scheduler.waiting))
+        Gauge("gpulab_engine_steps", "engine steps run", registry=r).set_function(lambda: engine.steps)
+        Gauge("gpulab_prefix_cache_hit_rate", "prompt tokens found in the prefix cache", registry=r
+              ).set_function(lambda: llm.block_manager.hit_rate())
+
+    def finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.requests.labels("ok").inc()
+        if m is not None:
+            self.generated_tokens.inc(m.num_output_tokens)
+            if m.ttft is not None:
+                self.ttft.observe(m.ttft)
+            if m.e2e is not None:
+                self.e2e.observe(m.e2e)
+
+
+# -- the app ------------------------------------------------------------------------------------------
+class _StopWatch:
+    """Finds the first stop string in a completion's text as it grows. Text that could
+    still turn out to be the start of a stop string is held back until it cannot."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.sent = 0            # characters of text already returned
+        self.n_tokens = 0
+        self.stopped = False
+
+    def feed(self, token_ids: list[int], final: bool = False) -> str:
+        """New text from the completion's token ids so far (specials dropped; a partial
+        UTF-8 character waits for its next byte unless ``final``); ends before the first
+        stop string, which is not returned."""
+        new = bytes(t for t in token_ids[self.n_tokens:] if t < 256)
+        self.n_tokens = len(token_ids)
+        start = max(0, len(self.text) - self.hold)
+        self.text += self.decoder.decode(new, final=final)
+        found = [at for at in (self.text.find(s, start) for s in self.stops) if at >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME) -> FastAPI:
+    """The FastAPI app; its engine thread starts with the app and stops with it."""
+    holder = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine = EngineLoop(llm if llm is not None else LLM()).start()
+        holder["engine"], holder["metrics"] = engine, ServerMetrics(engine)
+        app.state.engine = engine
+        yield
+        engine.stop()
+
+    app = FastAPI(title="gpulab", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            msg = "the body is not valid JSON: " + first.get("msg", "")
+        elif kind == "extra_forbidden":
+            msg = f"unknown field {where!r}: this server accepts " + ", ".join(CompletionRequest.model_fields)
+        elif kind == "missing":
+            msg = f"{where} is required"
+        else:
+            msg = f"{where}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(msg, "invalid_request_error", where), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        engine = holder["engine"]
+        alive = engine.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(holder["metrics"].registry).decode())
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "gpulab"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        engine, metrics = holder["engine"], holder["metrics"]
+        if req.model != model_name:
+            raise APIError(404, f"model {req.model!r} does not exist: this server serves {model_name!r}",
+                           "model", code="model_not_found")
+        prompt, params, stops = _prompt_of(req), _sampling_params(req), _stops(req)
+        try:
+            rid, sub = await engine.submit(prompt, params)
+        except RequestError as e:
+            metrics.requests.labels("rejected").inc()
+            raise APIError(400, str(e), "prompt" if "prompt" in str(e) else None) from None
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(encode_prompt(prompt))
+        metrics.prompt_tokens.inc(n_prompt)
+        created = int(time.time())
+        watches = [_StopWatch(stops) for _ in range(req.n)]
+
+        def chunk(index: int, text: str, reason: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": reason}]}
+
+        async def outputs():
+            """The request's outputs until it finishes; aborts it on a stop string."""
+            finished: dict[int, str] = {}
+            while True:
+                out = await sub.outputs.get()
+                if out is None:
+                    return
+                if isinstance(out, Exception):
+                    raise out
+                for c in out.completions:
+                    w = watches[c.index]
+                    if c.index in finished:
+                        continue
+                    text = w.feed(c.token_ids, final=c.finish_reason is not None)
+                    reason = "stop" if w.stopped else {"eos": "stop", "length": "length"}.get(c.finish_reason)
+                    if reason:
+                        finished[c.index] = reason
+                    yield c.index, text, reason
+                if out.finished:
+                    metrics.finished(out)
+                    return
+                if len(finished) == req.n:          # every completion hit a stop string
+                    engine.abort(rid)
+                    return
+
+        if req.stream:
+            async def events():
+                done = False
+                try:
+                    async for index, text, reason in outputs():
+                        if text or reason:
+                            yield f"data: {json.dumps(chunk(index, text, reason))}\n\n"
+                    done = True
+                    yield "data: [DONE]\n\n"
+                except RuntimeError as e:
+                    done = True
+                    yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+                finally:
+                    if not done:              # the client went away: free its pages
+                        engine.abort(rid)
+                        metrics.requests.labels("disconnected").inc()
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        texts, reasons = [""] * req.n, [None] * req.n
+        try:
+            async for index, text, reason in outputs():
+                texts[index] += text
+                reasons[index] = reason or reasons[index]
+        except RuntimeError as e:
+            raise APIError(500, str(e), type_="server_error") from None
+        except asyncio.CancelledError:
+            engine.abort(rid)
+            raise
+        n_out = sum(w.n_tokens for w in watches)
+        echo = prompt if req.echo and isinstance(prompt, str) else ""
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"text": echo + t, "index": i, "logprobs": None, "finish_reason": r}
+                            for i, (t, r) in enumerate(zip(texts, reasons))],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                          "total_tokens": n_prompt + n_out}}
+
+    return app
+
+
+def plot_serving_timeline(llm: LLM):
+    """What the engine did while it served: sequences per step and KV pages in use over
+    time, and the distribution of time to first token and end-to-end latency."""
+    import matplotlib.pyplot as plt
+
+    steps = llm.metrics.steps
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5))
+    if steps:
+        t0 = steps[0].start
+        x = [s.start - t0 for s in steps]
+        a1.step(x, [s.num_seqs for s in steps], where="post", label="sequences in the batch")
+        a1.step(x, [s.waiting for s in steps], where="post", label="waiting")
+        a1.set_xlabel("time (s)")
+        a1.set_ylabel("requests")
+        a1.legend(fontsize=8, loc="upper left")
+        pages = a1.twinx()
+        pages.plot(x, [s.pages_used for s in steps], color="k", lw=1)
+        pages.set_ylabel(f"KV pages in use (of {llm.config.num_blocks})")
+    reqs = [m for m in llm.metrics.requests.values() if m.e2e is not None]
+    for key, label in (("ttft", "time to first token"), ("e2e", "end-to-end latency")):
+        v = sorted(getattr(m, key) * 1e3 for m in reqs if getattr(m, key) is not None)
+        if v:
+            a2.plot(v, [(i + 1) / len(v) for i in range(len(v))], marker=".", label=label)
+    a2.set_xlabel("ms")
+    a2.set_ylabel("share of requests")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+
+def main(argv=None) -> int:
+    """``gpulab serve [--host H] [--port P] [--pages N]``."""
+    ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--pages", type=int, default=None, help="KV pages in the pool (default: the engine's)")
+    args = ap.parse_args(argv)
+    llm = LLM(num_blocks=args.pages) if args.pages else LLM()
+    print(f"serving {MODEL_NAME} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    uvicorn.run(create_app(llm), host=args.host, port=args.port, log_level="warning")
+    return 0

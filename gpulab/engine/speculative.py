@@ -1,0 +1,436 @@
+r"""Speculative decoding: a small draft model proposes k tokens, the target model scores
+all of them in one forward pass, and exact rejection sampling keeps the output
+distribution the target's own (Leviathan et al., 2023; Chen et al., 2023).
+
+For draft tokens x_1..x_k drawn from the draft's distributions q_1..q_k, and the
+target's p_1..p_{k+1} from one pass over the k+1 positions (the last accepted token and
+the k drafts):
+
+    for i = 1..k:  accept x_i with probability min(1, p_i(x_i) / q_i(x_i))
+                   at the first rejection emit y ~ norm(max(0, p_i - q_i)) and stop
+    all accepted:  emit a bonus token y ~ p_{k+1}
+
+Every emitted token is then distributed exactly as if sampled from the target alone.
+Greedy decoding is the special case "accept while x_i is the target's argmax, then emit
+the target's argmax". With acceptance rate α a target pass yields on average
+(1 - α^{k+1}) / (1 - α) tokens.
+
+In the engine (:class:`SpeculativeLLM`) a decoding sequence's drafts are appended to
+its tokens before scheduling, so the scheduler gives it k+1 tokens to run and pages for
+them; the runner returns logits for all k+1 rows; after acceptance the sequence is
+**rolled back**: rejected tokens are cut, the pages that only held them are released,
+and only then are full pages registered in the prefix cache. The draft keeps its state
+at the last accepted token and rewinds to it (:class:`Drafter`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..bitlinear import BitLinear
+from ..model import MatMulFreeLM, encode, load_corpus, train
+from .block_manager import BlockManager
+from .engine import LLM
+from .model import EOS, TernaryTransformer, attention_with_history, packed_bitlinear_reference
+from .sampling import filter_top_k_top_p, sample, token_seed
+from .scheduler import ScheduledBatch
+from .sequence import SamplingParams, Sequence, Status
+
+DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draft.pt"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "speculative.json"
+ACCEPT_SALT = 0x5EC0DE      # random streams of acceptance tests and draft samples are
+DRAFT_SALT = 0xD4AF7        # apart from the sampler's
+
+
+# -- the acceptance rule ----------------------------------------------------------------------
+def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """Tokens emitted for one sequence: the accepted prefix of ``draft`` plus one more.
+
+    draft: k token ids drawn from q; q: [k, V] the draft's probabilities; p: [k+1, V]
+    the target's probabilities at the same positions and one beyond. Uniforms come
+    from ``gen`` (CPU), so the result is reproducible."""
+    k = len(draft)
+    p, q = p.double().cpu(), q.double().cpu()
+    for i, x in enumerate(draft):
+        u = torch.rand((), generator=gen, dtype=torch.float64)
+        if q[i, x] > 0 and u * q[i, x] <= p[i, x]:            # u < min(1, p/q), no division
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        if residual.sum() <= 0:                                  # p == q: nothing to correct
+            residual = p[i]
+        return draft[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[k] / p[k].sum(), 1, generator=gen))]
+
+
+def accept_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
+    """Greedy acceptance: keep drafts while they equal the target's argmax, then emit the
+    target's argmax at the first mismatch (or the bonus position)."""
+    best = target_logits.argmax(-1).tolist()
+    for i, x in enumerate(draft):
+        if x != best[i]:
+            return draft[:i] + [best[i]]
+    return list(draft) + [best[len(draft)]]
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, V] sampling distribution of ``params`` (temperature, top-k, top-p) per row."""
+    n = logits.shape[0]
+    top_k = torch.full((n,), params.top_k, device=logits.device)
+    top_p = torch.full((n,), float(params.top_p), device=logits.device)
+    return torch.softmax(filter_top_k_top_p(logits.float() / params.temperature, top_k, top_p), dim=-1)
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """(1 - α^{k+1}) / (1 - α): tokens one target pass yields at acceptance rate α."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def rollback(seq: Sequence, block_manager: BlockManager, n_drafts: int, n_accepted: int) -> None:
+    """After the target checked ``n_drafts`` drafts at the end of ``seq.token_ids`` and
+    accepted the first ``n_accepted``: cut the rejected ones, count the last committed
+    token and the accepted drafts as computed (the target pass wrote their K and V), and
+    release the pages past those tokens (they held only rejected drafts: fresh pages,
+    never in the prefix cache), last page first."""
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+    keep = block_manager.blocks_for(seq.num_computed_tokens)
+    while len(seq.block_table) > keep:
+        block_manager.release_block(seq.block_table.pop())
+
+
+# -- drafts -----------------------------------------------------------------------------------------
+def _stream(seq: Sequence, position: int, salt: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(token_seed(seq.seed ^ salt, seq.index, position))
+    return gen
+
+
+class Drafter:
+    """A draft model for :class:`SpeculativeLLM`.
+
+    It keeps, per sequence, its state after the sequence's *accepted* tokens. ``propose``
+    first catches up over the tokens accepted since the last call (so a rewind is free:
+    rejected drafts never enter that state), then drafts from a copy of the state."""
+
+    vocab_size: int = 258
+
+    def __init__(self):
+        self.states: dict[int, object] = {}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """For each sequence, (draft tokens, [len, V] draft probabilities or None when
+        greedy). A sequence may get fewer tokens than asked (none: plain decoding)."""
+        out = []
+        for seq, k in zip(seqs, ks):
+            state, logits = self.catch_up(seq, self.states.get(seq.seq_id))
+            self.states[seq.seq_id] = state
+            tokens, probs = [], []
+            for i in range(k if logits is not None else 0):
+                if seq.params.greedy:
+                    x = int(logits.argmax())
+                else:
+                    q = probabilities(logits[None], seq.params)[0]
+                    x = int(torch.multinomial(q.cpu(), 1, generator=_stream(seq, seq.num_tokens + i, DRAFT_SALT)))
+                    probs.append(q)
+                tokens.append(x)
+                if i + 1 < k:
+                    state, logits = self.advance(state, x)
+            out.append((tokens, torch.stack(probs) if probs else None))
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+    # a draft model implements these two
+    def catch_up(self, seq: Sequence, state):
+        """(state after all of ``seq.token_ids``, logits [V] for the next token or None)."""
+        raise NotImplementedError
+
+    def advance(self, state, token: int):
+        """(a new state after one more token, its next-token logits [V]); ``state`` unchanged."""
+        raise NotImplementedError
+
+
+class MLGRUDrafter(Drafter):
+    """The MatMul-free LM of notebook 03 as the draft: a constant-size state per
+    sequence (n_layers vectors), no KV cache. Its 256 byte logits are widened to the
+    target's vocabulary (the specials get probability 0: the target corrects that)."""
+
+    def __init__(self, model, vocab_size: int = 258):
+        super().__init__()
+        if runtime.interpreting():
+            # On a CPU run the packed BitLinears as PyTorch ops (the same arithmetic):
+            # the interpreter would run their Triton kernels a thousand times slower.
+            model = copy.deepcopy(model)
+            for m in model.modules():
+                if isinstance(m, BitLinear) and m.packed:
+                    m.forward = functools.partial(packed_bitlinear_reference, m)
+        self.model, self.vocab_size = model.eval(), vocab_size
+        self.device = model.embed.weight.device
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        pad = torch.full((self.vocab_size - logits.shape[-1],), -torch.inf, device=logits.device)
+        return torch.cat([logits.float(), pad])
+
+    @torch.no_grad()
+    def catch_up(self, seq, state):
+        n_done, states, logits = state if state is not None else (0, None, None)
+        new = [t for t in seq.token_ids[n_done:] if t < 256]          # BOS/EOS are not bytes
+        if new:
+            out, states = self.model(torch.tensor([new], device=self.device), states)
+            logits = self._widen(out[0, -1])
+        return (len(seq.token_ids), states, logits), logits
+
+    @torch.no_grad()
+    def advance(self, state, token):
+        n_done, states, _ = state
+        if token >= 256:
+            return state, None
+        out, states = self.model.step(torch.tensor([token], device=self.device), states)
+        logits = self._widen(out[0])
+        return (n_done + 1, states, logits), logits
+
+
+def train_mlgru_draft(d_model: int = 128, n_layers: int = 2, steps: int = 800, seed: int = 0,
+                      device=None, progress: bool = True) -> MatMulFreeLM:
+    """Notebook 03's MatMul-free LM trained on the same poems as the target, packed."""
+    torch.manual_seed(seed)
+    model = MatMulFreeLM(d_model=d_model, n_layers=n_layers).to(device or runtime.device())
+    train(model, encode(load_corpus()).to(model.embed.weight.device), steps=steps, batch_size=16,
+          seq_len=128, seed=seed, progress=progress)
+    return model.pack()
+
+
+def save_mlgru_draft(model: MatMulFreeLM, path=DRAFT_CHECKPOINT) -> Path:
+    """Packed 2-bit weights and 16-bit rest, like the target's checkpoint."""
+    state = {k: (v.half() if v.is_floating_point() and "w_scale" not in k else v).cpu()
+             for k, v in model.state_dict().items()}
+    torch.save({"config": {"d_model": model.d_model, "n_layers": model.n_layers}, "state": state}, Path(path))
+    return Path(path)
+
+
+def load_mlgru_draft(path=DRAFT_CHECKPOINT, device=None, dtype=torch.float32) -> MatMulFreeLM:
+    """The shipped draft: a MatMul-free LM ready to propose tokens."""
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    model = MatMulFreeLM(**blob["config"]).pack()
+    model.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in blob["state"].items()})
+    model = model.to(device or runtime.device()).eval()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+class TransformerDrafter(Drafter):
+    """A smaller ternary transformer as the draft, with a contiguous KV cache per
+    sequence; rewinding is keeping the cache of the accepted tokens only."""
+
+    def __init__(self, model: TernaryTransformer):
+        super().__init__()
+        self.model, self.vocab_size = model.eval(), model.cfg.vocab_size
+        self.device = model.rope_cos.device
+
+    @torch.no_grad()
+    def _run(self, caches, tokens: list[int], start: int):
+        new = [[None, None] for _ in caches]
+
+        def attend(layer, q, k, v):
+            kc, vc = caches[layer]
+            kc = k if kc is None else torch.cat([kc, k])
+            vc = v if vc is None else torch.cat([vc, v])
+            new[layer] = [kc, vc]
+            return attention_with_history(q, kc, vc)
+
+        pos = torch.arange(start, start + len(tokens), device=self.device)
+        h = self.model.hidden_states(torch.tensor(tokens, device=self.device), pos, attend, reference=True)
+        return new, self.model.logits(h[-1])
+
+    def catch_up(self, seq, state):
+        n_done, caches, logits = state if state is not None else (
+            0, [[None, None] for _ in range(self.model.cfg.n_layers)], None)
+        if len(seq.token_ids) > n_done:
+            caches, logits = self._run(caches, seq.token_ids[n_done:], n_done)
+        return (len(seq.token_ids), caches, logits), logits
+
+    def advance(self, state, token):
+        n_done, caches, _ = state
+        if n_done + 1 >= self.model.cfg.max_seq_len:
+            return state, None
+        caches, logits = self._run(caches, [token], n_done)
+        return (n_done + 1, caches, logits), logits
+
+
+# -- the engine ----------------------------------------------------------------------------------------
+@dataclass
+class SpeculationStats:
+    """Acceptance per draft position and tokens per target pass."""
+    k: int
+    proposed: list[int] = field(default_factory=list)   # drafts offered at position i
+    accepted: list[int] = field(default_factory=list)   # ... and accepted
+    passes: int = 0                                      # sequence-passes that verified drafts
+    emitted: int = 0                                     # tokens those passes emitted
+
+    def __post_init__(self):
+        self.proposed, self.accepted = [0] * self.k, [0] * self.k
+
+    def record(self, n_draft: int, n_accepted: int, n_emitted: int) -> None:
+        for i in range(n_draft):
+            self.proposed[i] += 1
+            self.accepted[i] += i < n_accepted
+        self.passes += 1
+        self.emitted += n_emitted
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else float("nan") for a, p in zip(self.accepted, self.proposed)]
+
+    def acceptance_rate(self) -> float:
+        return sum(self.accepted) / max(1, sum(self.proposed))
+
+    def mean_tokens_per_pass(self) -> float:
+        return self.emitted / max(1, self.passes)
+
+
+class SpeculativeLLM(LLM):
+    """:class:`~gpulab.engine.engine.LLM` with a draft model: each step, every decoding
+    sequence gets up to ``k`` draft tokens checked in the same batched target pass.
+
+    >>> llm = SpeculativeLLM(drafter=MLGRUDrafter(draft_model), k=4)     # doctest: +SKIP
+    >>> llm.generate(["Tyger Tyger"], SamplingParams(max_tokens=40))      # doctest: +SKIP
+    """
+
+    def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
+                 accept=accept_draft, rollback=rollback, **overrides):
+        """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
+        other implementations with the same signatures (notebook 08 plugs in the learner's)."""
+        if drafter is None:
+            raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        super().__init__(model, config, **overrides)
+        self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
+        self.stats = SpeculationStats(k)
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts worth proposing: never past max_tokens or the context."""
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def _propose(self) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
+        ks = [self._draft_budget(s) for s in seqs]
+        seqs, ks = [s for s, k in zip(seqs, ks) if k > 0], [k for k in ks if k > 0]
+        drafts = {}
+        for seq, (tokens, q) in zip(seqs, self.drafter.propose(seqs, ks)):
+            if tokens:
+                seq.token_ids += tokens
+                drafts[seq] = (tokens, q)
+        return drafts
+
+    @staticmethod
+    def _unpropose(seq: Sequence, tokens: list[int], keep: int) -> None:
+        if keep < len(tokens):
+            del seq.token_ids[len(seq.token_ids) - (len(tokens) - keep):]
+
+    def step(self):
+        t0 = time.perf_counter()
+        drafts = self._propose()
+        batch = self.schedule()
+        ran = dict(batch.items)
+        for seq, (tokens, q) in list(drafts.items()):    # preempted, or cut short by the budget
+            keep = max(0, ran.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0
+            self._unpropose(seq, tokens, keep)
+            if keep == 0:
+                del drafts[seq]
+            else:
+                drafts[seq] = (tokens[:keep], None if q is None else q[:keep])
+        if not batch.items:
+            return []
+        prefill = batch.prefill_flags
+        if not drafts:                                    # nothing to verify: a plain step
+            logits, seqs, plan = self.runner.run(batch.items, batch.copies)
+            self.scheduler.postprocess(batch)
+            new_tokens = self.sample_tokens(logits, seqs)
+        else:
+            plan, new_tokens = self._verify_step(batch, drafts)
+        outputs = self.emit(batch, prefill, new_tokens, t0, plan)
+        for seq in drafts:                # full pages of accepted tokens join the prefix cache
+            if seq.status is Status.RUNNING:
+                self.block_manager.commit_full_blocks(seq)
+        for seq in list(new_tokens) + batch.preempted:
+            if seq.status is not Status.RUNNING:
+                self.drafter.forget(seq.seq_id)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        for seq in self.groups.get(request_id, []):
+            self.drafter.forget(seq.seq_id)
+        super().abort(request_id)
+
+    def _verify_step(self, batch: ScheduledBatch, drafts: dict):
+        """One target pass over the batch with logits for every row of the drafted
+        sequences; returns (the plan, new tokens per sequence)."""
+        self.runner.copy_blocks(batch.copies)
+        plan = self.runner.plan(batch.items)
+        rows, seqs, spans, r = [], [], {}, 0
+        for seq, n in [it for it in batch.items if it[1] == 1] + [it for it in batch.items if it[1] > 1]:
+            if seq in drafts:                              # the plan's row order: decodes first
+                spans[seq] = (len(rows), len(rows) + n)
+                rows += range(r, r + n)
+            elif seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(r + n - 1)
+                seqs.append(seq)
+            r += n
+        with torch.no_grad():
+            logits = self.runner.forward(dataclasses.replace(
+                plan, sample_rows=torch.tensor(rows, dtype=torch.long, device=self.runner.device)))
+        self.scheduler.postprocess(ScheduledBatch([it for it in batch.items if it[0] not in drafts]))
+        in_span = {i for a, b in spans.values() for i in range(a, b)}
+        new_tokens = self.sample_tokens(logits[[i for i in range(len(rows)) if i not in in_span]], seqs)
+        for seq, (tokens, q) in drafts.items():
+            a, b = spans[seq]
+            new_tokens[seq] = self._verify(seq, tokens, q, logits[a:b])
+        return plan, new_tokens
+
+    def _verify(self, seq: Sequence, tokens: list[int], q, target_logits: torch.Tensor) -> list[int]:
+        """Accept/reject one sequence's drafts, then roll it back to what was accepted."""
+        committed = seq.num_tokens - len(tokens)
+        if seq.params.greedy:
+            out = accept_greedy(tokens, target_logits)
+        else:
+            p = probabilities(target_logits, seq.params)
+            out = self.accept(tokens, q, p, _stream(seq, committed, ACCEPT_SALT))
+        n_acc = len(out) - 1
+        self.stats.record(len(tokens), n_acc, len(out))
+        self.rollback(seq, self.block_manager, len(tokens), n_acc)
+        del seq.token_ids[committed:]              # emit() appends `out`, checking EOS and max_tokens
+        return out
+
+
+# -- saved GPU results ------------------------------------------------------------------------------------
+def load_results(path=RESULTS) -> dict | None:
+    """Figures measured by ``tools/speculative_bench.py`` on a GPU, if shipped."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def format_results(result: dict) -> str:
+    """One line per (batch size, draft, k): tokens/s, speed-up over the target alone,
+    acceptance, tokens per pass; then the server's overhead."""
+    lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
+             f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
+    lines.append(f"{'batch':>5} {'draft':>12} {'k':>2} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    for r in result["rows"]:
+        lines.append(f"{r['batch']:>5} {r['draft']:>12} {r['k']:>2} {r['tokens_per_s']:>9.0f} "
+                     f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
+    if "server" in result:
+        sv = result["server"]
+        lines.append(f"server: {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s through HTTP "
+                     f"vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%})")
+    return "\n".join(lines)

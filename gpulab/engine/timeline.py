@@ -1,0 +1,118 @@
+"""Seeing the engine work: what the scheduler ran at every step and where the pages went.
+
+:func:`record` serves requests step by step and keeps, per step, the scheduled
+sequences (prefill chunk or decode, tokens), the preemptions and the state of every
+page: held by one sequence, shared, free but still cached (findable by its hash), or
+blank. :func:`draw` renders one step (the timeline up to it and the page pool then);
+:func:`explore` adds a slider (ipywidgets) and always draws a static figure first, so
+the view makes sense without a widget frontend too (nbval, a rendered notebook).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+from IPython.display import display
+from matplotlib.patches import Patch
+
+from .engine import LLM
+
+
+@dataclass
+class Frame:
+    step: int
+    scheduled: list[tuple[int, int, bool]]    # (seq id, tokens, prefill?)
+    preempted: list[int]
+    pages: list[str]                          # per page: used / shared / cached / free
+    owners: list[int]                         # per page: holding sequence id (first holder), -1 if none
+    waiting: int
+
+
+def record(llm: LLM, prompts, params, max_steps: int = 10_000) -> list[Frame]:
+    """Serve ``prompts`` to completion, one frame per step."""
+    for p, sp in zip(prompts, params if isinstance(params, (list, tuple)) else [params] * len(prompts)):
+        llm.add_request(p, sp)
+    frames = []
+    while llm.has_unfinished() and len(frames) < max_steps:
+        llm.step()
+        rec = llm.metrics.steps[-1]
+        owners = [-1] * llm.block_manager.num_blocks
+        for seq in sorted(llm.scheduler.running, key=lambda s: -s.seq_id):
+            for b in seq.block_table:
+                owners[b] = seq.seq_id
+        frames.append(Frame(len(frames), list(rec.scheduled), list(rec.preempted_ids),
+                            llm.block_manager.snapshot(), owners, rec.waiting))
+    return frames
+
+
+_STATE_COLORS = {"free": "#ffffff", "cached": "#c8c8c8", "shared": "#222222"}
+
+
+def draw(frames: list[Frame], step: int, fig=None, columns: int | None = None):
+    """The timeline up to ``step`` (left) and the page pool after it (right)."""
+    fig = fig or plt.figure(figsize=(11, 4.2))
+    fig.clf()
+    ax, pool = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    cmap = plt.get_cmap("tab20")
+    for f in frames[:step + 1]:
+        for sid, n, prefill in f.scheduled:
+            ax.barh(sid, 1, left=f.step, height=0.8, color=cmap(sid % 20),
+                    alpha=1.0 if prefill else 0.45, edgecolor="k" if prefill else "none", lw=0.5)
+        for sid in f.preempted:
+            ax.plot(f.step + 0.5, sid, "rx", ms=7, mew=2)
+    ax.axvline(step + 1, color="k", lw=1, ls="--")
+    ax.set_xlim(0, max(len(frames), 1))
+    ax.set_xlabel("step")
+    ax.set_ylabel("sequence")
+    ax.set_title("scheduled: solid = prefill chunk, pale = decode, x = preempted", fontsize=9)
+    f = frames[step]
+    n = len(f.pages)
+    columns = columns or (8 if n <= 64 else 16)
+    rows = -(-n // columns)
+    colors = []
+    for state, owner in zip(f.pages, f.owners):
+        colors.append(cmap(owner % 20) if state == "used" and owner >= 0 else _STATE_COLORS.get(state, "#ffffff"))
+    for i, c in enumerate(colors):
+        pool.add_patch(plt.Rectangle((i % columns, rows - 1 - i // columns), 0.92, 0.92, color=c, ec="0.6", lw=0.4))
+    pool.set_xlim(-0.1, columns)
+    pool.set_ylim(-0.1, rows)
+    pool.set_aspect("equal")
+    pool.axis("off")
+    used = sum(s in ("used", "shared") for s in f.pages)
+    cached = sum(s == "cached" for s in f.pages)
+    pool.set_title(f"page pool after step {step}: {used} held, {cached} cached, {f.waiting} waiting", fontsize=9)
+    pool.legend(handles=[Patch(color=cmap(0), label="held (colour = sequence)"),
+                         Patch(color=_STATE_COLORS["shared"], label="shared (ref > 1)"),
+                         Patch(facecolor=_STATE_COLORS["cached"], label="free, cached"),
+                         Patch(facecolor="white", edgecolor="0.6", label="free, blank")],
+                fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def _show(frames, step):
+    fig = draw(frames, step)
+    display(fig)
+    plt.close(fig)
+
+
+def explore(frames: list[Frame]):
+    """A static figure (the middle step), then a slider over all steps (ipywidgets)."""
+    mid = len(frames) // 2
+    _show(frames, mid)
+    slider = widgets.IntSlider(value=mid, min=0, max=len(frames) - 1, description="step",
+                               continuous_update=False)
+    out = widgets.Output()
+
+    def show(change=None):
+        with out:
+            out.clear_output(wait=True)
+            _show(frames, slider.value)
+
+    slider.observe(show, names="value")
+    box = widgets.VBox([slider, out])
+    display(box)
+    show()
+    return box
+

@@ -1,0 +1,157 @@
+"""Block manager and scheduler of the serving engine, as units (no model)."""
+import pytest
+
+from gpulab.engine.block_manager import BlockManager, chain_hash
+from gpulab.engine.scheduler import Scheduler
+from gpulab.engine.sequence import SamplingParams, Sequence
+from gpulab.paged import OutOfPages
+
+_ids = iter(range(10**6))
+
+
+def seq(tokens, max_tokens=8):
+    return Sequence(next(_ids), "r", list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0)
+
+
+def run_prompt(bm, s, n=None):
+    """Admit s with its cache hits and compute its whole prompt (as one step would)."""
+    hits = bm.match_prefix(s)
+    bm.allocate(s, hits, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.commit_full_blocks(s)
+    return hits
+
+
+def test_hash_chains_each_block_to_its_predecessor():
+    a, b = chain_hash(None, (1, 2)), chain_hash(None, (3, 4))
+    assert chain_hash(a, (5, 6)) != chain_hash(b, (5, 6))     # same tokens, other prefix
+    assert chain_hash(a, (5, 6)) == chain_hash(chain_hash(None, (1, 2)), (5, 6))
+    bm = BlockManager(8, 2)
+    s1 = seq([1, 2, 5, 6, 7])
+    run_prompt(bm, s1)
+    # a prompt with the same second block but another first block must miss entirely
+    s2 = seq([3, 4, 5, 6, 7])
+    assert bm.match_prefix(s2) == []
+    s3 = seq([1, 2, 5, 6, 9])
+    assert bm.match_prefix(s3) == s1.block_table[:2]
+
+
+def test_prefix_hit_shares_pages_and_counts_references():
+    bm = BlockManager(8, 4)
+    a = seq(range(10))                    # 2 full pages + 2 tokens
+    run_prompt(bm, a)
+    assert [bm.blocks[b].ref_count for b in a.block_table] == [1, 1, 1]
+    b = seq(list(range(8)) + [50, 51, 52])
+    hits = run_prompt(bm, b)
+    assert hits == a.block_table[:2] and b.block_table[:2] == a.block_table[:2]
+    assert b.num_cached_tokens == 8 and b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[x].ref_count for x in a.block_table[:2]] == [2, 2]
+    assert bm.num_used == 4
+    bm.free_sequence(a)
+    assert [bm.blocks[x].ref_count for x in b.block_table[:2]] == [1, 1] and bm.num_used == 3
+    bm.free_sequence(b)
+    assert bm.num_used == 0 and bm.num_free == 8
+    assert bm.hit_tokens == 8 and bm.queried_tokens == 21
+
+
+def test_whole_prompt_hit_still_leaves_a_token_to_compute():
+    bm = BlockManager(8, 4)
+    a = seq(range(8))
+    run_prompt(bm, a)
+    bm.free_sequence(a)
+    b = seq(range(8))
+    assert len(bm.match_prefix(b)) == 1          # the last page is recomputed: its logits are needed
+
+
+def test_freed_cached_pages_are_evicted_least_recently_used_blank_first():
+    bm = BlockManager(4, 2)
+    a, b = seq([1, 2, 3]), seq([7, 8, 9])
+    run_prompt(bm, a)
+    run_prompt(bm, b)
+    bm.free_sequence(a)        # a's full page cached, then b's: a's is older
+    bm.free_sequence(b)
+    assert bm.num_cached_free == 2 and bm.num_free == 4
+    c = seq([20, 21, 22, 23, 24])     # needs 3 pages: 2 blank ones, then evicts a's page
+    run_prompt(bm, c)
+    assert bm.match_prefix(seq([1, 2, 3])) == []
+    assert len(bm.match_prefix(seq([7, 8, 9]))) == 1
+    # a hit revives the cached page: it leaves the free pool and is not evicted
+    bm.free_sequence(c)
+    d = seq([7, 8, 9])
+    hits = run_prompt(bm, d)
+    assert len(hits) == 1 and bm.blocks[hits[0]].ref_count == 1 and hits[0] not in bm.free
+
+
+def test_copy_on_write_of_a_shared_partial_page():
+    bm = BlockManager(6, 4)
+    parent = seq(range(6))            # 1 full + 1 partial page
+    run_prompt(bm, parent)
+    child = seq(range(6))
+    bm.fork(parent, child)
+    shared = parent.block_table[1]
+    assert bm.blocks[shared].ref_count == 2
+    copies = bm.append_slots(child, 1)
+    assert len(copies) == 1 and copies[0][0] == shared and child.block_table[1] == copies[0][1]
+    assert child.block_table[0] == parent.block_table[0]          # the full page stays shared
+    assert bm.blocks[shared].ref_count == 1
+    assert bm.append_slots(parent, 1) == []                         # now parent's alone: no copy
+
+
+def test_exhaustion_raises_and_never_hands_out_a_used_page():
+    bm = BlockManager(3, 2)
+    a = seq([1, 2, 3, 4, 5])
+    run_prompt(bm, a)
+    b = seq([9, 9, 9])
+    assert not bm.can_allocate(b, [], 3)
+    with pytest.raises(OutOfPages, match="out of KV pages"):
+        bm.allocate(b, [], 3)
+    assert b.block_table == [] and bm.num_used == 3                # nothing leaked
+    assert not bm.can_append(a, 2)
+    with pytest.raises(OutOfPages):
+        bm.append_slots(a, 2)
+    with pytest.raises(RuntimeError, match="released"):
+        bm.release_block(a.block_table[0]) or bm.release_block(a.block_table[0])
+
+
+def test_scheduler_budget_chunks_and_fcfs():
+    bm = BlockManager(32, 4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
+    long, short = seq(range(23)), seq(range(100, 103))
+    sch.add(long)
+    sch.add(short)
+    b1 = sch.schedule()
+    assert [(s is long, n) for s, n in b1.items] == [(True, 10)]       # head of the queue first, chunked
+    sch.postprocess(b1)
+    b2 = sch.schedule()
+    assert [(s is long, n) for s, n in b2.items] == [(True, 10)]
+    sch.postprocess(b2)
+    b3 = sch.schedule()
+    assert [(s is long, n) for s, n in b3.items] == [(True, 3), (False, 3)]   # rest of long + short
+
+
+def test_scheduler_without_chunking_waits_for_room():
+    bm = BlockManager(32, 4)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        Scheduler(bm, max_num_batched_tokens=10, chunked_prefill=False, max_model_len=64)
+    sch = Scheduler(bm, max_num_batched_tokens=64, chunked_prefill=False, max_model_len=64)
+    a, b = seq(range(40)), seq(range(30))
+    sch.add(a)
+    sch.add(b)
+    batch = sch.schedule()
+    assert [(s is a, n) for s, n in batch.items] == [(True, 40)]          # b does not fit whole
+
+
+def test_scheduler_preempts_newest_and_requeues_it_first():
+    bm = BlockManager(4, 2)
+    sch = Scheduler(bm, max_num_batched_tokens=64)
+    a, b = seq([1, 2, 3, 4]), seq([5, 6, 7, 8])
+    sch.add(a)
+    sch.add(b)
+    sch.postprocess(sch.schedule())          # both prefilled: 2 full pages each, pool full
+    for s in (a, b):
+        s.token_ids.append(0)
+    assert bm.num_free == 0
+    batch = sch.schedule()                   # a needs a page for its 5th token: b is preempted
+    assert batch.preempted == [b] and [s for s, _ in batch.items] == [a]
+    assert sch.waiting[0] is b and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1

@@ -1,0 +1,241 @@
+"""Speculative decoding: the acceptance rule keeps the target's distribution (χ² test
+that fails for planted wrong rules), greedy output equals the target alone, rollback
+leaks no pages, and it works inside continuous batching."""
+import pytest
+import torch
+
+from gpulab.engine.engine import LLM, EngineConfig
+from gpulab.engine.model import TINY, TernaryTransformer
+from gpulab.engine.sequence import SamplingParams
+from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
+                                       accept_greedy, expected_tokens_per_pass)
+from gpulab.model import MatMulFreeLM
+
+CONFIG = dict(num_blocks=48, block_size=4, max_num_seqs=8, max_num_batched_tokens=48)
+PROMPTS = ["Tyger Tyger", "a", "Shall I compare thee", "The moon", "0123456789"]
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's χ² goodness of fit; p-value from the regularized upper incomplete gamma."""
+    n = counts.sum()
+    keep = probs > 0
+    expected = probs[keep] * n
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    dof = int(keep.sum()) - 1
+    assert counts[~keep].sum() == 0, "tokens of probability 0 were emitted"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def simulate(rule, p, q, k, length, trials, seed=0):
+    """Generate `length` tokens per trial by speculative rounds with context-free
+    position-indexed distributions p[t], q[t]; count the token at each position."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(length, p.shape[1], dtype=torch.float64)
+    for _ in range(trials):
+        t = 0
+        while t < length:
+            kk = min(k, length - t - 1) if length - t > 1 else 0
+            draft = [int(torch.multinomial(q[t + i], 1, generator=gen)) for i in range(kk)]
+            out = rule(draft, q[t:t + kk], p[t:t + kk + 1], gen)
+            for tok in out[:length - t]:
+                counts[t, tok] += 1
+                t += 1
+    return counts
+
+
+def distributions(v=6, length=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(length, v, generator=g, dtype=torch.float64) * 1.5, -1)
+    q = torch.softmax(torch.randn(length, v, generator=g, dtype=torch.float64) * 1.5, -1)
+    q[:, 0] = 0                     # the draft never proposes token 0: only the residual can emit it
+    return p, q / q.sum(-1, keepdim=True)
+
+
+def wrong_ratio(draft, q, p, gen):          # accepts with min(1, q/p): the ratio upside down
+    for i, x in enumerate(draft):
+        if torch.rand((), generator=gen, dtype=torch.float64) * p[i, x] <= q[i, x]:
+            continue
+        r = (p[i] - q[i]).clamp_min(0)
+        return draft[:i] + [int(torch.multinomial(r / r.sum(), 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+def wrong_residual(draft, q, p, gen):       # on rejection samples from p, not max(0, p - q)
+    for i, x in enumerate(draft):
+        if torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]:
+            continue
+        return draft[:i] + [int(torch.multinomial(p[i], 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+def test_acceptance_rule_keeps_the_target_distribution():
+    p, q = distributions()
+    counts = simulate(accept_draft, p, q, k=2, length=3, trials=4000)
+    for t in range(3):
+        assert chi2_pvalue(counts[t], p[t]) > 1e-3, f"position {t}: emitted tokens are not distributed as p"
+
+
+@pytest.mark.parametrize("rule", [wrong_ratio, wrong_residual])
+def test_distribution_test_catches_wrong_rules(rule):
+    p, q = distributions()
+    counts = simulate(rule, p, q, k=2, length=3, trials=4000)
+    assert min(chi2_pvalue(counts[t], p[t]) for t in range(3)) < 1e-6
+
+
+def test_greedy_acceptance_and_bonus():
+    logits = torch.tensor([[0., 5, 0], [3., 0, 0], [0., 0, 9]])
+    assert accept_greedy([1, 0], logits) == [1, 0, 2]            # all accepted + bonus
+    assert accept_greedy([1, 2], logits) == [1, 0]               # second rejected: target's argmax
+    assert accept_greedy([2, 0], logits) == [1]
+    assert expected_tokens_per_pass(0.0, 4) == 1 and expected_tokens_per_pass(1.0, 4) == 5
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(11)
+    return TernaryTransformer(TINY).pack()
+
+
+def drafters(target):
+    torch.manual_seed(12)
+    return {"self": TransformerDrafter(target),                   # accepts everything
+            "transformer": TransformerDrafter(TernaryTransformer(TINY).pack()),
+            "mlgru": MLGRUDrafter(MatMulFreeLM(d_model=32, n_layers=1, scan="torch"))}
+
+
+def serve(llm, params):
+    outs = llm.generate(PROMPTS, params)
+    assert llm.idle(), "pages or requests left after speculative decoding"
+    assert all(not o.error for o in outs)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", ["self", "transformer", "mlgru"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_output_equals_the_target_alone(target, name, k):
+    params = [SamplingParams(max_tokens=m) for m in (12, 7, 9, 5, 11)]
+    want = serve(LLM(target, EngineConfig(**CONFIG)), params)
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=k)
+    assert serve(spec, params) == want
+    if name == "self":
+        assert spec.stats.acceptance_rate() == 1.0
+        assert spec.stats.mean_tokens_per_pass() > 1.5
+
+
+def test_rollback_keeps_exactly_the_pages_of_accepted_tokens(target):
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)["transformer"], k=3)
+    for p in PROMPTS:
+        spec.add_request(p, SamplingParams(max_tokens=10, temperature=0.9, seed=3))
+    while spec.has_unfinished():
+        spec.step()
+        for seq in spec.scheduler.running:
+            need = spec.block_manager.blocks_for(seq.num_tokens)
+            assert len(seq.block_table) <= need, "pages of rejected drafts were kept"
+            if seq.num_output_tokens:            # decoding: only its newest token lacks K and V
+                assert seq.num_computed_tokens == seq.num_tokens - 1
+    assert spec.idle()
+    assert 0 < spec.stats.acceptance_rate() < 1
+
+
+def test_sampled_speculation_under_preemption_and_prefix_hits(target):
+    """A tiny page pool forces preemption; a shared prefix gives cache hits; seeded
+    sampling gives the same text when the same run is repeated."""
+    prompts = ["The same old prefix, " + s for s in ("a", "bb", "ccc", "dddd")]
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i) for i in range(4)]
+    texts = []
+    small = dict(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    for cfg in (small, small, dict(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)):
+        spec = SpeculativeLLM(target, EngineConfig(**cfg), drafter=drafters(target)["mlgru"], k=2)
+        outs = spec.generate(prompts, params)
+        assert spec.idle() and all(not o.error and len(o.token_ids) == 10 for o in outs)
+        texts.append([o.token_ids for o in outs])
+    assert texts[0] == texts[1]
+    assert spec.block_manager.hit_rate() > 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="drafter"):
+        SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG))
+    with pytest.raises(ValueError, match="k"):
+        SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), k=0)
+
+
+# -- the notebook's checks reject wrong learner code -----------------------------------------------------
+from gpulab.engine.speculative import rollback  # noqa: E402
+from gpulab.grading.speculative import check_acceptance_rule, check_rollback  # noqa: E402
+import gpulab  # noqa: E402
+from gpulab.harness.checking import CheckFailure  # noqa: E402
+
+
+def no_bonus(draft, q, p, gen):
+    out = accept_draft(draft, q, p, gen)
+    return out[:len(draft)] if len(out) == len(draft) + 1 and out[:len(draft)] == list(draft) else out
+
+
+def residual_from_q(draft, q, p, gen):
+    for i, x in enumerate(draft):
+        if torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]:
+            continue
+        return draft[:i] + [int(torch.multinomial(q[i], 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+def keeps_going(draft, q, p, gen):           # does not stop at the first rejection
+    out = []
+    for i, x in enumerate(draft):
+        ok = torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]
+        out.append(x if ok else int(torch.multinomial((p[i] - q[i]).clamp_min(0) + 1e-12, 1, generator=gen)))
+    return out + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+@pytest.mark.parametrize("rule, says", [
+    (wrong_ratio, "never"), (wrong_residual, "max(0, p"), (no_bonus, "bonus"),
+    (residual_from_q, "max(0, p"), (keeps_going, "first rejection"),
+])
+def test_acceptance_check_names_the_mistake(rule, says):
+    with pytest.raises(CheckFailure, match=None) as e:
+        check_acceptance_rule(rule, trials=1500)
+    assert says in str(e.value), str(e.value)
+
+
+def test_acceptance_check_passes_the_package_rule(capsys):
+    check_acceptance_rule(accept_draft, trials=1500)
+    assert "✔" in capsys.readouterr().out
+
+
+def keep_all_pages(seq, bm, n_drafts, n_accepted):
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+
+
+def off_by_one(seq, bm, n_drafts, n_accepted):
+    rollback(seq, bm, n_drafts, n_accepted)
+    seq.num_computed_tokens -= 1
+
+
+def drop_table_entries(seq, bm, n_drafts, n_accepted):   # forgets pages without freeing them
+    del seq.token_ids[seq.num_tokens - (n_drafts - n_accepted):]
+    seq.num_computed_tokens += 1 + n_accepted
+    del seq.block_table[bm.blocks_for(seq.num_computed_tokens):]
+
+
+def cut_accepted_too(seq, bm, n_drafts, n_accepted):
+    rollback(seq, bm, n_drafts, 0)
+
+
+@pytest.mark.parametrize("fn, says", [(keep_all_pages, "pages"), (off_by_one, "num_computed_tokens"),
+                                      (drop_table_entries, "became free"), (cut_accepted_too, "token_ids")])
+def test_rollback_check_names_the_mistake(fn, says):
+    with pytest.raises(CheckFailure) as e:
+        check_rollback(fn)
+    assert says in str(e.value), str(e.value)
+
+
+def test_rollback_check_passes_the_package_rollback(capsys):
+    check_rollback(rollback)
+    assert "✔" in capsys.readouterr().out
+
+
+def test_checks_are_called_by_name_like_kernel_checks(capsys):
+    gpulab.check("speculative-rollback", rollback)
+    assert "✔ rollback" in capsys.readouterr().out

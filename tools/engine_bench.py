@@ -1,0 +1,198 @@
+"""The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
+
+    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC]
+
+Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
+configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
+
+1. throughput: continuous vs static batching, mixed workload, same KV memory;
+2. TTFT with a shared 2K-token system prompt, prefix caching on vs off;
+3. one decode step at batch 64: CUDA-graph replay vs eager vs the sum of its kernels'
+   device times (torch.profiler);
+4. decode tokens/s at batch 1 and 256, the bytes each step reads (2-bit weights + KV)
+   and the resulting share of HBM bandwidth (vs the H200's 4.8 TB/s and a measured copy).
+
+The default model is a random-weight ternary transformer of ~0.7 B ternary weights
+(timing only: weights do not change the work); ``--model shipped`` times the shipped
+checkpoint. ``--quick`` shrinks every workload (a smoke test, minutes less).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gpulab  # noqa: E402
+from gpulab import runtime  # noqa: E402
+from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
+from gpulab.engine.model import model_sizes  # noqa: E402
+from gpulab.engine.sequence import SamplingParams  # noqa: E402
+from gpulab.engine.serve_bench import (Workload, build_model, compare, format_comparison,  # noqa: E402
+                                       plot_comparison)
+
+BIG = "random:2048,16,16,4,128,5632,4096"
+H200_PEAK_BW = 4.8e12
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(20):
+        y.copy_(x)
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (e0.elapsed_time(e1) * 1e-3)
+
+
+def decoding_engine(model, batch: int, ctx: int, cuda_graphs: bool = True) -> LLM:
+    """An engine with ``batch`` sequences of ``ctx`` tokens, all past their prefill."""
+    cfg = EngineConfig(num_blocks=batch * (-(-(ctx + 256) // 16)) + 16, block_size=16, max_num_seqs=batch,
+                       max_num_batched_tokens=8192, cuda_graphs=cuda_graphs)
+    llm = LLM(model, cfg)
+    for i in range(batch):
+        llm.add_request([256] + [(i * 7 + j) % 250 for j in range(ctx - 1)],
+                        SamplingParams(max_tokens=200, stop_at_eos=False))
+    while llm.scheduler.waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
+        llm.step()
+    return llm
+
+
+def time_decode_steps(llm: LLM, steps: int) -> float:
+    """Seconds per engine step (schedule + plan + graph replay + sampling) when decoding."""
+    for _ in range(3):
+        llm.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def time_forward(llm: LLM, use_graph: bool, reps: int = 50) -> tuple[float, float]:
+    """Device time of one decode forward (graph replay or eager), and the sum of its
+    kernels' device times from the profiler (eager run)."""
+    runner = llm.runner
+    items = [(s, 1) for s in llm.scheduler.running]
+    for s, _ in items:                 # runner-only timing: make room without touching tokens
+        llm.block_manager.append_slots(s, 1)
+    plan = runner.plan(items)
+    fn = (lambda: runner.replay(plan)) if use_graph and runner.graphs else (lambda: runner.forward(plan))
+    with torch.no_grad():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        step = e0.elapsed_time(e1) * 1e-3 / reps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.forward(plan)
+            torch.cuda.synchronize()
+    # only CUDA activity was recorded: every row is a kernel (or a copy/memset) on the device
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) * 1e-6 / 5
+    return step, kernels
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--model", default=BIG)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    if runtime.mode() != "compiled":
+        print("engine_bench needs a CUDA GPU (compiled mode)")
+        return 2
+    out = Path(a.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    q = a.quick
+    model = build_model(a.model)
+    sizes = model_sizes(model)
+    res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "date": time.strftime("%Y-%m-%d"),
+           "model_spec": a.model, "model": asdict(model.cfg), "sizes": sizes}
+    print(gpulab.env_report(), "\n", res["model"], sizes, flush=True)
+
+    def save():
+        (out / "engine_bench.json").write_text(json.dumps(res, indent=1, default=str))
+
+    # 1. continuous vs static, mixed workload, equal KV memory
+    w = Workload(requests=64 if q else 400, rate=math.inf, prompt_len=(32, 512), output_len=(16, 512),
+                 shared=0.0, system_len=0, seed=0)
+    cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048)
+    r = compare(model, cfg, w, static=True)
+    print(format_comparison(r), flush=True)
+    plot_comparison(r, out / "engine_throughput.png")
+    res["throughput"] = {k: r[k] for k in ("workload", "config", "continuous", "static")}
+    res["throughput"]["ratio"] = r["continuous"]["throughput_tok_s"] / r["static"]["throughput_tok_s"]
+    save()
+
+    # 2. TTFT with a shared 2K-token system prompt, prefix caching on / off
+    w = Workload(requests=32 if q else 128, rate=4.0, prompt_len=(16, 64), output_len=(16, 64),
+                 shared=1.0, system_len=2048, seed=1)
+    res["ttft"] = {}
+    for caching in (True, False):
+        cfg = EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
+                           prefix_caching=caching)
+        r = compare(model, cfg, w, static=False)
+        print(format_comparison(r), flush=True)
+        res["ttft"]["on" if caching else "off"] = r["continuous"]
+        if caching:
+            plot_comparison(r, out / "engine_ttft.png")
+    res["ttft"]["p50_ratio"] = res["ttft"]["off"]["ttft_s_p50"] / res["ttft"]["on"]["ttft_s_p50"]
+    save()
+
+    # 3. decode step at batch 64: graph vs eager vs the sum of its kernels
+    llm = decoding_engine(model, 64, 512)
+    g, k = time_forward(llm, True)
+    e, _ = time_forward(llm, False)
+    res["decode_step_b64"] = {"ctx": 512, "graph_s": g, "eager_s": e, "kernel_sum_s": k,
+                              "graph_over_kernels": g / k, "eager_over_kernels": e / k,
+                              "engine_step_s": time_decode_steps(llm, 20)}
+    print(res["decode_step_b64"], flush=True)
+    del llm
+    save()
+
+    # 4. decode tokens/s at batch 1 and 256, bytes per step, share of HBM bandwidth
+    bw = copy_bandwidth()
+    res["copy_bandwidth_Bps"] = bw
+    c = model.cfg
+    res["decode_rate"] = {}
+    for b in (1, 256):
+        ctx = 512
+        llm = decoding_engine(model, b, ctx)
+        step = time_decode_steps(llm, 20)
+        fwd, _ = time_forward(llm, True)
+        kv = b * (ctx + 24) * c.n_layers * 2 * c.n_kv_heads * c.head_dim * llm.runner.k_cache.element_size()
+        moved = sizes["packed_bytes"] + kv
+        res["decode_rate"][f"b{b}"] = {"ctx": ctx, "engine_step_s": step, "forward_s": fwd,
+                                       "tokens_per_s": b / step, "weight_bytes": sizes["packed_bytes"],
+                                       "kv_bytes": kv, "bytes_per_token": moved / b,
+                                       "hbm_share_of_peak": moved / fwd / H200_PEAK_BW,
+                                       "hbm_share_of_copy": moved / fwd / bw}
+        print(b, res["decode_rate"][f"b{b}"], flush=True)
+        del llm
+        torch.cuda.empty_cache()
+        save()
+    print(f"wrote {out / 'engine_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

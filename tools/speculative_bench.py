@@ -1,0 +1,159 @@
+"""Speculative decoding and server overhead on a GPU (issue 15's targets).
+
+usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick]
+
+Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
+configuration must produce the same tokens, which is asserted):
+
+* tokens/s of the target alone and of speculative decoding with the MLGRU draft (the
+  shipped checkpoint) and a small ternary transformer draft (trained here for a few
+  hundred steps), for k in 2, 4, 6, at batch 1 and batch 64;
+* the server's overhead: 64 streaming HTTP clients against the same requests driven
+  in-process.
+
+Writes OUTDIR/speculative.json (copy it to gpulab/results/ to ship it).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpulab import runtime  # noqa: E402
+from gpulab.engine import speculative as spec  # noqa: E402
+from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
+from gpulab.engine.model import TINY, load_checkpoint, prepare_for_serving  # noqa: E402
+from gpulab.engine.sequence import SamplingParams  # noqa: E402
+from gpulab.engine.train import train_model  # noqa: E402
+
+PROMPTS = ["Shall I compare thee to a summer's day?\n", "The sea is calm tonight.\n",
+           "Tyger Tyger, burning bright,\n", "I wandered lonely as a cloud\n",
+           "Because I could not stop for Death,\n", "Do not go gentle into that good night,\n",
+           "Once upon a midnight dreary,\n", "Hope is the thing with feathers\n"]
+
+
+def timed_generate(llm, prompts, params):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return outs, sum(len(o.token_ids) for o in outs) / dt
+
+
+def engine_config(batch):
+    return EngineConfig(num_blocks=max(256, batch * 24), block_size=16, max_num_seqs=max(8, batch),
+                        max_num_batched_tokens=max(512, batch * 8))
+
+
+def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2):
+    prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
+    params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
+    base = LLM(target, engine_config(batch))
+    base.generate(prompts[:2], SamplingParams(max_tokens=4))           # warm-up (autotune, graphs)
+    want, _ = timed_generate(base, prompts, params)
+    base_tps = max(timed_generate(base, prompts, params)[1] for _ in range(repeats))
+    rows = [dict(batch=batch, draft="none", k=0, tokens_per_s=base_tps, speedup=1.0, acceptance=float("nan"),
+                 tokens_per_pass=1.0)]
+    for name, drafter_factory in drafts.items():
+        for k in ks:
+            best, stats = 0.0, None
+            for _ in range(repeats):
+                llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafter_factory(), k=k)
+                llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+                llm.stats = spec.SpeculationStats(k)
+                outs, tps = timed_generate(llm, prompts, params)
+                assert [o.token_ids for o in outs] == [o.token_ids for o in want], f"{name} k={k} changed tokens"
+                if tps > best:
+                    best, stats = tps, llm.stats
+            rows.append(dict(batch=batch, draft=name, k=k, tokens_per_s=best, speedup=best / base_tps,
+                             acceptance=stats.acceptance_rate(), tokens_per_pass=stats.mean_tokens_per_pass(),
+                             acceptance_by_position=stats.acceptance_by_position()))
+            print(f"batch {batch} {name} k={k}: {best:.0f} tok/s ({best / base_tps:.2f}x), "
+                  f"acceptance {stats.acceptance_rate():.0%}", flush=True)
+    return rows
+
+
+def bench_server(target, clients, max_tokens):
+    import httpx
+    import uvicorn
+
+    from gpulab.engine.server import create_app
+
+    prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
+    params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
+    llm = LLM(target, engine_config(clients))
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+    _, engine_tps = timed_generate(llm, prompts, params)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def one(client, p):
+        n = 0
+        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        async with client.stream("POST", url, json=body) as r:
+            async for line in r.aiter_lines():
+                n += line.startswith("data: {")
+        return n
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients + 8)) as c:
+            await asyncio.gather(*(one(c, p) for p in prompts[:4]))                 # warm-up
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(c, p) for p in prompts))
+            return time.perf_counter() - t0
+
+    dt = asyncio.run(run())
+    server.should_exit = True
+    http_tps = len(prompts) * max_tokens / dt
+    return dict(clients=clients, engine_tokens_per_s=engine_tps, http_tokens_per_s=http_tps,
+                ratio=http_tps / engine_tps, max_tokens=max_tokens,
+                all_pages_free=llm.idle())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if runtime.mode() != "compiled":
+        sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16
+    target = load_checkpoint(device="cuda", dtype=dtype)
+    draft_lm = spec.load_mlgru_draft(device="cuda", dtype=dtype)
+    t0 = time.perf_counter()
+    small, _ = train_model(TINY, steps=300 if not args.quick else 50, device="cuda", progress=False)
+    small = prepare_for_serving(small, "cuda", dtype)
+    print(f"trained the transformer draft in {time.perf_counter() - t0:.0f} s", flush=True)
+    drafts = {"mlgru": lambda: spec.MLGRUDrafter(draft_lm), "transformer": lambda: spec.TransformerDrafter(small)}
+    ks = (2, 4) if args.quick else (2, 4, 6)
+    rows = bench_speculation(target, drafts, 1, args.max_tokens, ks)
+    rows += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], repeats=1)
+    result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
+                  max_tokens=args.max_tokens, rows=rows)
+    result["server"] = bench_server(target, 64, args.max_tokens // 2)
+    print(spec.format_results(result))
+    (out / "speculative.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
