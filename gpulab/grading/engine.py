@@ -22,7 +22,7 @@ from ..engine.block_manager import BlockManager, chain_hash
 from ..engine.engine import LLM, EngineConfig
 from ..engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
 from ..engine.sequence import SamplingParams, Sequence
-from ..harness.checking import CheckFailure
+from ..harness.checking import CheckFailure, scenario_check
 from ..paged import OutOfPages
 
 _ids = itertools.count()
@@ -242,6 +242,7 @@ BLOCK_MANAGER_PARTS = {"hashing": _bm_hashing, "refcounts": _bm_refcounts, "evic
                        "cow": _bm_cow, "engine": _bm_engine}
 
 
+@scenario_check("block-manager")
 def check_block_manager(cls, parts=tuple(BLOCK_MANAGER_PARTS)) -> None:
     """Scenarios for a BlockManager class (same constructor and methods as
     :class:`gpulab.engine.block_manager.BlockManager`). ``parts``: any of
@@ -395,6 +396,7 @@ SCHEDULER_PARTS = {"budget": _sched_budget, "fcfs": _sched_fcfs, "preemption": _
                    "engine": _sched_engine}
 
 
+@scenario_check("scheduler")
 def check_scheduler(cls, parts=tuple(SCHEDULER_PARTS)) -> None:
     """Scenarios for a Scheduler class whose ``schedule`` the learner wrote. ``parts``:
     any of budget, fcfs, preemption, engine."""
@@ -407,6 +409,7 @@ def check_scheduler(cls, parts=tuple(SCHEDULER_PARTS)) -> None:
 
 
 # -- decode hook --------------------------------------------------------------------------------
+@scenario_check("decode-hook")
 def check_decode_hook(hook) -> None:
     """The engine with ``hook`` as its decode attention generates the reference's tokens."""
     model = _check_model()

@@ -430,6 +430,24 @@ def _row_of(g: Guarded, index: int) -> str:
 
 
 # -- the check ----------------------------------------------------------------------------
+# -- checks of exercises that are not kernels ---------------------------------------------------
+# Data structures, policies and distributed algorithms (a block manager, an acceptance
+# rule, a ring all-reduce) are checked by scripted scenarios, not by a KernelSpec's
+# cases. Their grading modules register them by name; gpulab.check calls them the same
+# way as kernel checks.
+SCENARIO_CHECKS: dict[str, Callable] = {}
+
+
+def scenario_check(name: str):
+    """Decorator: register ``fn(learner_object, *args)`` as the check called ``name``."""
+    def register(fn):
+        if SCENARIO_CHECKS.get(name, fn) is not fn:
+            raise ValueError(f"two checks are named {name!r}")
+        SCENARIO_CHECKS[name] = fn
+        return fn
+    return register
+
+
 def check(spec: KernelSpec | str, fn: Callable, *scenario_args, cases: list[Case] | None = None,
           dtypes: list | None = None, device=None, seed: int | None = None,
           quiet: bool = False, learner_kernel: bool | None = None) -> None:
