@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 import gpulab
 from gpulab.grading import parallel as gp
-from gpulab.harness.checking import rejects
-from gpulab.harness.spec import Case
+from gpulab.harness.checking import CheckFailure
 from gpulab.parallel import bandwidth as bw
 from gpulab.parallel import faults, launch
 from gpulab.parallel.collectives import (all_reduce_reference, chunk_bounds, one_shot_all_reduce,
@@ -187,12 +186,15 @@ def _stub(t):
     raise NotImplementedError()
 
 
-def _ranks(*sizes, timeout_s=5.0):
-    return [Case(f"{sizes} ranks", dict(world_sizes=sizes, timeout_s=timeout_s))]
+def rejects(name, fn, *args) -> str:
+    """The diagnosis ``gpulab.check(name, fn, *args)`` gives a wrong implementation."""
+    with pytest.raises(CheckFailure) as info:
+        gpulab.check(name, fn, *args)
+    return str(info.value)
 
 
 def test_ring_check_accepts_the_package_ring(capsys):
-    gpulab.check("ring_all_reduce", ring_all_reduce, cases=_ranks(2, 3))
+    gpulab.check("ring-all-reduce", ring_all_reduce, (2, 3))
     assert "correct on 2, 3 gloo processes" in capsys.readouterr().out
 
 
@@ -211,20 +213,20 @@ RING_MUTANTS = {
 @pytest.mark.parametrize("name", list(RING_MUTANTS))
 def test_ring_check_rejects_and_explains(name):
     fn, expected = RING_MUTANTS[name]
-    message = rejects("ring_all_reduce", fn, cases=_ranks(2, 3))
+    message = rejects("ring-all-reduce", fn, (2, 3), 5.0)
     assert expected in message, message
 
 
 def test_ring_check_names_swapped_neighbours_that_only_deadlock_from_three_ranks():
     t = time.monotonic()
-    message = rejects("ring_all_reduce", lambda x: _ring(x, recv_from=+1), cases=_ranks(2, 3, timeout_s=2.0))
+    message = rejects("ring-all-reduce", lambda x: _ring(x, recv_from=+1), (2, 3), 2.0)
     assert "only shows from 3 ranks on" in message
     assert time.monotonic() - t < 25
 
 
 def test_ring_check_lets_the_stub_error_through():
     with pytest.raises(NotImplementedError):
-        gpulab.check("ring_all_reduce", _stub, cases=_ranks(2))
+        gpulab.check("ring-all-reduce", _stub, (2,))
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------
@@ -304,8 +306,8 @@ def _no_reduce(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=N
 
 
 def test_tp_checks_accept_the_package_split_and_reduction(capsys):
-    gpulab.check("glu_shards", glu_shards, dtypes=[torch.float32])
-    gpulab.check("row_parallel_matmul", row_parallel_matmul, dtypes=[torch.float32])
+    gpulab.check("glu-shards", glu_shards, 2, (1,), (torch.float32,))
+    gpulab.check("row-parallel-matmul", row_parallel_matmul, 2, (1,), (torch.float32,))
     out = capsys.readouterr().out
     assert "glu_shards: shards right" in out and "row_parallel_matmul: TP=2 output bit-identical" in out
 
@@ -315,7 +317,7 @@ def test_tp_checks_accept_the_package_split_and_reduction(capsys):
     (_down_misaligned, "w_down columns are units"), (_same_units_everywhere, "on no rank")])
 def test_tp_check_explains_a_wrong_split_without_starting_ranks(shard, expected):
     t = time.monotonic()
-    message = rejects("glu_shards", shard)
+    message = rejects("glu-shards", shard)
     assert expected in message, message
     assert time.monotonic() - t < 2
 
@@ -323,7 +325,7 @@ def test_tp_check_explains_a_wrong_split_without_starting_ranks(shard, expected)
 @pytest.mark.parametrize("matmul,expected", [(row_parallel_matmul_float, "all-reduce the *int32* partial sums"),
                                              (_no_reduce, "the all-reduce is missing")])
 def test_tp_check_explains_a_wrong_reduction(matmul, expected):
-    message = rejects("row_parallel_matmul", matmul, dtypes=[torch.float32])
+    message = rejects("row-parallel-matmul", matmul, 2, (1,), (torch.float32,))
     assert expected in message, message
 
 

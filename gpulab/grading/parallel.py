@@ -1,8 +1,9 @@
 """Grading of gpulab.parallel (notebook 10). The exercises run on real gloo process
-groups, so their specs carry a ``checker`` that ``gpulab.check`` runs in place of the
-per-case calls (world sizes, rows and timeouts come from the cases' parameters):
+groups: they are scenario checks (``gpulab.harness.checking.scenario_check``), called by
+name through ``gpulab.check`` like kernel checks; extra positional arguments set the
+rank counts, rows, dtypes and timeouts.
 
-* ``gpulab.check("ring_all_reduce", fn)`` runs ``fn(tensor)`` on 2, 3 and 4 CPU processes
+* ``gpulab.check("ring-all-reduce", fn)`` runs ``fn(tensor)`` on 2, 3 and 4 CPU processes
   (one launch per rank count) on two kinds of input:
 
   - *fingerprints*: rank r holds (n+1)^r · (7, 11, 13)[i mod 3] at flat index i. Every
@@ -15,31 +16,32 @@ per-case calls (world sizes, rows and timeouts come from the cases' parameters):
   Sizes include fewer elements than ranks and sizes not divisible by n; every rank must
   end with the same bits. A deadlock is cut by the process group's timeout and
   diagnosed (ring neighbours).
-* ``gpulab.check("glu_shards", shard)`` checks ``shard(w_gate_up, w_down, rank,
+* ``gpulab.check("glu-shards", shard)`` checks ``shard(w_gate_up, w_down, rank,
   world_size)`` structurally (which rows and columns each rank got, for 2, 3 and 4
   ranks), then runs the GLU at TP=2 with those shards on gloo: the output must be
   *bit-identical* to TP=1.
-* ``gpulab.check("row_parallel_matmul", matmul)`` runs the same TP=2 GLU with gpulab's
+* ``gpulab.check("row-parallel-matmul", matmul)`` runs the same TP=2 GLU with gpulab's
   split and the learner's ``matmul(x_q, x_scale, w_packed, w_scale, out_dtype, group)``.
 * ``scale_partial_sums`` is an ordinary kernel spec: the exact epilogue of the TP layers.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import runtime
-from ..harness.checking import CheckFailure, diagnose
+from ..harness.checking import CheckFailure, diagnose, scenario_check
 from ..harness.spec import Case, KernelSpec, randn
 from ..parallel import launch
 from ..parallel.collectives import all_reduce_reference
 from ..parallel.tensor_parallel import (TensorParallelGLU, compare_outputs, glu_forward, glu_shards, random_glu,
                                         row_parallel_matmul, row_parallel_matmul_float,
                                         scale_partial_sums_into)
-from ..bitlinear import pack_ternary, ternary_matmul, unpack_ternary
+from ..bitlinear import ternary_matmul
 
 # -- the exact epilogue kernel: a spec like every kernel (checks, compile check) --------------------
 def _scale_inputs(p, dtype, device, gen):
@@ -286,12 +288,15 @@ def _timed_out(e: BaseException) -> bool:
     return isinstance(e, launch.RanksTimedOut) or "timed out" in str(e).lower()
 
 
-def _ring_checker(fn, cases, dtypes, seed, quiet) -> None:
-    """RING_ALL_REDUCE's check: ``fn(tensor)``, an in-place sum over all ranks of the
-    default process group, on gloo with each rank count of the cases (module docstring).
-    Raises :class:`CheckFailure` with a diagnosis; prints one line when right."""
-    world_sizes = sorted({n for c in cases for n in c.params["world_sizes"]})
-    timeout_s = max(c.params.get("timeout_s", 15.0) for c in cases)
+@scenario_check("ring-all-reduce")
+def check_ring_all_reduce(fn, world_sizes=(2, 3, 4), timeout_s: float = 15.0,
+                          dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                          seed: int | None = None, quiet: bool = False) -> None:
+    """``gpulab.check("ring-all-reduce", fn)``: ``fn(tensor)``, an in-place sum over all
+    ranks of the default process group, run on gloo with each rank count in
+    ``world_sizes`` (module docstring). Raises :class:`CheckFailure` with a diagnosis;
+    prints one line when right."""
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     gen = torch.Generator().manual_seed(seed)
     passed, count = [], 0
     for n in world_sizes:
@@ -455,15 +460,14 @@ def _tp_rank(shard, matmul, rows, dtype, seed):
     return out
 
 
-def _tp_check(shard, matmul, cases, dtypes, seed, quiet, structure: bool, what: str) -> None:
+def _tp_check(shard, matmul, world_size, rows, dtypes, timeout_s, seed, quiet, structure: bool,
+              what: str) -> None:
     """Run the GLU at TP=world_size with ``shard`` and ``matmul`` on gloo processes; the
     output must equal TP=1 bit for bit (module docstring)."""
-    s = seed
+    s = seed if seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     if structure:
         _check_shard_structure(shard, torch.Generator().manual_seed(s))
-    world_size = cases[0].params["world_size"]
-    rows = sorted({m for c in cases for m in c.params["rows"]})
-    timeout_s = max(c.params.get("timeout_s", 30.0) for c in cases)
+    dtypes = [d for d in dtypes if runtime.supports(d)]     # no bf16 kernels below sm_80
     checked = 0
     for dtype in dtypes:
         for m in rows:
@@ -520,81 +524,20 @@ def _tp_check(shard, matmul, cases, dtypes, seed, quiet, structure: bool, what: 
               f"({', '.join(str(d).replace('torch.', '') for d in dtypes)})")
 
 
-def _shards_checker(fn, cases, dtypes, seed, quiet) -> None:
-    """GLU_SHARDS' check: the learner's split, run with gpulab's row-parallel matmul."""
-    _tp_check(fn, row_parallel_matmul, cases, dtypes, seed, quiet, True, "glu_shards")
+@scenario_check("glu-shards")
+def check_glu_shards(shard, world_size: int = 2, rows=(1,), dtypes=(torch.float32, torch.bfloat16),
+                     timeout_s: float = 30.0, seed: int | None = None, quiet: bool = False) -> None:
+    """``gpulab.check("glu-shards", shard)``: the split ``shard(w_gate_up, w_down, rank,
+    world_size)`` for 2, 3 and 4 ranks, then the GLU at TP=world_size with those shards
+    (and gpulab's row-parallel reduction) bit-identical to TP=1."""
+    _tp_check(shard, row_parallel_matmul, world_size, rows, dtypes, timeout_s, seed, quiet, True, "glu_shards")
 
 
-def _row_parallel_checker(fn, cases, dtypes, seed, quiet) -> None:
-    """ROW_PARALLEL_MATMUL's check: the learner's reduction, with gpulab's split."""
-    _tp_check(glu_shards, fn, cases, dtypes, seed, quiet, False, "row_parallel_matmul")
-
-
-
-# -- specs: the exercises are checked on processes, by each spec's checker ------------------------
-def _ring_inputs(p, dtype, device, gen):
-    n, numel = p["world_sizes"][0], p.get("numel", 1001)
-    return {"tensor": randn((n, numel), torch.float32, "cpu", gen).to(dtype)}
-
-
-RING_ALL_REDUCE = KernelSpec(
-    name="ring_all_reduce",
-    summary="ring all-reduce (reduce-scatter + all-gather) on isend/irecv, gloo processes",
-    args=("tensor",), returns=("tensor",),
-    make_inputs=_ring_inputs,
-    reference=lambda tensor: {"tensor": all_reduce_reference(list(tensor))},   # every rank's result
-    cases={"cpu": [Case("2, 3 and 4 ranks", dict(world_sizes=(2, 3, 4)))],
-           "gpu": [Case("2, 3 and 4 ranks", dict(world_sizes=(2, 3, 4)))], "bench": []},
-    dtypes={"cpu": [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-            "gpu": [torch.float32, torch.float64, torch.float16, torch.bfloat16]},
-    tolerances=_RING_TOL, learner_kernel=False, checker=_ring_checker,
-    notes="rank r's input is tensor[r]; fingerprint cases are exact (module docstring)",
-)
-
-
-def _glu_inputs(p, dtype, device, gen):
-    return {"w_gate_up": _distinct_ternary(2 * TP_HIDDEN, TP_D_MODEL, gen),
-            "w_down": _distinct_ternary(TP_HIDDEN, TP_D_MODEL, gen).t().contiguous(),
-            "rank": 0, "world_size": p["world_size"]}
-
-
-def _glu_reference(w_gate_up, w_down, rank, world_size):
-    gu, dn = glu_shards(w_gate_up, w_down, rank, world_size)
-    return {"w_gate_up_shard": gu, "w_down_shard": dn}
-
-
-_TP_CASES = {"cpu": [Case("TP=2, decode row", dict(world_size=2, rows=(1,)))],
-             "gpu": [Case("TP=2, decode row", dict(world_size=2, rows=(1,)))], "bench": []}
-_TP_DTYPES = {"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]}
-
-GLU_SHARDS = KernelSpec(
-    name="glu_shards",
-    summary="column/row split of a ternary GLU MLP (TP=2 must equal TP=1 bit for bit)",
-    args=("w_gate_up", "w_down", "rank", "world_size"), returns=("w_gate_up_shard", "w_down_shard"),
-    make_inputs=_glu_inputs, reference=_glu_reference, cases=_TP_CASES, dtypes=_TP_DTYPES,
-    tolerances={torch.float32: (0.0, 0.0), torch.bfloat16: (0.0, 0.0)},
-    learner_kernel=False, checker=_shards_checker,
-)
-
-
-def _row_inputs(p, dtype, device, gen):
-    x_q = torch.randint(-127, 128, (1, TP_HIDDEN), generator=gen, dtype=torch.int8)
-    w_t = torch.randint(-1, 2, (TP_D_MODEL, TP_HIDDEN), generator=gen, dtype=torch.int8)
-    return {"x_q": x_q, "x_scale": torch.rand(1, generator=gen) + 0.5, "w_packed": pack_ternary(w_t),
-            "w_scale": torch.rand(1, generator=gen) + 0.5, "out_dtype": dtype}
-
-
-def _row_reference(x_q, x_scale, w_packed, w_scale, out_dtype):
-    """At TP=1 the row-parallel product is the whole product: x_q·W_tᵀ / (s_x s_w)."""
-    w_t = unpack_ternary(w_packed, x_q.shape[-1])
-    return {"y": (x_q.double() @ w_t.double().t()) / (x_scale.double()[:, None] * w_scale.double())}
-
-
-ROW_PARALLEL_MATMUL = KernelSpec(
-    name="row_parallel_matmul",
-    summary="row-parallel ternary matmul: int32 partial sums, all-reduce, one scale",
-    args=("x_q", "x_scale", "w_packed", "w_scale", "out_dtype"), returns=("y",),
-    make_inputs=_row_inputs, reference=_row_reference, cases=_TP_CASES, dtypes=_TP_DTYPES,
-    tolerances={torch.float32: (0.0, 0.0), torch.bfloat16: (0.0, 0.0)},
-    learner_kernel=False, checker=_row_parallel_checker,
-)
+@scenario_check("row-parallel-matmul")
+def check_row_parallel_matmul(matmul, world_size: int = 2, rows=(1,), dtypes=(torch.float32, torch.bfloat16),
+                              timeout_s: float = 30.0, seed: int | None = None, quiet: bool = False) -> None:
+    """``gpulab.check("row-parallel-matmul", matmul)``: the row-parallel reduction
+    ``matmul(x_q, x_scale, w_packed, w_scale, out_dtype, group)`` in the GLU at
+    TP=world_size (gpulab's split), bit-identical to TP=1."""
+    _tp_check(glu_shards, matmul, world_size, rows, dtypes, timeout_s, seed, quiet, False,
+              "row_parallel_matmul")

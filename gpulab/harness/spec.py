@@ -104,10 +104,6 @@ class KernelSpec:
     # an empty attention state, evaluated before tl.where discards it. Silenced while a
     # check calls an implementation in the interpreter, and nowhere else.
     expected_fp_warnings: tuple[str, ...] = ()
-    # A check of its own, for exercises that are not one call of fn per case (a
-    # collective run on several processes): checker(fn, cases=, dtypes=, seed=, quiet=)
-    # raises CheckFailure with a diagnosis or prints one line; run_check then does only that.
-    checker: Callable[..., None] | None = None
 
     def __post_init__(self):
         old = _REGISTRY.get(self.name)
