@@ -7,7 +7,7 @@ import it before defining any ``@triton.jit`` kernel of your own.
 The package in layers (CONTRIBUTING.md has the map):
 
 * ``gpulab.<technique>`` (``basics``, ``bitlinear``, ``normquant``, ``mlgru``, ``model``,
-  ``attention``, ``paged``, ``cascade``): kernels and public functions;
+  ``attention``, ``paged``, ``cascade``, ``prefill``): kernels and public functions;
 * ``gpulab.grading``: each technique's cases, specs and checks;
 * ``gpulab.harness``: the spec registry, checks, benchmarks, plots, compile check;
 * ``gpulab.tools``: the notebook generator, the grader, the ``gpulab`` command.

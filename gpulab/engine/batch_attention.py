@@ -12,9 +12,9 @@ A step mixes two shapes (the runner puts decodes first):
   sits at position ``kv_lens[b] - T + i`` and attends to keys 0 .. that position:
   a causal mask shifted by the history.
 
-``append_attention_reference`` is the PyTorch definition of the append shape, with the
-signature of the Triton kernel being written for ``gpulab.prefill``; the engine uses it
-on the CPU and until that kernel lands.
+``append_attention_reference`` is the PyTorch definition of the append shape;
+:func:`append_attention` runs ``gpulab.prefill``'s Triton kernel for it on a GPU and the
+reference on the CPU (the interpreter pays about a millisecond per program).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 
 from ..cascade import cascade_decode_attention
 from ..paged import gather_kv, paged_decode_attention, paged_decode_into
+from ..prefill import append_attention as append_attention_kernel
 from .. import runtime
 
 
@@ -53,6 +54,15 @@ def append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_
             s = s.masked_fill(~seen, -math.inf)
         out[lo:hi] = (torch.softmax(s, dim=-1) @ vb).transpose(0, 1).to(q.dtype)
     return out
+
+
+def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale: float | None = None):
+    """The append rows of a step (prefill, chunked prefill): gpulab.prefill's kernel when
+    compiled (no host sync), the PyTorch reference otherwise. Returns o [total_q, Hq, D]."""
+    if runtime.mode() == "compiled":
+        return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
+                                       sm_scale=scale)
+    return append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, hook=None, prefix=None):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
-from .batch_attention import append_attention_reference, decode_attention, shared_prefix_pages
+from .batch_attention import append_attention, append_attention_reference, decode_attention, shared_prefix_pages
 from .model import TernaryTransformer
 from .sequence import Sequence
 
@@ -157,7 +157,7 @@ class ModelRunner:
                                hook=self.decode_hook, prefix=plan.prefix) if nd else None
         if nd == q.shape[0]:
             return dec
-        app = append_attention_reference(q[nd:], kc, vc, plan.append_indptr, plan.append_table, plan.append_lens)
+        app = append_attention(q[nd:], kc, vc, plan.append_indptr, plan.append_table, plan.append_lens)
         return app if dec is None else torch.cat([dec, app])
 
     def forward(self, plan: StepPlan) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ``gpulab`` command: env, generate, grade, bench, compile-check."""
+"""The ``gpulab`` command: env, generate, grade, bench, compile-check, lab."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +17,7 @@ commands:
   serve           an OpenAI-compatible HTTP server over the engine (--host, --port)
   train           train the serving engine's ternary transformer, save a 2-bit checkpoint
   serve-bench     drive the serving engine with a generated workload (vs static batching)
+  lab ...         the kernel laboratory: list, seed, eval, search, suite (gpulab lab -h)
 """
 
 
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
         from ..engine.train import main as m
     elif cmd == "serve-bench":
         from ..engine.serve_bench import main as m
+    elif cmd == "lab":
+        from ..lab.cli import main as m
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

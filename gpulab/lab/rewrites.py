@@ -1,0 +1,140 @@
+"""Code-level rewrites: small source-to-source transformations a search can apply to a
+candidate on top of its genes.
+
+Genes move a kernel within its template; rewrites change the text itself, the way a
+person (or a language model) edits a kernel: swap ``exp`` for ``exp2``, a division by a
+square root for ``rsqrt``, narrow the index arithmetic, add cache hints. Each rewrite
+returns the new source, or None where it does not apply.
+
+Some rewrites are **unsafe**: they make a kernel faster by making it wrong on some
+inputs (a block fixed to one row length, a store without its mask, a load without its
+neutral ``other``). They are here on purpose: a search that uses them finds out
+whether its verifier catches them (notebook 09). ``SAFE`` lists the others.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    name: str
+    what: str
+    apply: Callable[[str], "str | None"]
+    safe: bool = True
+
+    def __call__(self, source: str) -> str | None:
+        out = self.apply(source)
+        return out if out is not None and out != source else None
+
+
+def _calls(src: str, head: str):
+    """(start, open paren, close paren) of each call that starts with ``head`` (e.g. 'tl.exp(')."""
+    i = 0
+    while True:
+        i = src.find(head, i)
+        if i < 0:
+            return
+        if i > 0 and (src[i - 1].isalnum() or src[i - 1] in "._"):
+            i += len(head)
+            continue
+        depth, j = 0, i + len(head) - 1
+        while j < len(src):
+            if src[j] == "(":
+                depth += 1
+            elif src[j] == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        yield i, i + len(head) - 1, j
+        i = j
+
+
+def _map_calls(src: str, head: str, fn: Callable[[str], str]) -> str:
+    """Replace each call ``head(args)`` by ``fn(args)``, innermost text untouched."""
+    out, last = [], 0
+    for start, open_, close in list(_calls(src, head)):
+        if start < last:
+            continue
+        out.append(src[last:start])
+        out.append(fn(src[open_ + 1:close]))
+        last = close + 1
+    out.append(src[last:])
+    return "".join(out)
+
+
+def _exp2(src: str) -> str | None:
+    if "tl.exp(" not in src:
+        return None
+    return _map_calls(src, "tl.exp(", lambda a: f"tl.exp2({LOG2E} * ({a}))")
+
+
+def _rsqrt(src: str) -> str | None:
+    if "1.0 / tl.sqrt(" not in src:
+        return None
+    return _map_calls(src.replace("1.0 / tl.sqrt(", "tl.sqrt("), "tl.sqrt(", lambda a: f"tl.rsqrt({a})")
+
+
+def _add_kwarg(head: str, kwarg: str, unless: str) -> Callable[[str], "str | None"]:
+    def apply(src: str) -> str | None:
+        if head not in src:
+            return None
+        return _map_calls(src, head, lambda a: f"{head}{a}, {kwarg})" if unless not in a else f"{head}{a})")
+    return apply
+
+
+def _int32_offsets(src: str) -> str | None:
+    return src.replace(".to(tl.int64)", "") if ".to(tl.int64)" in src else None
+
+
+def _fixed_block(src: str) -> str | None:
+    pattern = re.compile(r"triton\.next_power_of_2\(n_cols\)")
+    return pattern.sub("256", src) if pattern.search(src) else None
+
+
+def _drop_store_mask(src: str) -> str | None:
+    if "tl.store(" not in src:
+        return None
+    return _map_calls(src, "tl.store(", lambda a: "tl.store(" + re.sub(r",\s*mask=[^,()]+$", "", a.strip()) + ")")
+
+
+def _drop_load_other(src: str) -> str | None:
+    if "other=" not in src:
+        return None
+    return _map_calls(src, "tl.load(", lambda a: "tl.load(" + re.sub(r",\s*other=.*$", "", a, flags=re.S) + ")")
+
+
+REWRITES: dict[str, Rewrite] = {r.name: r for r in [
+    Rewrite("exp2", "tl.exp(v) -> tl.exp2(log2(e) * v): the GPU's native base-2 exponential", _exp2),
+    Rewrite("rsqrt", "1.0 / tl.sqrt(v) -> tl.rsqrt(v): one reciprocal square root", _rsqrt),
+    Rewrite("evict_first", 'tl.load(...) -> tl.load(..., eviction_policy="evict_first"): streamed data '
+            "leaves L2 first", _add_kwarg("tl.load(", 'eviction_policy="evict_first"', "eviction_policy")),
+    Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
+            _int32_offsets),
+    Rewrite("fixed_block", "a block of 256 columns instead of the row length: no recompilation per width "
+            "(UNSAFE: longer rows are cut short)", _fixed_block, safe=False),
+    Rewrite("drop_store_mask", "stores without their mask: no predication (UNSAFE: writes past the end)",
+            _drop_store_mask, safe=False),
+    Rewrite("drop_load_other", "masked loads without `other=`: masked lanes read 0 (UNSAFE for max and "
+            "exp of masked lanes)", _drop_load_other, safe=False),
+]}
+SAFE = tuple(n for n, r in REWRITES.items() if r.safe)
+UNSAFE = tuple(n for n, r in REWRITES.items() if not r.safe)
+
+
+def apply_all(source: str, names) -> str | None:
+    """Apply rewrites in order; None if one of them does not apply."""
+    for n in names:
+        source = REWRITES[n](source)
+        if source is None:
+            return None
+    return source
+
+
+def applicable(source: str, names=None) -> list[str]:
+    return [n for n in (names or REWRITES) if REWRITES[n](source) is not None]

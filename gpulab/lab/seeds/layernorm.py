@@ -1,0 +1,43 @@
+"""Lab seed for ``layernorm``: y = (x - mean) / sqrt(var + eps) * w + b per row
+(eps = 1e-5, biased variance), in float32, stored in x's dtype."""
+import triton
+import triton.language as tl
+
+from gpulab import runtime
+
+ROWS_PER_PROGRAM = 1  # gene
+NUM_WARPS = 4  # gene
+PERSISTENT = False  # gene
+GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16], "NUM_WARPS": [1, 2, 4, 8, 16],
+              "PERSISTENT": [False, True]}
+EPS = 1e-5
+MAX_TILE = 1 << 15
+
+
+@triton.jit
+def layernorm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n_rows, n_cols, eps, R: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    for rb in range(tl.program_id(0), tl.cdiv(n_rows, R), tl.num_programs(0)):
+        rows = rb * R + tl.arange(0, R)
+        mask = (rows < n_rows)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / n_cols
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+        y = d * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x, weight, bias, y):
+    n_rows, n_cols = x.shape
+    block_n = triton.next_power_of_2(n_cols)
+    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE // block_n))
+    blocks = triton.cdiv(n_rows, rows)
+    grid = min(blocks, 4 * runtime.num_sms()) if PERSISTENT else blocks
+    layernorm_kernel[(grid,)](x, weight, bias, y, n_rows, n_cols, EPS, R=rows, BLOCK_N=block_n,
+                              num_warps=NUM_WARPS)

@@ -1,0 +1,32 @@
+"""Lab seed for ``row_sum``: y_r = sum_j x_rj, accumulated in float32. ROWS_PER_PROGRAM
+rows per program, the row read in TILE_N-wide tiles."""
+import triton
+import triton.language as tl
+
+ROWS_PER_PROGRAM = 1  # gene
+NUM_WARPS = 4  # gene
+TILE_N = 1024  # gene
+GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16, 32], "NUM_WARPS": [1, 2, 4, 8, 16],
+              "TILE_N": [128, 256, 512, 1024, 2048, 4096, 8192]}
+MAX_TILE = 1 << 14   # elements a program holds at once: the rows per program shrink to fit
+
+
+@triton.jit
+def row_sum_kernel(x_ptr, y_ptr, n_rows, n_cols, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    rmask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([R, BLOCK_N], tl.float32)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        acc += tl.load(x_ptr + rows64[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
+
+
+def launch(x, y):
+    n_rows, n_cols = x.shape
+    block_n = min(TILE_N, triton.next_power_of_2(n_cols))
+    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE // block_n))
+    row_sum_kernel[(triton.cdiv(n_rows, rows),)](x, y, n_rows, n_cols, R=rows,
+                                                             BLOCK_N=block_n, num_warps=NUM_WARPS)

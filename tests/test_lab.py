@@ -1,0 +1,371 @@
+"""The kernel laboratory: seeds are correct kernels, the evaluator's verdicts (every
+planted cheat rejected and named, hangs and crashes isolated and bounded), the cost
+model, rewrites, mutation, the search, the archive, the CLI and notebook 09's checks."""
+import json
+import random
+import time
+
+import pytest
+import torch
+
+import gpulab
+from gpulab.grading import lab as lab_grading
+from gpulab.harness.checking import CheckFailure
+from gpulab.harness.spec import Case
+from gpulab.lab import candidate as cand
+from gpulab.lab import cli, costmodel, inprocess, rewrites, search, worker
+from gpulab.lab.evaluate import CHEATS, REASONS, Evaluator, Verdict, fast_p, judge
+from gpulab.lab.planted import PLANTED, truncating_softmax
+from gpulab.lab.tasks import TASKS, get_task
+
+from helpers import on_gpu
+
+SOFTMAX_CASES = [Case("odd row", dict(rows=3, cols=7)), Case("tail", dict(rows=7, cols=1000))]
+
+
+@pytest.fixture(scope="module")
+def evaluator(tmp_path_factory):
+    """Small correctness plan (two softmax shapes, float32, each twice): the defences do
+    not depend on how many cases run."""
+    ev = Evaluator(cases=SOFTMAX_CASES, dtypes=[torch.float32], repeats=2, timeout_s=60 if on_gpu() else 4,
+                   memory_mb=1024, cost_model=False, time=False, seed=1, workdir=tmp_path_factory.mktemp("lab"))
+    yield ev
+    ev.close()
+
+
+def _few(task):
+    """The cheapest CPU cases of a task (few programs in the interpreter)."""
+    cases = task.spec.cases["gpu" if on_gpu() else "cpu"]
+    return dict(cases=cases[:3] if on_gpu() else cases[1:3], dtypes=[torch.float32], quiet=True)
+
+
+# -- tasks and seeds ------------------------------------------------------------------------------
+def test_suite_has_12_to_20_tasks_over_specs_with_seeds():
+    assert 12 <= len(TASKS) <= 20
+    kinds = {t.kind for t in TASKS.values()}
+    assert {"elementwise", "reduction", "softmax", "norm", "matmul", "scan"} <= kinds
+    for t in TASKS.values():
+        assert t.spec.outputs is not None and t.bench_case.params
+        assert t.gene_space and not cand.invalid_genes(t.seed().genes, t.gene_space), t.name
+        assert t.eager_fn() is not None
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_seed_is_correct_at_its_defaults_and_at_a_random_point(name):
+    task = get_task(name)
+    gpulab.check(task.spec, task.seed_module().launch, **_few(task))
+    genes = cand.random_genes(task.gene_space, random.Random(hash(name) & 0xFFFF))
+    gpulab.check(task.spec, inprocess.load(task.render(genes).source).launch, **_few(task))
+
+
+def test_render_and_genes_round_trip():
+    task = get_task("softmax")
+    c = task.render({"ROWS_PER_PROGRAM": 4, "LOOP": "online"})
+    assert c.genes["ROWS_PER_PROGRAM"] == 4 and c.genes["LOOP"] == "online"
+    assert cand.gene_space(c.source) == task.gene_space
+    with pytest.raises(ValueError, match="no gene"):
+        task.render({"NOT_A_GENE": 1})
+    assert cand.invalid_genes({**c.genes, "NUM_WARPS": 3}, task.gene_space) == \
+        ["NUM_WARPS=3 is not one of [1, 2, 4, 8, 16]"]
+
+
+# -- the evaluator: verdicts and every planted cheat ------------------------------------------------
+def test_evaluator_accepts_the_seed(evaluator):
+    v = evaluator.evaluate("softmax", get_task("softmax").seed())
+    assert v.correct and v.reason == "correct" and v.trials == 4, v.message
+    assert v.fitness_ms == float("inf")          # neither timed nor modelled here
+
+
+# What each rejection must say, beyond its reason.
+MESSAGE_WORDS = {"cached-output": "computed before", "seed-dependent": "seed 0", "aliased-output": "set_",
+                 "async-thread": "still running", "reads-reference": "sys._getframe",
+                 "monkeypatch": "torch.allclose", "forbidden-call": "socket.connect",
+                 "input-modified": "changed during the call", "missing-store-mask": "past the end",
+                 "no-max": "wrong", "wrong-scale": "same factor", "memory-hog": "memory"}
+
+
+@pytest.mark.parametrize("name", [n for n, p in PLANTED.items()
+                                  if n not in ("correct", "hang", "crash") and not p.gpu_only and not p.needs_compile])
+def test_every_planted_kernel_is_rejected_and_named(evaluator, name):
+    plant = PLANTED[name]
+    v = evaluator.evaluate(plant.task, plant.source)
+    assert not v.correct
+    assert v.reason == plant.reason, f"{name}: expected {plant.reason}, got {v.reason}:\n{v.message}"
+    assert v.message.startswith(plant.reason + ":"), v.message
+    assert MESSAGE_WORDS[name] in v.message, v.message
+    if plant.reason in CHEATS:
+        assert v.cheat
+
+
+def test_a_kernel_only_the_interpreter_runs_is_caught_by_compiling_it(tmp_path):
+    plant = PLANTED["interpreter-only"]
+    if on_gpu():
+        with Evaluator(cases=SOFTMAX_CASES, dtypes=[torch.float32], time=False, workdir=tmp_path) as ev:
+            assert ev.evaluate("softmax", plant.source).reason == "compile-error"
+        return
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=1, cost_model=False, workdir=tmp_path,
+                   compile_targets=(90,), compile_cases=1) as ev:
+        seed = ev.evaluate("softmax", get_task("softmax").seed())
+        assert seed.correct and seed.cost["compilations"] >= 1, seed.message
+        v = ev.evaluate("softmax", plant.source)
+    assert v.reason == "compile-error" and "sm_90" in v.message and "Raise" in v.message, v.message
+
+
+def test_hang_is_bounded_and_crash_leaves_the_evaluator_working(evaluator):
+    t0 = time.monotonic()
+    v = evaluator.evaluate("softmax", PLANTED["hang"].source)
+    assert v.status == "timeout" and time.monotonic() - t0 < evaluator.timeout_s + 15
+    assert "killed" in v.message
+    v = evaluator.evaluate("softmax", PLANTED["crash"].source)
+    assert v.status == "crash" and "SIGSEGV" in v.message
+    assert evaluator.evaluate("softmax", get_task("softmax").seed()).correct
+
+
+def test_a_weak_verifier_is_fooled_where_the_evaluator_is_not(evaluator):
+    weak = inprocess.WeakVerifier(cost_model=False)
+    # the truncating kernel is right on the weak verifier's one shape, wrong elsewhere
+    truncating = truncating_softmax(256)
+    assert weak("softmax", truncating).correct
+    v = evaluator.evaluate("softmax", truncating)
+    assert v.reason == "wrong-output" and "never written" in v.message
+    # cheats that fool a harness computing the reference first, with one fixed seed, in-process
+    for name in ("seed-dependent", "reads-reference"):
+        assert weak("softmax", PLANTED[name].source).correct, name
+        assert inprocess.verify("softmax", inprocess.load(PLANTED[name].source).launch) is not None
+
+
+def test_timing_defences_on_synthetic_reports(evaluator):
+    """The GPU timing checks, fed the numbers a cheat produces (runs without a GPU)."""
+    task = get_task("softmax")
+    c = task.seed()
+    ok = Verdict("softmax", c.id, "correct", "correct", "")
+    base = {"ms": 0.02, "min_ms": 0.02, "reps": 50, "timed_outputs_differ": [], "first_outputs": {}}
+    ev = Evaluator.__new__(Evaluator)
+    ev.verify_timing_outputs = False
+    from gpulab.lab.evaluate import _judge_timing
+    v = _judge_timing(task, c, Verdict(**vars(ok)), {**base, "wall_ms": 0.9}, ev)
+    assert v.reason == "async-launch" and "outside the timed stream" in v.message
+    v = _judge_timing(task, c, Verdict(**vars(ok)), {**base, "wall_ms": 0.02, "timed_outputs_differ": ["y"]}, ev)
+    assert v.reason == "timing-mismatch"
+    v = _judge_timing(task, c, Verdict(**vars(ok)), {**base, "wall_ms": 0.03}, ev)
+    assert v.correct and v.time_ms == 0.02
+    # the outputs at the timing size are checked against the reference (a sample of them)
+    ev.verify_timing_outputs = True
+    ev._timing_ref = {"softmax": {"y": (None, torch.full((8,), 0.125, dtype=torch.float64))}}
+    good = {**base, "wall_ms": 0.02, "first_outputs": {"y": torch.full((2, 4), 0.125)}}
+    assert _judge_timing(task, c, Verdict(**vars(ok)), good, ev).correct
+    bad = {**good, "first_outputs": {"y": torch.full((2, 4), 0.25)}}
+    v = _judge_timing(task, c, Verdict(**vars(ok)), bad, ev)
+    assert v.reason == "wrong-output" and "timing size" in v.message
+
+
+def test_parallel_evaluation_isolates_each_candidate(tmp_path):
+    names = ["correct", "hang", "cached-output", "crash"]
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,
+                   cost_model=False, workdir=tmp_path) as ev:
+        if on_gpu():
+            pytest.skip("the CPU plan")
+        verdicts = ev.evaluate_many("softmax", [PLANTED[n].source for n in names])
+    assert [v.reason for v in verdicts] == ["correct", "timeout", "cached-output", "crash"]
+
+
+def test_timing_loop_times_and_catches_work_skipped_when_timed(tmp_path):
+    """The worker's timing loop (CUDA events on a GPU; a wall clock here, to run it)."""
+    task = get_task("softmax")
+    params = dict(rows=4, cols=64)
+    torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
+               tmp_path / "t.pt")
+    timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 50}
+    device = gpulab.device()
+    r = worker.time_candidate(task.spec, task.seed_module().launch, timing, device)
+    assert r["ms"] > 0 and r["reps"] == 50 and not r["timed_outputs_differ"] and r["wall_ms"] > 0
+    assert torch.allclose(r["first_outputs"]["y"].double(),
+                          task.spec.reference(**torch.load(tmp_path / "t.pt"))["y"], atol=1e-6)
+    skipper = inprocess.load(PLANTED["skips-when-timed"].source).launch
+    assert worker.time_candidate(task.spec, skipper, timing, device)["timed_outputs_differ"]
+
+
+def test_timed_evaluation_end_to_end(tmp_path):
+    """The whole timed path (worker timing, the evaluator's GPU grant to one worker at a
+    time, the checks of the timed outputs) at a small timing size, run here on a CPU."""
+    if on_gpu():
+        pytest.skip("the GPU runs it for real")
+    small = {"softmax": Case("small", dict(rows=4, cols=64))}
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=1, cost_model=False, baselines=False,
+                   parallel=2, timing_cases=small, timing_reps=50, workdir=tmp_path) as ev:
+        task = get_task("softmax")
+        seed, skipper, other = ev.evaluate_many(task, [task.seed(), PLANTED["skips-when-timed"].source,
+                                                       task.render({"NUM_WARPS": 8})], time=True)
+    assert seed.correct and seed.time_ms > 0 and other.correct
+    assert skipper.reason == "timing-mismatch", skipper.message
+
+
+def test_judge_rejects_a_malformed_report(evaluator):
+    task = get_task("softmax")
+    trials = evaluator.plan(task)
+    v = judge(task, task.seed(), trials, {"trials": [{"outputs": {"y": torch.zeros(3)}, "inputs": {},
+                                                       "threads": 0, "repointed": []}]}, evaluator)
+    assert not v.correct and "malformed" in v.message
+
+
+@pytest.mark.skipif(not on_gpu(), reason="streams and repeated timing calls exist on a GPU")
+@pytest.mark.parametrize("name", [n for n, p in PLANTED.items() if p.gpu_only])
+def test_gpu_only_cheats_are_rejected(name):
+    plant = PLANTED[name]
+    with Evaluator(dtypes=[torch.bfloat16], repeats=1, baselines=False) as ev:
+        v = ev.evaluate(plant.task, plant.source)
+    assert v.reason == plant.reason, v.message
+
+
+def test_fast_p():
+    def v(correct, ms, eager):
+        return Verdict("t", "c", "correct" if correct else "rejected", "correct" if correct else "wrong-output",
+                       "", time_ms=ms, eager_ms=eager, compiled_ms=eager / 2)
+    vs = [v(True, 1.0, 2.0), v(True, 1.0, 1.2), v(False, 0.1, 5.0), v(True, 2.0, 1.0)]
+    assert fast_p(vs, 0) == 0.75
+    assert fast_p(vs, 1.0) == 0.5
+    assert fast_p(vs, 1.5) == 0.25
+    assert fast_p(vs, 1.0, "compiled") == 0.25
+    assert set(CHEATS) <= set(REASONS)
+
+
+# -- cost model and rewrites ------------------------------------------------------------------------
+def test_cost_model_counts_traffic_and_geometry():
+    if on_gpu():
+        pytest.skip("the cost model measures kernels in the interpreter")
+    task = get_task("softmax")
+    seed = costmodel.estimate(task, costmodel.measure(task, task.seed_module().launch))
+    online = task.render({"LOOP": "online", "TILE_N": 1024})
+    two_pass = costmodel.estimate(task, costmodel.measure(task, inprocess.load(online.source).launch))
+    short = costmodel.estimate(task, costmodel.measure(task, inprocess.load(truncating_softmax(256)).launch))
+    assert seed["traffic_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert two_pass["traffic_ratio"] == pytest.approx(1.5, abs=0.01)     # x read twice
+    assert short["traffic_ratio"] < 0.1 and short["ms"] < seed["ms"]       # skipped work looks fast
+    assert seed["programs"] == task.bench_case.params["rows"] and seed["launches"] == 1
+    assert costmodel.utilisation(10, 4) < costmodel.utilisation(132 * 16, 4) == 1.0
+    assert costmodel.vector_efficiency(512, 4) == 1.0 > costmodel.vector_efficiency(8192, 4)
+
+
+def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
+    for name in ("softmax", "rmsnorm_quant"):
+        task = get_task(name)
+        for r in rewrites.applicable(task.seed_source, rewrites.SAFE):
+            src = rewrites.REWRITES[r](task.seed_source)
+            gpulab.check(task.spec, inprocess.load(src).launch, **_few(task))
+    assert rewrites.REWRITES["exp2"]("y = tl.exp(a - tl.max(b))") == \
+        f"y = tl.exp2({rewrites.LOG2E} * (a - tl.max(b)))"
+    assert rewrites.REWRITES["exp2"]("y = tl.exp2(a)") is None
+    assert set(rewrites.UNSAFE) == {"fixed_block", "drop_store_mask", "drop_load_other"}
+    assert "mask=" not in rewrites.REWRITES["drop_store_mask"]("tl.store(p + o, v, mask=m)")
+
+
+# -- mutation, search, archive ----------------------------------------------------------------------
+def test_mutation_and_crossover_stay_in_the_gene_space():
+    rng = random.Random(0)
+    space = get_task("matmul_bias_relu").gene_space
+    genes = get_task("matmul_bias_relu").seed().genes
+    for _ in range(200):
+        child = search.mutate(genes, space, rng)
+        assert not cand.invalid_genes(child, space) and child != genes
+        genes = search.crossover(child, cand.random_genes(space, rng), rng)
+        assert not cand.invalid_genes(genes, space)
+
+
+def test_search_improves_fitness_on_the_cost_model_and_archives_lineage(tmp_path):
+    if on_gpu():
+        pytest.skip("CPU fitness is the cost model; the GPU search is tools/lab-bench.py's job")
+    archive = tmp_path / "archive.jsonl"
+    with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=1, workdir=tmp_path / "w") as ev:
+        r = search.search("softmax", evaluator=ev, max_evals=8, budget_s=300, population=4, seed=3,
+                          archive=archive, progress=False)
+        assert r.best.fitness < r.seed.fitness and r.improvement > 1.2, r.table()
+        assert [h["best_ms"] for h in r.history] == sorted((h["best_ms"] for h in r.history), reverse=True)
+        rows = [json.loads(line) for line in archive.read_text().splitlines()]
+        assert len(rows) == sum(s.verdict.correct for s in r.evaluated)
+        assert {"parents", "operator", "genes", "source", "fitness_ms"} <= set(rows[0])
+        assert any(row["parents"] for row in rows)
+        # a later search starts from the archive's best
+        again = search.search("softmax", evaluator=ev, max_evals=3, population=2, archive=archive, progress=False,
+                              random_start=0)
+        assert again.best.fitness <= r.best.fitness
+    saved = r.save(tmp_path / "out")
+    assert json.loads(saved.read_text())["best"]["source"] == r.best.candidate.source
+    assert "best" in r.table() and "gen" in r.table()
+
+
+def test_weak_search_crowns_a_wrong_kernel_the_evaluator_rejects(evaluator):
+    if on_gpu():
+        pytest.skip("cost-model demo")
+    weak = inprocess.WeakVerifier()
+    unsafe = search.EvolutionaryProposer(rewrites=("fixed_block",), rewrite_rate=1.0)
+    r = search.search("softmax", verifier=weak, proposers=[unsafe], max_evals=6, population=3, seed=0,
+                      progress=False, random_start=0)
+    assert "fixed_block" in r.best.candidate.rewrites
+    assert evaluator.evaluate("softmax", r.best.candidate).reason == "wrong-output"
+
+
+def test_openai_proposer_builds_a_request_and_reads_the_reply_without_network():
+    sent = {}
+
+    def post(url, payload, headers):
+        sent.update(url=url, payload=payload)
+        src = get_task("softmax").render({"NUM_WARPS": 8}).source
+        return {"choices": [{"message": {"content": f"Here:\n```python\n{src}```"}}]}
+    task = get_task("softmax")
+    seed = search.Scored(task.seed(), Verdict("softmax", "x", "correct", "correct", "", cost_ms=0.1))
+    p = search.OpenAICompatibleProposer("http://localhost:1/v1", "some-model", post=post)
+    kids = p.propose(task, [seed], 1, random.Random(0))
+    assert sent["url"] == "http://localhost:1/v1/chat/completions" and sent["payload"]["model"] == "some-model"
+    assert "launch(x, y)" in sent["payload"]["messages"][1]["content"]
+    assert len(kids) == 1 and kids[0].genes["NUM_WARPS"] == 8 and kids[0].proposer == "llm"
+    assert search.extract_code("no code here") is None
+    assert search.parse_budget("10m") == 600 and search.parse_budget("90s") == 90
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+def test_cli_list_seed_and_eval_exit_status(tmp_path, capsys):
+    assert cli.main(["list"]) == 0
+    assert "rmsnorm_quant" in capsys.readouterr().out
+    assert cli.main(["seed", "softmax"]) == 0
+    good = tmp_path / "good.py"
+    good.write_text(capsys.readouterr().out)
+    bad = tmp_path / "bad.py"
+    bad.write_text(PLANTED["wrong-scale"].source)
+    assert cli.main(["eval", "softmax", str(bad), "--json", str(tmp_path / "v.json")]) == 1
+    assert "wrong-output" in capsys.readouterr().out
+    assert json.loads((tmp_path / "v.json").read_text())["reason"] == "wrong-output"
+    assert cli.main(["eval", "nope", str(good)]) == 2
+    assert cli.main(["eval", "softmax", str(tmp_path / "missing.py")]) == 2
+
+
+# -- notebook 09's checks ---------------------------------------------------------------------------
+def test_check_verifier_accepts_the_reference_and_names_what_a_weak_one_misses():
+    lab_grading.check_verifier(inprocess.verify)
+    with pytest.raises(CheckFailure) as e:
+        lab_grading.check_verifier(lambda task, launch: None)
+    for name in lab_grading.VERIFIER_PLANTS:
+        if name != "correct":
+            assert f"accepted `{name}`" in str(e.value)
+    with pytest.raises(CheckFailure, match="rejected the correct kernel"):
+        lab_grading.check_verifier(lambda task, launch: "no")
+
+
+def test_check_mutation_accepts_the_reference_and_rejects_bad_operators():
+    lab_grading.check_mutation(search.mutate, calls=60)
+
+    def in_place(genes, space, rng):
+        genes["NUM_WARPS"] = 8 if genes["NUM_WARPS"] != 8 else 4
+        return genes
+
+    def outside(genes, space, rng):
+        return {**genes, "NUM_WARPS": 3}
+
+    def everything(genes, space, rng):
+        return {k: next(v for v in space[k] if v != genes[k]) for k in genes}
+
+    def one_gene(genes, space, rng):
+        return {**genes, "NUM_WARPS": 8 if genes["NUM_WARPS"] != 8 else 4}
+    for fn, words in ((in_place, "in place"), (outside, "not one of"), (everything, "small step"),
+                      (one_gene, "never changed")):
+        with pytest.raises(CheckFailure, match=words):
+            lab_grading.check_mutation(fn, calls=40)
