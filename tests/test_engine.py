@@ -65,7 +65,8 @@ def test_runner_logits_match_teacher_forcing_under_chunked_prefill(model):
     """Every chunk's last-row logits equal the reference forward's at that position."""
     tokens = encode_prompt("Tyger Tyger, burning bright, in the forests")
     with torch.no_grad():
-        h = model.hidden_states(torch.tensor(tokens), torch.arange(len(tokens)),
+        dev = model.embed.weight.device
+        h = model.hidden_states(torch.tensor(tokens, device=dev), torch.arange(len(tokens), device=dev),
                                 lambda layer, q, k, v: attention_with_history(q, k, v), reference=True)
         want = model.logits(h)
     for attention in ("torch", "triton"):

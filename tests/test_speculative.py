@@ -9,6 +9,7 @@ from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
                                        accept_greedy, expected_tokens_per_pass)
+import gpulab
 from gpulab.model import MatMulFreeLM
 
 CONFIG = dict(num_blocks=48, block_size=4, max_num_seqs=8, max_num_batched_tokens=48)
@@ -90,17 +91,20 @@ def test_greedy_acceptance_and_bonus():
     assert expected_tokens_per_pass(0.0, 4) == 1 and expected_tokens_per_pass(1.0, 4) == 5
 
 
+DEVICE = gpulab.device()
+
+
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(11)
-    return TernaryTransformer(TINY).pack()
+    return TernaryTransformer(TINY).pack().to(DEVICE)
 
 
 def drafters(target):
     torch.manual_seed(12)
     return {"self": TransformerDrafter(target),                   # accepts everything
-            "transformer": TransformerDrafter(TernaryTransformer(TINY).pack()),
-            "mlgru": MLGRUDrafter(MatMulFreeLM(d_model=32, n_layers=1, scan="torch"))}
+            "transformer": TransformerDrafter(TernaryTransformer(TINY).pack().to(DEVICE)),
+            "mlgru": MLGRUDrafter(MatMulFreeLM(d_model=32, n_layers=1, scan="torch").pack().to(DEVICE))}
 
 
 def serve(llm, params):

@@ -166,9 +166,10 @@ class MLGRUDrafter(Drafter):
 
     def __init__(self, model, vocab_size: int = 258):
         super().__init__()
-        if runtime.interpreting():
+        if runtime.interpreting() or model.embed.weight.device.type == "cpu":
             # On a CPU run the packed BitLinears as PyTorch ops (the same arithmetic):
-            # the interpreter would run their Triton kernels a thousand times slower.
+            # the interpreter would run their Triton kernels a thousand times slower,
+            # and compiled kernels need the GPU.
             model = copy.deepcopy(model)
             for m in model.modules():
                 if isinstance(m, BitLinear) and m.packed:
