@@ -59,7 +59,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+# One JupyterLab server per test: run after another notebook's test in the same server,
+# the views notebook's run-all did not start within the timeout (its kernel was ready).
+@pytest.fixture
 def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "notebooks/00_triton_basics.ipynb", work / "learner_00.ipynb")

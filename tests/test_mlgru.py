@@ -258,7 +258,7 @@ def test_forward_check_rejects_gating_i_twice():
 
 def test_forward_check_rejects_state_carried_in_low_precision():
     msg = rejects("mlgru_scan_recurrent", _fwd(RELOAD=True), cases=CPU_FWD, dtypes=[torch.float16])
-    assert "output `h_last` is wrong" in msg
+    assert "output `h_last` is wrong" in msg or "output `h` is wrong" in msg, msg   # both drift
 
 
 def test_forward_check_rejects_wrong_scale():

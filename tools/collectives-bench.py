@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Collectives and tensor parallelism on a machine with two (or more) GPUs: the figures
-notebook 10 shows. Writes JSON into OUTDIR; copy those files into gpulab/results/.
+notebook 10 shows. Writes JSON into OUTDIR; copy those files into gpulab/results/parallel/.
 
 usage:  python3 tools/collectives-bench.py OUTDIR [--quick] [--world-size N]
 

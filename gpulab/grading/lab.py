@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -333,6 +334,7 @@ def check_verifier(verify) -> None:
         launch = inprocess.load(plant.source).launch
         if plant.reason == "out-of-bounds-write":
             launch = _contained(launch)
+        threads = set(threading.enumerate())
         try:
             answer = verify(task, launch)
         except NotImplementedError:
@@ -341,6 +343,12 @@ def check_verifier(verify) -> None:
             problems.append(f"`{name}` ({plant.what}): your verifier raised {type(e).__name__}: {e}. A verifier "
                             f"reports a bad kernel, it does not crash on one: catch the kernel's errors.")
             continue
+        finally:
+            # The async plant's thread still launches a kernel after the call returned:
+            # let it end here, before anything else launches (Triton's interpreter keeps
+            # one grid position for the whole process).
+            for t in set(threading.enumerate()) - threads:
+                t.join(timeout=10)
         if name == "correct" and answer is not None:
             problems.append(f"it rejected the correct kernel, saying: {answer}")
         elif name != "correct" and answer is None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import launch
 from .collectives import one_shot_all_reduce, ring_all_reduce
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "parallel"
 GPU_SIZES = [4096 << k for k in range(19)]        # 4 KB .. 1 GB
 CPU_SIZES = [4096 << k for k in range(11)]        # 4 KB .. 4 MB
 BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
