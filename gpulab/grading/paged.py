@@ -187,11 +187,12 @@ FLASHINFER_DECODE_ROW = "FlashInfer decode run()"   # use_tensor_cores=True, its
 SDPA_ROW = "SDPA, contiguous KV"
 
 
-def make_paged_inputs(p, dtype, device, gen):
-    """A paged cache with the given sequence lengths, its pages in shuffled order, spare
-    pages full of other data, and block-table padding past each sequence's pages."""
-    lens = list(p["lens"])
-    ps, hq, hkv, d = p["page"], p["hq"], p["hkv"], p["d"]
+def make_page_pool(lens: list[int], p: dict, dtype, device, gen):
+    """K and V pages for sequences of ``lens`` tokens (``p``: page, hkv, d; optional spare
+    pages and block-table padding), each sequence's pages in shuffled order, and its
+    block-table row; entries past a sequence's pages hold other sequences' pages, so
+    reading them is a bug a check sees."""
+    ps, hkv, d = p["page"], p["hkv"], p["d"]
     n_pages = [-(-n // ps) for n in lens]
     total = sum(n_pages) + p.get("spare", 3)
     width = max(n_pages + [1]) + p.get("pad", 1)
@@ -203,7 +204,15 @@ def make_paged_inputs(p, dtype, device, gen):
         pos += n
     k = randn((total, ps, hkv, d), dtype, device, gen)
     v = randn((total, ps, hkv, d), dtype, device, gen, offset=0.3)
-    q = randn((len(lens), hq, d), dtype, device, gen, scale=1.5)
+    return k, v, bt
+
+
+def make_paged_inputs(p, dtype, device, gen):
+    """A paged cache with the given sequence lengths, its pages in shuffled order, spare
+    pages full of other data, and block-table padding past each sequence's pages."""
+    lens = list(p["lens"])
+    k, v, bt = make_page_pool(lens, p, dtype, device, gen)
+    q = randn((len(lens), p["hq"], p["d"]), dtype, device, gen, scale=1.5)
     inputs = {"q": q, "k_cache": k, "v_cache": v, "block_table": bt,
               "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
     if "splits" in p:

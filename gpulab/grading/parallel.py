@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import runtime
-from ..harness.checking import CheckFailure, diagnose, scenario_check
+from ..harness.checking import CheckFailure, diagnose, format_ranges, scenario_check
 from ..harness.spec import Case, KernelSpec, randn
 from ..parallel import launch
 from ..parallel.collectives import all_reduce_reference
@@ -138,23 +138,6 @@ def _decode(got: torch.Tensor, n: int):
     return counts, ~ok
 
 
-def _ranges(idx: torch.Tensor, limit: int = 3) -> str:
-    idx = idx.flatten().tolist()
-    out, start, prev = [], None, None
-    for i in idx:
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
-        else:
-            out.append((start, prev))
-            start = prev = i
-    if start is not None:
-        out.append((start, prev))
-    text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in out[:limit])
-    return text + (", ..." if len(out) > limit else "")
-
-
 def _diagnose_fingerprint(n: int, label: str, inputs: torch.Tensor, results: list, exact: torch.Tensor) -> str:
     """Explain a wrong fingerprint result from the decoded contribution counts."""
     numel = exact.numel()
@@ -174,7 +157,7 @@ def _diagnose_fingerprint(n: int, label: str, inputs: torch.Tensor, results: lis
             i = int(bad[0])
             what = ("not a sum of the ranks' values at this position" if foreign[i] else
                     "sum of " + " + ".join(f"{int(c)}×rank {k}" for k, c in enumerate(counts[i]) if c) or "zero")
-            lines.append(f"  rank {r}: {bad.numel()} of {numel} elements wrong (flat {_ranges(bad)}); "
+            lines.append(f"  rank {r}: {bad.numel()} of {numel} elements wrong (flat {format_ranges(bad.flatten().tolist(), 3)}); "
                          f"element {i} holds the {what}")
             break
     all_untouched = all(bool(u.all()) for *_, u in per_rank)
@@ -377,7 +360,7 @@ def _as_int8(name, t):
 def _span(idx: list) -> str:
     if any(i is None for i in idx):
         return "rows that are not rows of the input"
-    return _ranges(torch.tensor(idx)) if idx else "nothing"
+    return format_ranges(list(idx), 3) if idx else "nothing"
 
 
 def _check_shard_structure(shard, gen) -> None:

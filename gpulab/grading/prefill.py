@@ -12,6 +12,7 @@ from ..harness.checking import CheckFailure
 from ..harness.checking import check as run_check
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import gather_kv, to_flashinfer
+from .paged import make_page_pool
 
 
 # =========================================================================================
@@ -24,20 +25,8 @@ def make_append_inputs(p, dtype, device, gen):
     longest request; 0 makes the longest fill its table exactly)."""
     new, hist = list(p["new"]), list(p["hist"])
     lens = [h + n for h, n in zip(hist, new)]
-    ps, hq, hkv, d = p["page"], p["hq"], p["hkv"], p["d"]
-    n_pages = [-(-n // ps) for n in lens]
-    total = sum(n_pages) + p.get("spare", 3)
-    width = max(n_pages + [1]) + p.get("pad", 1)
-    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
-    # Entries past a request's pages hold other requests' pages: reading them is a bug.
-    bt = torch.randint(0, total, (len(lens), width), generator=gen, device=device, dtype=torch.int32)
-    pos = 0
-    for b, n in enumerate(n_pages):
-        bt[b, :n] = perm[pos:pos + n]
-        pos += n
-    k = randn((total, ps, hkv, d), dtype, device, gen)
-    v = randn((total, ps, hkv, d), dtype, device, gen, offset=0.3)
-    q = randn((sum(new), hq, d), dtype, device, gen, scale=1.5)
+    k, v, bt = make_page_pool(lens, p, dtype, device, gen)
+    q = randn((sum(new), p["hq"], p["d"]), dtype, device, gen, scale=1.5)
     indptr = torch.zeros(len(new) + 1, dtype=torch.int32)
     indptr[1:] = torch.tensor(new, dtype=torch.int64).cumsum(0).to(torch.int32)
     return {"q": q, "k_cache": k, "v_cache": v, "qo_indptr": indptr.to(device), "block_tables": bt,

@@ -889,7 +889,7 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
             rows_right = (~rows_bad & (e.abs() > 10 * atol).reshape(-1, e.shape[-1]).any(1)
                           if rows_bad is not None else None)
             if rows_right is not None and bool(rows_right.any()):
-                return (f"rows {_ranges(rows_bad.nonzero().flatten().tolist())} are off by a constant "
+                return (f"rows {format_ranges(rows_bad.nonzero().flatten().tolist())} are off by a constant "
                         f"factor (≈ {med:.4g}) and the other rows are right: those rows' normalisation is "
                         f"wrong (e.g. a stale running max, or a sum that includes masked-out lanes: "
                         f"each row is off by its own constant factor).")
@@ -1000,10 +1000,10 @@ def _region_hint(mask, what, axes=None, *, tail, cols, rows) -> str | None:
         if bool(row_bad.any()) and not bool(row_bad.all()):
             rb = row_bad.nonzero().flatten().tolist()
             if _n_ranges(rb) > 3:
-                return (f"rows {_ranges(rb)} (of {m2.shape[0]}) are {what} and the rest right, with no "
+                return (f"rows {format_ranges(rb)} (of {m2.shape[0]}) are {what} and the rest right, with no "
                         f"pattern in where they are: the mistake depends on each row's data (e.g. which "
                         f"states are empty, which values are largest), not on its position.")
-            return (f"only rows {_ranges(rb)} (of {m2.shape[0]}) are {what}: {rows}.")
+            return (f"only rows {format_ranges(rb)} (of {m2.shape[0]}) are {what}: {rows}.")
     return None
 
 
@@ -1018,7 +1018,7 @@ def _axes_hint(mask, what, axes) -> str | None:
         other = tuple(i for i in range(mask.dim()) if i != d)
         hit = mask.any(dim=other) if other else mask
         if bool(hit.any()) and not bool(hit.all()):
-            parts.append(f"{axis_name} {_ranges(hit.nonzero().flatten().tolist())} (of {size})")
+            parts.append(f"{axis_name} {format_ranges(hit.nonzero().flatten().tolist())} (of {size})")
     if not parts:
         return None
     return f"the {what} elements are confined to " + ", ".join(parts) + "."
@@ -1028,7 +1028,8 @@ def _n_ranges(xs: list[int]) -> int:
     return sum(1 for i, x in enumerate(xs) if i == 0 or x != xs[i - 1] + 1)
 
 
-def _ranges(xs: list[int], limit: int = 4) -> str:
+def format_ranges(xs: list[int], limit: int = 4) -> str:
+    """Indices as runs: [0, 1, 2, 7] -> "0..2, 7" (at most ``limit`` runs shown)."""
     out, start, prev = [], None, None
     for x in xs:
         if start is None:
