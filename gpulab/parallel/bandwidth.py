@@ -44,6 +44,24 @@ BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
                "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
 
 
+def elapsed_s(fn: Callable[[], object], calls: int, cuda: bool) -> float:
+    """Seconds for ``calls`` back-to-back calls of ``fn``: CUDA events on a GPU, the
+    wall clock on a CPU."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - t0
+
+
 def algbw_gbps(nbytes: float, seconds: float) -> float:
     """Algorithm bandwidth in GB/s (10^9 bytes per second), as nccl-tests prints it."""
     return nbytes / seconds / 1e9
@@ -91,19 +109,7 @@ def time_per_call(fn: Callable[[], object], budget_s: float = 0.2, max_calls: in
 
     def run(calls):
         dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - t0
+        return elapsed_s(fn, calls, cuda)
 
     probe = _slowest(run(1), device)
     calls = int(max(1, min(max_calls, budget_s / batches / max(probe, 1e-7))))
@@ -120,19 +126,7 @@ def local_time_per_call(fn: Callable[[], object], budget_s: float = 0.2, max_cal
         fn()
 
     def run(calls):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - t0
+        return elapsed_s(fn, calls, cuda)
 
     probe = run(1)
     calls = int(max(1, min(max_calls, budget_s / batches / max(probe, 1e-7))))
