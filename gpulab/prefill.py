@@ -137,11 +137,13 @@ def append_kv_reference(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens
 # Triton kernels
 # =========================================================================================
 @triton.jit
-def _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, num_pages,
-              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, UPCAST: tl.constexpr):
-    """K and V [BLOCK_N, BLOCK_D] of KV positions t through one request's block-table row.
-    A page id outside the pool is never used as an address: its tokens load as zeros and
-    are counted in ``n_bad`` (as :func:`gpulab.paged.paged_tile_update` does)."""
+def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, num_pages,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Scores q·Kᵀ (base-2 scaled) and V [BLOCK_N, BLOCK_D] of KV positions t through one
+    request's block-table row. A page id outside the pool is never used as an address:
+    its tokens load as zeros and are counted in ``n_bad`` (as
+    :func:`gpulab.paged.paged_tile_update` does)."""
     page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
     bad = t_mask & ((page < 0) | (page >= num_pages))
     page = tl.where(bad, 0, page).to(tl.int64)
@@ -156,7 +158,11 @@ def _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, nu
     if UPCAST:   # bf16 tl.dot is wrong in the interpreter: compute in fp32 there
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return k, v, n_bad
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    return s, v, n_bad
 
 
 @triton.jit
@@ -229,25 +235,17 @@ def _append_attention_kernel(
     # address outside the cache is formed, and the fault is recorded.)
     for start in range(0, full, BLOCK_N):
         t = start + cols
-        k, v, n_bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh, page_size,
-                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                stride_vh, UPCAST)
+        s, v, n_bad = _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh,
+                                 page_size, num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
+                                 stride_vt, stride_vh, UPCAST, IEEE)
         bad_pages += n_bad
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
         m, l, acc = online_update(m, l, acc, s, v, False, False, 0.0, IEEE)
     for start in range(full, hi, BLOCK_N):      # the diagonal and the tail: masked per row
         t = start + cols
-        k, v, n_bad = _kv_block(k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh, page_size,
-                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                stride_vh, UPCAST)
+        s, v, n_bad = _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh,
+                                 page_size, num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
+                                 stride_vt, stride_vh, UPCAST, IEEE)
         bad_pages += n_bad
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = (t[None, :] < hi) & (t[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
         m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)

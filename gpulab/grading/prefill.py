@@ -9,7 +9,7 @@ import torch
 
 from .. import prefill
 from ..harness.checking import CheckFailure
-from ..harness.checking import check as run_check
+from ..harness.checking import check
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import gather_kv, to_flashinfer
 from .paged import make_page_pool
@@ -373,7 +373,7 @@ def check_append_attention(fn, **kw):
     """Check a launcher ``fn(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal,
     sm_scale, o, lse)`` writing o [total_q, Hq, D] and lse [total_q, Hq] (natural log)."""
     try:
-        return run_check(APPEND_ATTENTION, fn, **kw)
+        return check(APPEND_ATTENTION, fn, **kw)
     except CheckFailure as e:
         msg = str(e)
         if "past the end of output `o`" in msg or "past the end of output `lse`" in msg:
@@ -389,4 +389,4 @@ def check_append_kv(fn, **kw):
         k_cache.copy_(k_before)
         v_cache.copy_(v_before)
         fn(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache)
-    return run_check(APPEND_KV, launcher, **kw)
+    return check(APPEND_KV, launcher, **kw)
