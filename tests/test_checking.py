@@ -114,6 +114,15 @@ def test_diagnose_constant_and_per_row_factor():
     assert "own constant factor" in _msg(per_row, e)
 
 
+def test_diagnose_row_factors_that_differ_a_little_are_still_per_row():
+    # a running sum that is never rescaled: each row off by its own factor, 0.512 and 0.515
+    e = torch.rand(2, 64).double() + 0.5
+    assert "own constant factor" in _msg(e * torch.tensor([[0.512], [0.515]]).double(), e)
+    # one factor for every row, rounded to float16: the same factor, not a per-row one
+    e16 = torch.rand(8, 64) + 0.5
+    assert "same factor ≈ 0.5" in _msg((0.5 * e16).half(), e16.half().double())
+
+
 def test_diagnose_nan():
     e = torch.rand(5, 8).double()
     g = e.clone()

@@ -893,6 +893,8 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                         f"factor (≈ {med:.4g}) and the other rows are right: those rows' normalisation is "
                         f"wrong (e.g. a stale running max, or a sum that includes masked-out lanes: "
                         f"each row is off by its own constant factor).")
+            if _rows_differ_in_factor(g, e, big, raw):
+                return _OWN_ROW_FACTOR
             return (f"every wrong element is off by the same factor ≈ {med:.4g}: a scale is "
                     f"wrong or missing (a 1/sum, a 127/absmax, a softmax scale...).")
         if g.dim() >= 2:
@@ -905,9 +907,7 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                 consistent = [x for x in per_row if float((x - x.median()).abs().max()) <
                               1e-2 * abs(float(x.median())) + rtol]
                 if per_row and len(consistent) == len(per_row):
-                    return ("each row is off by its own constant factor: the row's normalisation "
-                            "is wrong (e.g. a stale running max, or a sum that includes "
-                            "masked-out lanes).")
+                    return _OWN_ROW_FACTOR
     clamp = _clamp_hint(g, e, bad, atol)
     if clamp:
         return clamp
@@ -922,6 +922,33 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
         return "the errors are scattered: compare your math with the reference step by step."
     return ("every element is wrong, with no pattern the check recognises: compare your math with "
             "the reference step by step (on one small case).")
+
+
+_OWN_ROW_FACTOR = ("each row is off by its own constant factor: the row's normalisation is wrong "
+                   "(e.g. a stale running max, or a sum that includes masked-out lanes).")
+
+
+def _rows_differ_in_factor(g: torch.Tensor, e: torch.Tensor, big: torch.Tensor,
+                           raw: torch.Tensor | None) -> bool:
+    """True when each row is off by one constant factor but the rows' factors differ from
+    one another by more than the rounding spread inside a row (factors 0.512 and 0.515 are
+    two normalisations gone wrong, not one missing scale)."""
+    if g.dim() < 2:
+        return False
+    ratio = (g / e).reshape(-1, g.shape[-1])
+    big = big.reshape(-1, g.shape[-1])
+    medians, spread = [], 0.0
+    for i in range(ratio.shape[0]):
+        r = ratio[i][big[i]]
+        if r.numel() >= 2:
+            med = r.median()
+            medians.append(float(med))
+            spread = max(spread, float((r - med).abs().max()))
+    if len(medians) < 2:
+        return False
+    # the output's own rounding bounds how far apart two equal factors can look
+    eps = torch.finfo(raw.dtype).eps if raw is not None and raw.is_floating_point() else 1e-6
+    return max(medians) - min(medians) > 4 * spread + 2 * eps * max(abs(m) for m in medians)
 
 
 def _safely(probe: Callable[[], bool]) -> bool:
