@@ -30,6 +30,28 @@ def _softmax_inputs(p, dtype, device, gen):
     return {"x": x.to(dtype)}
 
 
+def _softmax_wide_rows(inputs, params, dtype, gen):
+    """rows spanning more than 88 (every other column 100 lower): exp(x - min) overflows, exp(x - max) cannot"""
+    x = inputs["x"].clone()
+    x[:, ::2] -= 100
+    return {**inputs, "x": x}
+
+
+def _draw(gen, lo, hi) -> int:
+    return int(torch.randint(lo, hi, (1,), generator=gen))
+
+
+def _vector_add_fresh(gen):
+    # more than 4 blocks of 1024 and not a multiple of it: a grid or block fixed to the
+    # listed sizes does not cover it
+    return Case("random size", dict(n=_draw(gen, 4200, 9000)))
+
+
+def _softmax_fresh(gen):
+    # rows wider than the listed cases' 1024-column block
+    return Case("random size", dict(rows=_draw(gen, 2, 6), cols=_draw(gen, 1100, 3000)))
+
+
 # -- specs --------------------------------------------------------------------------------
 VECTOR_ADD = KernelSpec(
     name="vector_add",
@@ -52,6 +74,7 @@ VECTOR_ADD = KernelSpec(
     flops=lambda p, dtype: p["n"],
     baselines={"torch": lambda inp: inp["x"] + inp["y"]},
     read_inputs=("x", "y"),
+    fresh_case=_vector_add_fresh,
 )
 
 SOFTMAX = KernelSpec(
@@ -77,4 +100,8 @@ SOFTMAX = KernelSpec(
     baselines={"torch": lambda inp: torch.softmax(inp["x"], dim=-1),
                "torch (3 passes)": lambda inp: safe_softmax_unfused(inp["x"])},
     read_inputs=("x",),
+    # the contract takes row strides (softmax_into passes x.stride(0), y.stride(0))
+    strided=("x", "y"),
+    edge_data=_softmax_wide_rows,
+    fresh_case=_softmax_fresh,
 )

@@ -4,7 +4,6 @@ import triton
 import triton.language as tl
 
 from gpulab import basics
-from gpulab.harness.spec import Case
 
 from . import Mistake
 
@@ -68,13 +67,6 @@ def _sm_torch(kind):
 TORCH_KW = dict(dtypes=[torch.float32], learner_kernel=False)
 
 
-def wide_rows(inputs, params, dtype, gen):
-    """rows spanning more than 88: exp(x - min) overflows, exp(x - max) cannot"""
-    x = inputs["x"].clone()
-    x[:, ::2] -= 100
-    return {"x": x}
-
-
 # -- ex3: the fused softmax kernel --------------------------------------------------------
 @triton.jit
 def _softmax(x_ptr, y_ptr, n_cols, sx, sy, BLOCK: tl.constexpr, MUT: tl.constexpr):
@@ -125,8 +117,7 @@ MISTAKES = [
     Mistake("00/check-add", "vector_add", "grid n // BLOCK", _add_launcher(0, grid=lambda n: n // 1024),
             ("never written",)),
     Mistake("00/check-add", "vector_add", "grid fixed to 4 programs (visible sizes only)",
-            _add_launcher(0, grid=lambda n: 4), ("never written",),
-            needs=dict(fresh_case=lambda g: Case("random", dict(n=int(torch.randint(4200, 9000, (1,), generator=g)))))),
+            _add_launcher(0, grid=lambda n: 4), ("never written",)),
     Mistake("00/check-add", "vector_add", "torch.add(out=) instead of a kernel", _torch_add,
             ("asks for a Triton kernel of your own",)),
     Mistake("00/check-add", "vector_add", "gpulab's own add_into", basics.add_into,
@@ -135,7 +126,7 @@ MISTAKES = [
     Mistake("00/check-softmax-torch", "softmax", "no max subtraction (overflow)", _sm_torch("no max"),
             ("arithmetic", "overflow"), TORCH_KW),
     Mistake("00/check-softmax-torch", "softmax", "subtracts the min", _sm_torch("min"),
-            ("arithmetic", "overflow"), TORCH_KW, needs=dict(edge_data=wide_rows)),
+            ("arithmetic", "overflow"), TORCH_KW),
     Mistake("00/check-softmax-torch", "softmax", "normalises over dim 0", _sm_torch("max over columns"),
             ("wrong axis",), TORCH_KW),
     Mistake("00/check-softmax-torch", "softmax", "returns the (rows, 1) sum", _sm_torch("sum only"),
@@ -154,12 +145,11 @@ MISTAKES = [
     Mistake("00/check-softmax-kernel", "softmax", "one program too few", _sm_launcher(rows=lambda r: r - 1),
             ("never written",)),
     Mistake("00/check-softmax-kernel", "softmax", "x's row stride used for y", _sm_launcher(stride="x for y"),
-            ("between the rows", "padding between the rows"), needs=dict(strided=("x", "y"))),
+            ("between the rows", "padding between the rows")),
     Mistake("00/check-softmax-kernel", "softmax", "row length as row stride", _sm_launcher(stride="row length"),
-            ("between the rows", "padding between the rows"), needs=dict(strided=("x", "y"))),
+            ("between the rows", "padding between the rows")),
     Mistake("00/check-softmax-kernel", "softmax", "fixed BLOCK = 1024", _sm_launcher(block=1024),
-            ("never written", "columns"), needs=dict(fresh_case=lambda g: Case("random", dict(
-                rows=int(torch.randint(2, 9, (1,), generator=g)), cols=int(torch.randint(1100, 3000, (1,), generator=g)))))),
+            ("never written", "columns")),
     Mistake("00/check-softmax-kernel", "softmax", "gpulab's softmax_into", basics.softmax_into,
             ("asks for a Triton kernel of your own",)),
     Mistake("00/check-softmax-kernel", "softmax", "torch.softmax in a launcher",
