@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..harness import memory
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import (ABSMAX_FLOOR, RMSNormFakeQuant, rmsnorm_fakequant, rmsnorm_fakequant_fwd_into,
                          rmsnorm_fakequant_ref, rmsnorm_quant_bwd_into, rmsnorm_quant_into, rmsnorm_quant_ref,
@@ -40,6 +41,133 @@ def rmsnorm_fakequant_fwd_reference(x, weight):
     ref = rmsnorm_quant_reference(x, weight)
     rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6)
     return {"y": round_half_away(ref["x_q"]) / ref["scale"][:, None], "rstd": rstd}
+
+
+# -- diagnoses: the reference recomputed under plausible mistakes ----------------------
+def _block_of(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _quant_variant(x, weight, eps=1e-6, *, mean_over=None, weight_in_y=True, absmax_floor=ABSMAX_FLOOR,
+                   absmax_of_x=False):
+    xd, wd = x.double(), weight.double()
+    n = mean_over or x.shape[-1]
+    ms = xd.pow(2).sum(-1, keepdim=True) / n
+    rstd = torch.rsqrt(ms + eps)
+    y = xd * rstd * (wd if weight_in_y else 1.0)
+    amax = (xd * rstd if absmax_of_x else y).abs().amax(-1, keepdim=True)
+    if absmax_floor:
+        amax = amax.clamp_min(absmax_floor)
+    scale = 127.0 / amax
+    return {"scale": scale.squeeze(-1), "x_q": y * scale}
+
+
+def _rounded(fn):
+    def answer(inp):
+        return {"x_q": fn(rmsnorm_quant_reference(**inp)["x_q"])}
+    return answer
+
+
+def _zero_rows_hint(output, got, expected, inputs):
+    """Only the rows of zeros (which the inputs hold on purpose) are wrong."""
+    x = inputs["x"]
+    zero = (x == 0).all(-1).cpu()
+    if x.shape[0] < 2 or not bool(zero.any()) or bool(zero.all()):
+        return None
+    g, e = got.detach().double().cpu(), expected.detach().double().cpu()
+    atol, rtol = (0.5 + 1e-3, 0.0) if output == "x_q" else (1e-5, 1e-4)
+    bad = ~torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
+    rows_bad = bad.reshape(bad.shape[0], -1).any(-1)
+    if bool(rows_bad.any()) and bool((rows_bad == zero).all()):
+        return (f"only the rows of zeros ({', '.join(map(str, zero.nonzero().flatten().tolist()[:4]))}) are "
+                f"wrong: there rstd = 1/sqrt(0 + eps) needs its eps inside the root (without it 0 · ∞ = NaN, "
+                f"which a conversion to int8 turns into an arbitrary value), and the absmax needs its floor.")
+    return None
+
+
+RMSNORM_QUANT_HINT = hypotheses_hint(
+    Hypothesis("x_q is y·scale truncated toward zero (a plain cast to int8 truncates): round to the "
+               "nearest integer first, e.g. floor(v + 0.5) for v ≥ 0 and ceil(v - 0.5) below.",
+               _rounded(torch.trunc), outputs=("x_q",), atol=1e-3, share=0.98),
+    Hypothesis("x_q is y·scale rounded down (floor): round to the nearest integer instead, "
+               "halves away from zero (floor(v + 0.5) for v ≥ 0, ceil(v - 0.5) below).",
+               _rounded(torch.floor), outputs=("x_q",), atol=1e-3, share=0.98),
+    Hypothesis("the mean of x² is divided by the block size, not by the row length: masked lanes are "
+               "zeros, so sum(x²) is right, but the mean is sum / n_cols.",
+               lambda inp: _quant_variant(inp["x"], inp["weight"], mean_over=_block_of(inp["x"].shape[-1]))
+               if inp["x"].shape[-1] != _block_of(inp["x"].shape[-1]) else None),
+    Hypothesis("the norm weight is not applied: y = x · rstd · weight, then the absmax of y.",
+               lambda inp: _quant_variant(inp["x"], inp["weight"], weight_in_y=False), outputs=("x_q",)),
+    Hypothesis("the scale is 127 / absmax(x · rstd), without the weight: either the norm weight is not "
+               "applied at all, or the absmax is taken before the weight is applied; the scale must come "
+               "from y = x · rstd · weight, the values being quantized.",
+               lambda inp: _quant_variant(inp["x"], inp["weight"], absmax_of_x=True), outputs=("scale",)),
+    Hypothesis("a row of zeros has absmax 0 and its scale 127/0 is infinite: floor the absmax "
+               "(max(absmax, 1e-5)) before dividing.",
+               lambda inp: _quant_variant(inp["x"], inp["weight"], absmax_floor=0.0), outputs=("scale",)),
+    Hypothesis("rows of zeros come out NaN: rstd = 1/sqrt(mean(x²) + eps) needs eps inside the root "
+               "(without it a row of zeros gives 0 · ∞).",
+               lambda inp: _quant_variant(inp["x"], inp["weight"], eps=0.0)),
+    then=_zero_rows_hint,
+)
+
+
+def _bwd_parts(x, weight, rstd, dy):
+    xd, wd, dyd = x.double(), weight.double(), dy.double()
+    r = rstd.double()[:, None]
+    xhat = xd * r
+    g = dyd * wd
+    return xd, wd, dyd, r, xhat, g
+
+
+def _bwd_variant(kind):
+    def answer(inp):
+        x, w, dy, r, xhat, g = _bwd_parts(inp["x"], inp["weight"], inp["rstd"], inp["dy"])
+        n = x.shape[-1]
+        if kind == "no mean term":
+            return {"dx": g * r}
+        if kind == "no rstd":
+            return {"dx": g - xhat * (xhat * g).mean(-1, keepdim=True)}
+        if kind == "no weight":
+            return {"dx": (dy - xhat * (xhat * dy).mean(-1, keepdim=True)) * r}
+        if kind == "block mean":
+            b = _block_of(n)
+            return None if b == n else {"dx": (g - xhat * (xhat * g).sum(-1, keepdim=True) / b) * r}
+        if kind == "x for xhat":
+            return {"dw": (dy * x).sum(0)}
+        if kind == "dw not summed":
+            return None
+    return answer
+
+
+def _dw_one_row(output, got, expected, inputs):
+    """dw equal to one row's partial dy · x̂ (each program overwrote it)."""
+    if output != "dw" or inputs["x"].shape[0] < 2:
+        return None
+    x, w, dy, r, xhat, g = _bwd_parts(inputs["x"], inputs["weight"], inputs["rstd"], inputs["dy"])
+    parts = dy * xhat
+    gd = got.detach().double().cpu()
+    for row in range(parts.shape[0]):
+        if torch.allclose(gd, parts[row].cpu(), atol=1e-3, rtol=1e-3):
+            return (f"dw equals row {row}'s partial dy · x̂ alone: every program wrote its row's "
+                    f"partial over the same dw; dw sums the partials over all rows (store per-row "
+                    f"partials and sum them, or accumulate with tl.atomic_add).")
+    return None
+
+
+RMSNORM_QUANT_BWD_HINT = hypotheses_hint(
+    Hypothesis("dx lacks the term through rstd: dx = (g - x̂ · mean(x̂ · g)) · rstd with g = dy · weight, "
+               "not g · rstd alone.", _bwd_variant("no mean term"), outputs=("dx",)),
+    Hypothesis("dx misses the final factor rstd: dx = (g - x̂ · mean(x̂ · g)) · rstd.",
+               _bwd_variant("no rstd"), outputs=("dx",)),
+    Hypothesis("the norm weight is missing from dx: g = dy · weight, then dx = (g - x̂ · mean(x̂ · g)) · rstd.",
+               _bwd_variant("no weight"), outputs=("dx",)),
+    Hypothesis("the mean of x̂ · g is divided by the block size, not by the row length (masked lanes "
+               "are zeros: divide the sum by n_cols).", _bwd_variant("block mean"), outputs=("dx",)),
+    Hypothesis("dw sums dy · x, not dy · x̂: normalise x first (x̂ = x · rstd).",
+               _bwd_variant("x for xhat"), outputs=("dw",)),
+    then=_dw_one_row,
+)
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -105,6 +233,7 @@ RMSNORM_QUANT = KernelSpec(
     baselines={"torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"])},
     bench_dtypes=[torch.bfloat16],
     read_inputs=("x", "weight"),
+    hint=RMSNORM_QUANT_HINT,
     notes="x_q's reference is the unrounded y·scale; an int8 within 0.5 of it is correct.",
 )
 
@@ -128,6 +257,7 @@ RMSNORM_QUANT_BWD = KernelSpec(
     bench_impl=_fused_train_step,
     bench_dtypes=[torch.bfloat16],
     read_inputs=("x", "weight", "rstd", "dy"),
+    hint=RMSNORM_QUANT_BWD_HINT,
 )
 
 RMSNORM_FAKEQUANT_FWD = KernelSpec(

@@ -756,6 +756,47 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
 
 
 # -- diagnosis ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hypothesis:
+    """A plausible mistake, recomputed: ``answer(inputs)`` returns the outputs (a dict) that
+    a kernel making that mistake computes on ``inputs``, or None where the mistake cannot
+    show; a wrong output that matches them is explained by ``cause``. ``outputs`` limits it
+    to some outputs (empty: any); ``share``: the fraction of elements that must match
+    (below 1 for mistakes such as truncation, where float rounding moves a few)."""
+    cause: str
+    answer: Callable[[dict], dict | None]
+    outputs: tuple[str, ...] = ()
+    atol: float = 1e-3
+    rtol: float = 1e-3
+    share: float = 1.0
+
+    def explains(self, output: str, got, inputs: dict) -> bool:
+        if self.outputs and output not in self.outputs:
+            return False
+        try:
+            alt = self.answer(inputs)
+        except Exception:
+            return False
+        value = alt.get(output) if isinstance(alt, dict) else None
+        if not isinstance(got, torch.Tensor) or not isinstance(value, torch.Tensor) or \
+                tuple(got.shape) != tuple(value.shape) or got.numel() == 0:
+            return False
+        g, v = got.detach().double().cpu(), value.detach().double().cpu()
+        close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
+        return float(close.double().mean()) >= self.share
+
+
+def hypotheses_hint(*hypotheses: Hypothesis, then=None):
+    """A spec ``hint`` that names the first of ``hypotheses`` whose recomputed answer
+    matches the wrong output (then asks ``then``, another hint, if none does)."""
+    def hint(output, got, expected, inputs):
+        for h in hypotheses:
+            if h.explains(output, got, inputs):
+                return h.cause
+        return then(output, got, expected, inputs) if then is not None else None
+    return hint
+
+
 def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol: float,
              unread: Callable[[], list[str]] | None = None,
              custom_hint: Callable[[], str | None] | None = None,
@@ -805,7 +846,10 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
         gv = "never written" if bool(unwritten[t]) else f"{g[t].item():.6g}"
         shown.append(f"[{', '.join(map(str, t))}]: got {gv}, expected {e[t].item():.6g}")
     lines.append("  first wrong elements: " + "; ".join(shown))
-    hint = None if bool(unwritten.any()) or custom_hint is None else custom_hint()
+    # An integer poison is also what a NaN converted to an integer can give: the spec's own
+    # diagnosis may still explain an integer output that looks unwritten.
+    hint = None if custom_hint is None or (bool(unwritten.any()) and got.is_floating_point()) \
+        else custom_hint()
     hint = hint or _hint(g, e, bad, unwritten, atol, rtol, unread, got, axes, reads_outside)
     if hint:
         lines.append("  Hint: " + hint)

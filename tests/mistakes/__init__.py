@@ -17,7 +17,7 @@ from typing import Callable
 from gpulab.harness import checking
 from gpulab.harness.spec import get
 
-MODULES = ("nb00", "nb01", "nb04", "nb06")
+MODULES = ("nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06")
 
 
 @dataclass
