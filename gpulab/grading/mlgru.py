@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..mlgru import (mlgru_scan, scan_backward_chunked_into, scan_backward_recurrent_into,
                      scan_backward_reference, scan_chunked_into, scan_into, scan_recurrent_into,
@@ -19,6 +20,117 @@ def mlgru_scan_train_reference(f, i, h0, dh, dh_last):
     out = scan_reference(f, i, h0)
     grads = scan_backward_reference(f, h0, out["h"].to(f.dtype), dh, dh_last)
     return {**out, "df": grads["df"], "di": grads["di"], "dh0": grads["dh0"]}
+
+
+# -- diagnoses: the scan recomputed under plausible mistakes -----------------------------
+_TILES = (2, 4, 8, 16, 32, 64)
+
+
+def _scan_variant(f, i, h0, *, step=None, tile=None, carry="decayed", combine="right", store_before=False,
+                  reverse=False):
+    """scan_reference with one mistake: ``step(f, h, i)`` for the update; chunks of ``tile``
+    steps whose carried state enters as ``carry`` ("none": lost, chunks start from 0;
+    "plain": added without its decay) or whose combine is ``"swapped"``; states stored before
+    the update; time reversed."""
+    f64, i64 = f.double(), i.double()
+    if reverse:
+        f64, i64 = f64.flip(1), i64.flip(1)
+    h = h0.double()
+    out = torch.empty_like(f64)
+    carried, decay, local = h, torch.ones_like(h), torch.zeros_like(h)
+    for t in range(f.shape[1]):
+        prev = h
+        if tile:
+            if t % tile == 0:
+                carried = torch.zeros_like(h) if carry == "none" else h
+                decay, local = torch.ones_like(h), torch.zeros_like(h)
+            if combine == "swapped":     # (a1·a2, a1·b2 + b1): the affine maps composed the other way
+                local = local + decay * i64[:, t]
+            else:
+                local = f64[:, t] * local + i64[:, t]
+            decay = decay * f64[:, t]
+            h = local + (carried if carry == "plain" else decay * carried)
+        else:
+            h = step(f64[:, t], h, i64[:, t]) if step else f64[:, t] * h + i64[:, t]
+        out[:, t] = prev if store_before else h
+    if reverse:
+        out = out.flip(1)
+    return {"h": out, "h_last": h}
+
+
+def _tiled(**kw):
+    def answer(inp):
+        for tile in _TILES:
+            if tile < inp["f"].shape[1] or kw.get("combine"):
+                yield _scan_variant(inp["f"], inp["i"], inp["h0"], tile=tile, **kw)
+    return answer
+
+
+def _h_last_lost(inp):
+    T = inp["f"].shape[1]
+    ref = scan_reference(**inp)
+    for tile in _TILES:
+        if T % tile:
+            yield {"h_last": torch.zeros_like(ref["h_last"])}
+            return
+
+
+SCAN_HINT = hypotheses_hint(
+    Hypothesis("h follows h_t = f_t·h_(t-1) + (1 - f_t)·i_t, a GRU-style mix: here i_t already carries "
+               "its gate, the recurrence is h_t = f_t·h_(t-1) + i_t.",
+               lambda inp: _scan_variant(inp["f"], inp["i"], inp["h0"], step=lambda f, h, i: f * h + (1 - f) * i),
+               outputs=("h",)),
+    Hypothesis("each h_t holds the state before step t (h_(t-1)): store h after the update h = f·h + i.",
+               lambda inp: _scan_variant(inp["f"], inp["i"], inp["h0"], store_before=True), outputs=("h",)),
+    Hypothesis("the scan runs backwards in time (from t = T-1 down to 0): walk t upwards, starting from h0.",
+               lambda inp: _scan_variant(inp["f"], inp["i"], inp["h0"], reverse=True)),
+    Hypothesis("every chunk of time steps starts from 0: the state carried from the previous chunk (h0 for "
+               "the first) is lost; add A·h_carried to the chunk's local scan (A = the product of its f).",
+               _tiled(carry="none")),
+    Hypothesis("the carried state is added without its decay: inside a chunk h_t = h_local,t + A_t·h_carried, "
+               "with A_t the product of f up to t (the scan's first component), not h_local,t + h_carried.",
+               _tiled(carry="plain")),
+    Hypothesis("the combine function composes the two steps in the wrong order: for (a1, b1) then (a2, b2) "
+               "the result is (a1·a2, a2·b1 + b2) (apply the first step, then the second), not a1·b2 + b1.",
+               _tiled(combine="swapped")),
+    Hypothesis("h_last is zero: the masked time steps past T in the last chunk wiped the state; load f with "
+               "other=1.0 (and i with 0.0) so padded steps leave h unchanged, and carry the chunk's last "
+               "valid state.", _h_last_lost, outputs=("h_last",)),
+)
+
+
+def _bwd_variant(f, h0, h, dh, dh_last, *, h_for_df="prev", carry_f="next", dh0_f=True):
+    f64, h64, dh64 = f.double(), h.double(), dh.double()
+    T = f.shape[1]
+    g = dh_last.double()
+    f_next = torch.ones_like(g)
+    df, di = torch.empty_like(f64), torch.empty_like(f64)
+    for t in range(T - 1, -1, -1):
+        mul = {"next": f_next, "none": torch.ones_like(g), "same": f64[:, t]}[carry_f]
+        g = dh64[:, t] + mul * g
+        di[:, t] = g
+        if h_for_df == "same":
+            df[:, t] = g * h64[:, t]
+        else:
+            df[:, t] = g * (h64[:, t - 1] if t > 0 else h0.double())
+        f_next = f64[:, t]
+    return {"df": df, "di": di, "dh0": (f_next * g if dh0_f else g) if T else g}
+
+
+def _bwd(**kw):
+    return lambda inp: _bwd_variant(inp["f"], inp["h0"], inp["h"], inp["dh"], inp["dh_last"], **kw)
+
+
+SCAN_BACKWARD_HINT = hypotheses_hint(
+    Hypothesis("df_t uses h_t: h_t = f_t·h_(t-1) + i_t, so df_t = g_t · h_(t-1) (h0 at t = 0).",
+               _bwd(h_for_df="same"), outputs=("df",)),
+    Hypothesis("the gradient is carried back without the forget gate: g_t = dh_t + f_(t+1)·g_(t+1).",
+               _bwd(carry_f="none")),
+    Hypothesis("the carried gradient is multiplied by f_t, not f_(t+1): h_(t+1) = f_(t+1)·h_t + i_(t+1), so "
+               "g_t = dh_t + f_(t+1)·g_(t+1) (keep the f of the step after).", _bwd(carry_f="same")),
+    Hypothesis("dh0 misses the first forget gate: h_0 = f_0·h0 + i_0, so dh0 = f_0·g_0.",
+               _bwd(dh0_f=False), outputs=("dh0",)),
+)
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -123,6 +235,10 @@ _TRAIN_BASELINES = {"torch eager loop": lambda inp: _fwd_bwd(scan_eager_loop)(**
 _COMPILED = ("torch log-step scan",)    # the eager loop: Dynamo would unroll 8192 steps
 
 
+_SCAN_AXES = {k: ("batch", "time", "channel") for k in ("h", "df", "di")} | \
+    {k: ("batch", "channel") for k in ("h_last", "dh0")}
+
+
 # -- specs --------------------------------------------------------------------------------
 def _fwd_spec(name, summary, impl, cpu_cases, baselines=None):
     return KernelSpec(
@@ -132,7 +248,7 @@ def _fwd_spec(name, summary, impl, cpu_cases, baselines=None):
         dtypes=_DTYPES, tolerances=_TOLERANCES, output_tolerances={"h_last": _STATE_TOLERANCES},
         bytes_moved=_fwd_bytes, flops=lambda p, d: 2 * p["B"] * p["T"] * p["D"],
         baselines=baselines or {}, compile_baselines=_COMPILED,
-        read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16])
+        read_inputs=("f", "i", "h0"), bench_dtypes=[torch.bfloat16], hint=SCAN_HINT, axes=_SCAN_AXES)
 
 
 def _bwd_spec(name, summary, impl, cpu_cases):
@@ -142,7 +258,8 @@ def _bwd_spec(name, summary, impl, cpu_cases):
         implementation=impl, cases={"cpu": cpu_cases, "gpu": _GPU, "bench": _BENCH},
         dtypes=_DTYPES, tolerances=_TOLERANCES, output_tolerances={"dh0": _STATE_TOLERANCES},
         bytes_moved=_bwd_bytes, flops=lambda p, d: 4 * p["B"] * p["T"] * p["D"],
-        read_inputs=("f", "h0", "h", "dh", "dh_last"), bench_dtypes=[torch.bfloat16])
+        read_inputs=("f", "h0", "h", "dh", "dh_last"), bench_dtypes=[torch.bfloat16], hint=SCAN_BACKWARD_HINT,
+        axes=_SCAN_AXES)
 
 
 MLGRU_SCAN_RECURRENT = _fwd_spec("mlgru_scan_recurrent", "h_t = f_t h_{t-1} + i_t, a loop over time",

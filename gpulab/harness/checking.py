@@ -759,8 +759,8 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
 @dataclass(frozen=True)
 class Hypothesis:
     """A plausible mistake, recomputed: ``answer(inputs)`` returns the outputs (a dict) that
-    a kernel making that mistake computes on ``inputs``, or None where the mistake cannot
-    show; a wrong output that matches them is explained by ``cause``. ``outputs`` limits it
+    a kernel making that mistake computes on ``inputs`` (or several dicts, for a mistake with
+    a free parameter such as the block size), or None where the mistake cannot show; a wrong output that matches them is explained by ``cause``. ``outputs`` limits it
     to some outputs (empty: any); ``share``: the fraction of elements that must match
     (below 1 for mistakes such as truncation, where float rounding moves a few)."""
     cause: str
@@ -773,17 +773,24 @@ class Hypothesis:
     def explains(self, output: str, got, inputs: dict) -> bool:
         if self.outputs and output not in self.outputs:
             return False
+        if not isinstance(got, torch.Tensor) or got.numel() == 0:
+            return False
         try:
-            alt = self.answer(inputs)
+            alts = self.answer(inputs)
+            # one answer, or several (a mistake with a free parameter, e.g. the block size)
+            alts = [alts] if alts is None or isinstance(alts, dict) else list(alts)
         except Exception:
             return False
-        value = alt.get(output) if isinstance(alt, dict) else None
-        if not isinstance(got, torch.Tensor) or not isinstance(value, torch.Tensor) or \
-                tuple(got.shape) != tuple(value.shape) or got.numel() == 0:
-            return False
-        g, v = got.detach().double().cpu(), value.detach().double().cpu()
-        close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
-        return float(close.double().mean()) >= self.share
+        g = got.detach().double().cpu()
+        for alt in alts:
+            value = alt.get(output) if isinstance(alt, dict) else None
+            if not isinstance(value, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
+                continue
+            close = torch.isclose(g, value.detach().double().cpu(), atol=self.atol, rtol=self.rtol,
+                                  equal_nan=True)
+            if float(close.double().mean()) >= self.share:
+                return True
+        return False
 
 
 def hypotheses_hint(*hypotheses: Hypothesis, then=None):
