@@ -15,9 +15,10 @@ import math
 import torch
 
 from .. import runtime
-from ..harness.checking import CheckFailure
+from ..attention_state import merge_states_reference
+from ..harness.checking import CheckFailure, Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
-from ..paged import (PagedDecodeWrapper, gather_kv, paged_decode_attention, paged_decode_into,
+from ..paged import (PagedDecodeWrapper, fixed_splits, gather_kv, paged_decode_attention, paged_decode_into,
                      paged_decode_reference, paged_decode_split_into, split_reduce_into, split_reduce_reference,
                      to_flashinfer)
 
@@ -119,6 +120,182 @@ def plan_run_hint(output, got, expected, inputs):
                 "now: read the lengths on the device inside the kernel, and plan partitions from the "
                 "block table's capacity (width × page_size), which the lengths never exceed.")
     return None
+
+
+# =========================================================================================
+# Diagnoses: the references recomputed under plausible mistakes
+# =========================================================================================
+def decode_variant(inp, *, head_map="group", lens=None, starts=None, page_shift=0, score_factor=1.0,
+                   lse_factor=1.0):
+    """paged_decode_reference with one mistake: query head h reading kv head h % Hkv
+    ("interleaved") instead of h // group, other lengths (tokens ``starts[b]`` to ``lens[b]``),
+    block-table entries shifted by ``page_shift``, scores times ``score_factor``, the LSE
+    times ``lse_factor``."""
+    q, kc, vc, bt = inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"]
+    lens = inp["seq_lens"] if lens is None else lens
+    B, hq, d = q.shape
+    hkv = kc.shape[2]
+    heads = torch.arange(hq) // (hq // hkv) if head_map == "group" else torch.arange(hq) % hkv
+    if page_shift:
+        bt = torch.cat([bt[:, page_shift:], bt[:, :page_shift]], dim=1)
+    outs, lses = [], []
+    for b in range(B):
+        k, v = gather_kv(kc, vc, bt, int(lens[b]), b)
+        if starts is not None:
+            k, v = k[int(starts[b]):], v[int(starts[b]):]
+        if k.shape[0] == 0:
+            outs.append(torch.zeros((hq, d), dtype=torch.float64))
+            lses.append(torch.full((hq,), -math.inf, dtype=torch.float64))
+            continue
+        k, v = k.double()[:, heads], v.double()[:, heads]             # [N, Hq, D]
+        sc = torch.einsum("hd,nhd->hn", q[b].double().cpu(), k.cpu()) * d ** -0.5 * score_factor
+        lse = torch.logsumexp(sc, dim=-1)
+        outs.append(torch.einsum("hn,nhd->hd", torch.exp(sc - lse[:, None]), v.cpu()))
+        lses.append(lse * lse_factor)
+    return {"o": torch.stack(outs), "lse": torch.stack(lses)}
+
+
+def _lengths(inp, change):
+    capacity = inp["block_table"].shape[1] * inp["k_cache"].shape[1]
+    lens = inp["seq_lens"].long().cpu()
+    return (change(lens)).clamp(0, capacity)
+
+
+def _clamped_lengths(inp):
+    """Every sequence cut at one length c: tokens past a planned coverage dropped."""
+    lens = inp["seq_lens"].long().cpu()
+    for c in range(1, int(lens.max())):
+        yield decode_variant(inp, lens=lens.clamp(max=c))
+
+
+def _rounded_lengths(inp):
+    """Every length rounded up to a multiple of m (a tile or partition past seq_len read)."""
+    lens = inp["seq_lens"].long().cpu()
+    for m in (2, 4, 8, 16, 32, 64, 128):
+        yield decode_variant(inp, lens=_lengths(inp, lambda n: -(-n // m) * m))
+
+
+DECODE_HYPOTHESES = (
+    Hypothesis("query head h read kv head h % num_kv_heads: with grouped-query attention the query heads "
+               "sharing a kv head are consecutive, head h reads kv head h // (num_qo_heads / num_kv_heads).",
+               lambda inp: decode_variant(inp, head_map="interleaved")),
+    Hypothesis("the pages are off by one: token t lies in page block_table[b, t // page_size], slot "
+               "t % page_size (no +1 on the block-table index).", lambda inp: decode_variant(inp, page_shift=1)),
+    Hypothesis("the scores are scaled by ln 2: exp2 needs the scale multiplied by log2(e) (2^(s · log2 e) = e^s); "
+               "the LSE then comes back to natural log with × ln 2.",
+               lambda inp: decode_variant(inp, score_factor=math.log(2.0)), outputs=("o",)),
+    Hypothesis("the LSE is in base 2 (m + log2(l) with scores scaled by log2 e): gpulab's LSE is the natural "
+               "log, multiply by ln 2.", lambda inp: decode_variant(inp, lse_factor=1 / math.log(2.0)),
+               outputs=("lse",)),
+    Hypothesis("each sequence attends one token too many (t ≤ seq_len): the mask is t < seq_len.",
+               lambda inp: decode_variant(inp, lens=_lengths(inp, lambda n: n + 1))),
+    Hypothesis("each sequence leaves out its last token: the keys are t = 0 .. seq_len - 1 (t < seq_len).",
+               lambda inp: decode_variant(inp, lens=_lengths(inp, lambda n: n - 1))),
+    Hypothesis("tokens past seq_len are attended: the last tile (or partition) runs to its end; mask every "
+               "token with t < seq_len (and end partitions at min(seq_len, start + part_len)).",
+               _rounded_lengths),
+    Hypothesis("every sequence is cut at one length: the tokens past a fixed coverage are never visited; the "
+               "partitions must cover the block table's capacity (width × page_size), whatever the lengths.",
+               _clamped_lengths),
+)
+DECODE_HINT = hypotheses_hint(*DECODE_HYPOTHESES)
+
+
+def reduce_variant(o_part, lse_part, *, base2=False, average=False, add_max=True, keep=None, lse_max=False):
+    """split_reduce_reference with one mistake (see SPLIT_REDUCE_HINT)."""
+    o_part, lse_part = o_part.double().cpu(), lse_part.double().cpu()
+    if keep is not None:
+        o_part, lse_part = o_part[..., :keep, :], lse_part[..., :keep]
+    ref = merge_states_reference(o_part, lse_part)
+    if average:
+        return {"o": o_part.mean(-2)}
+    if lse_max:
+        return {"lse": lse_part.max(-1).values}
+    if base2:
+        m = lse_part.max(-1, keepdim=True).values
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp2(lse_part - m)
+        total = w.sum(-1)
+        has = total > 0
+        o = (w[..., None] * o_part).sum(-2) / torch.where(has, total, 1.0)[..., None]
+        return {"o": o, "lse": torch.where(has, m[..., 0] + torch.log2(torch.where(has, total, 1.0)), -math.inf)}
+    if not add_max:
+        m = lse_part.max(-1).values
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        return {"lse": ref["lse"] - m}
+    return ref
+
+
+def _first_splits(inp):
+    s = inp["o_part"].shape[-2]
+    for keep in (1, 2, 4, 8, 16, 32, 64):
+        if keep < s:
+            yield reduce_variant(inp["o_part"], inp["lse_part"], keep=keep)
+
+
+SPLIT_REDUCE_HINT = hypotheses_hint(
+    Hypothesis("o is the plain average of the partial outputs: each partition counts with its weight "
+               "w_p = e^(lse_p - M) / Σ w (M = the largest lse_p), its share of the softmax sum.",
+               lambda inp: reduce_variant(inp["o_part"], inp["lse_part"], average=True), outputs=("o",)),
+    Hypothesis("the merge works in base 2 (exp2/log2 of a natural-log LSE): gpulab's LSE is the natural log, "
+               "w_p = exp(lse_p - M) and lse = M + ln Σ w.",
+               lambda inp: reduce_variant(inp["o_part"], inp["lse_part"], base2=True)),
+    Hypothesis("lse is ln Σ w without the max: the weights were taken relative to M = max lse_p, so "
+               "lse = M + ln Σ w.",
+               lambda inp: reduce_variant(inp["o_part"], inp["lse_part"], add_max=False), outputs=("lse",)),
+    Hypothesis("lse is the largest partial lse: the merged LSE is the log-sum-exp of the partial ones, "
+               "M + ln Σ exp(lse_p - M).",
+               lambda inp: reduce_variant(inp["o_part"], inp["lse_part"], lse_max=True), outputs=("lse",)),
+    Hypothesis("only the first partitions are merged: the block over partitions is narrower than their "
+               "number (BLOCK_S = triton.next_power_of_2(num_splits), masked with s < num_splits).",
+               _first_splits),
+)
+
+
+def _split_variants(inp):
+    """The split decode when the partitions do not cover the capacity (part_len rounded down)."""
+    capacity = inp["block_table"].shape[1] * inp["k_cache"].shape[1]
+    splits = inp.get("num_splits", 1)
+    covered = splits * (capacity // splits)
+    yield decode_variant(inp, lens=inp["seq_lens"].long().cpu().clamp(max=covered))
+
+
+def split_partials(inp):
+    """The partial states (o [B, H, S, D], lse [B, H, S]) of the aligned partitions
+    (paged.fixed_splits) of a split decode."""
+    capacity = inp["block_table"].shape[1] * inp["k_cache"].shape[1]
+    splits, part = fixed_splits(capacity, inp.get("num_splits", 1))
+    lens = inp["seq_lens"].long().cpu()
+    states = [decode_variant(inp, starts=torch.full_like(lens, p * part).clamp(max=lens),
+                             lens=lens.clamp(max=(p + 1) * part)) for p in range(splits)]
+    return torch.stack([st["o"] for st in states], 2), torch.stack([st["lse"] for st in states], 2)
+
+
+def _split_partials_variant(kind):
+    def answer(inp):
+        o, lse = split_partials(inp)
+        if kind == "first":
+            return {"o": o[:, :, 0], "lse": lse[:, :, 0]}
+        if kind == "mean":
+            return {"o": o.mean(2)}
+        return {"lse": lse.max(2).values}
+    return answer
+
+
+SPLIT_DECODE_HINT = hypotheses_hint(
+    Hypothesis("the result is the first partition's state alone: the partial states (o_p, lse_p) of all "
+               "partitions must be merged (the reduce).", _split_partials_variant("first")),
+    Hypothesis("o is the plain mean of the partial outputs: each partition counts with its weight "
+               "w_p = e^(lse_p - M) / Σ w, its share of the softmax sum (empty partitions weigh 0).",
+               _split_partials_variant("mean"), outputs=("o",)),
+    Hypothesis("lse is the largest partial LSE: the merged LSE is the log-sum-exp of the partial ones, "
+               "M + ln Σ exp(lse_p - M).", _split_partials_variant("max"), outputs=("lse",)),
+    Hypothesis("tokens past num_splits · (capacity // num_splits) are missing: part_len rounded down, so the "
+               "partitions stop short of the capacity when it does not divide; use part_len = "
+               "cdiv(capacity, num_splits) (paged.fixed_splits rounds it to an aligned length).",
+               _split_variants),
+    *DECODE_HYPOTHESES,
+)
 
 
 # =========================================================================================
@@ -257,12 +434,16 @@ def decode_outputs(inp, dtype):
     return {"o": ((B, hq, d), dtype), "lse": ((B, hq), torch.float32)}
 
 
+DECODE_AXES = {"o": ("sequence", "head", "dim"), "lse": ("sequence", "head")}
+
 # float32: one program that sums a 16K-token context in 512 sequential steps (the
 # notebooks' kernels do not split) is off by up to ~4e-5 relative: rounding, not a bug.
 DECODE_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 2e-2)}
 LSE_TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 5e-3)}
 
 _CPU_DECODE = [
+    # first: the least telling case when several fail (a check explains the last one with a hint)
+    Case("a full block table, capacity 35", dict(lens=[35, 3], page=7, hq=2, hkv=1, d=16, pad=0)),
     Case("one token", dict(lens=[1], page=16, hq=4, hkv=2, d=16)),
     Case("ragged: 1, page, page+1, long", dict(lens=[1, 16, 17, 75], page=16, hq=4, hkv=2, d=16)),
     Case("GQA 6/2, D=24, page 5", dict(lens=[13, 5, 31], page=5, hq=6, hkv=2, d=24)),
@@ -304,6 +485,8 @@ PAGED_DECODE_ATTENTION = KernelSpec(
                **({FLASHINFER_DECODE_ROW: flashinfer_decode_baseline()} if FLASHINFER_INSTALLED else {})},
     compile_baselines=(SDPA_ROW,),
     read_inputs=("q", "k_cache", "v_cache"),
+    hint=DECODE_HINT,
+    axes=DECODE_AXES,
     bench_dtypes=[torch.bfloat16],
     notes="gpulab = paged_decode_attention as called; SDPA on the same KV copied into a contiguous "
           "[B, Hkv, L, D] tensor" + (f"; {PEER_NOTE}" if PEER_NOTE else ""),
@@ -324,7 +507,8 @@ PAGED_DECODE_SPLIT = KernelSpec(
     outputs=decode_outputs,
     implementation=paged_decode_split_into,
     cases={
-        "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4]),
+        # 3 splits of a capacity of 35: they do not divide it
+        "cpu": _split_cases(_CPU_DECODE, [3, 1, 3, 2, 4]),
         "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16]),
     },
     # float16 inputs are checked by paged_decode_attention; the partitions and the reduce
@@ -333,6 +517,8 @@ PAGED_DECODE_SPLIT = KernelSpec(
     tolerances=DECODE_TOLERANCES,
     output_tolerances={"lse": LSE_TOLERANCES},
     read_inputs=("q", "k_cache", "v_cache"),
+    hint=SPLIT_DECODE_HINT,
+    axes=DECODE_AXES,
 )
 
 
@@ -371,6 +557,8 @@ SPLIT_KV_REDUCE = KernelSpec(
     dtypes={"cpu": [torch.float32], "gpu": [torch.float32]},
     tolerances={torch.float32: (1e-5, 1e-5)},
     read_inputs=("o_part", "lse_part"),
+    hint=SPLIT_REDUCE_HINT,
+    axes={"o": ("batch", "head", "dim"), "lse": ("batch", "head")},
 )
 
 
@@ -385,7 +573,8 @@ PAGED_DECODE_PLAN_RUN = KernelSpec(
     outputs=decode_outputs,
     implementation=plan_run_launcher(PagedDecodeWrapper),
     adapt=adapt_plan_run,
-    hint=plan_run_hint,
+    hint=lambda *a: plan_run_hint(*a) or DECODE_HINT(*a),
+    axes=DECODE_AXES,
     cases={"cpu": _PLAN_RUN_CPU, "gpu": [_GPU_DECODE[1], _GPU_DECODE[3], _GPU_DECODE[4]]},
     dtypes={"cpu": [torch.float32], "gpu": [torch.bfloat16]},
     tolerances=DECODE_TOLERANCES,
