@@ -3,12 +3,15 @@ baselines and the specs ``ternary_quantize``, ``pack_ternary``, ``ternary_gemv``
 ``ternary_mm`` and ``ternary_matmul``."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, ternary_gemv_into, ternary_matmul_into,
                          ternary_matmul_ref, ternary_mm_into, ternary_quantize, unpack_ternary)
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
 
@@ -28,6 +31,80 @@ def pack_ternary_reference(w_t):
 def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, **_):
     w_t = unpack_ternary(w_packed, x_q.shape[1])    # from the packed bytes, so zeroing them shows
     return {"y": ternary_matmul_ref(x_q, x_scale, w_t, w_scale)}
+
+
+# -- diagnoses: the references recomputed under plausible mistakes ----------------------
+def _all_zero_weights(inputs, params, dtype, gen):
+    """all-zero weights: mean|w| = 0, the scale needs its floor"""
+    return {**inputs, "w": torch.zeros_like(inputs["w"])}
+
+
+TERNARY_QUANTIZE_HINT = hypotheses_hint(
+    Hypothesis("w_t is w · scale truncated toward zero (a plain cast to int8 truncates): round to the nearest "
+               "integer first (halves away from zero), then clamp to [-1, 1].",
+               lambda inp: {"w_t": torch.trunc(ternary_quantize_reference(**inp)["w_t"])}, outputs=("w_t",),
+               share=0.98),
+    Hypothesis("all-zero weights give mean|w| = 0 and an infinite scale: floor the mean before inverting it "
+               "(1 / max(mean|w|, 1e-5)).",
+               lambda inp: {"w_scale": torch.tensor(math.inf, dtype=torch.float64)} if not bool(inp["w"].any())
+               else None, outputs=("w_scale",)),
+)
+
+
+def pack_variant(w_t, *, offset=1, layout="quarters", high_first=False):
+    """pack_ternary with one mistake: codes w + ``offset``, four consecutive weights per
+    byte (``layout="consecutive"``) instead of quarters, or quarter 0 in the high bits."""
+    n, k = w_t.shape
+    q = triton.cdiv(k, 4)
+    codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)
+    codes[:, :k] = (w_t + offset).to(torch.uint8)
+    c = codes.view(n, q, 4).transpose(1, 2) if layout == "consecutive" else codes.view(n, 4, q)
+    if high_first:
+        return (c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+PACK_TERNARY_HINT = hypotheses_hint(
+    Hypothesis("the codes are the weights themselves: a weight w in {-1, 0, 1} is stored as the code w + 1 "
+               "in {0, 1, 2}.", lambda inp: {"packed": pack_variant(inp["w_t"], offset=0)}, atol=0, rtol=0),
+    Hypothesis("byte j holds four consecutive weights (4j .. 4j+3): the layout is by quarters, byte j holds "
+               "weights j, j + Q, j + 2Q, j + 3Q (Q = ceil(K/4)).",
+               lambda inp: {"packed": pack_variant(inp["w_t"], layout="consecutive")}, atol=0, rtol=0),
+    Hypothesis("the quarters are in the wrong bits: quarter i goes to bits 2i..2i+1 (quarter 0 in the low "
+               "bits: code0 | code1 << 2 | code2 << 4 | code3 << 6).",
+               lambda inp: {"packed": pack_variant(inp["w_t"], high_first=True)}, atol=0, rtol=0),
+)
+
+
+def _gemv_variant(kind):
+    def answer(inp):
+        packed, k = inp["w_packed"], inp["x_q"].shape[1]
+        n, q = packed.shape
+        if kind == "q floor":                   # Q = K // 4: every row and quarter indexed with it
+            q2 = k // 4
+            if q2 == q or q2 == 0:
+                return None
+            flat = packed.flatten()[:n * q2].view(n, q2).long()
+            w = torch.zeros((n, k), dtype=torch.long)
+            for i in range(4):
+                w[:, i * q2:(i + 1) * q2] = ((flat >> (2 * i)) & 3) - 1
+            w_t = w
+        else:
+            shifts = torch.arange(4) * (1 if kind == "shift i" else 2)
+            codes = (packed.long()[:, None, :] >> shifts[None, :, None]) & 3
+            w_t = codes.reshape(n, -1)[:, :k] - (0 if kind == "no -1" else 1)
+        return {"y": ternary_matmul_ref(inp["x_q"], inp["x_scale"], w_t, inp["w_scale"])}
+    return answer
+
+
+TERNARY_GEMV_HINT = hypotheses_hint(
+    Hypothesis("quarter i is shifted by i bits: each weight takes 2 bits, quarter i sits at bits 2i..2i+1 "
+               "((byte >> 2i) & 3).", _gemv_variant("shift i")),
+    Hypothesis("the codes are used as weights: a code c in {0, 1, 2} stands for the weight c - 1.",
+               _gemv_variant("no -1")),
+    Hypothesis("the packed row length is taken as K // 4: it is Q = ceil(K/4) bytes (the last byte holds "
+               "the tail and padding); index rows and quarters with Q.", _gemv_variant("q floor")),
+)
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -96,6 +173,8 @@ TERNARY_QUANTIZE = KernelSpec(
     tolerances={torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-5)},
     output_tolerances={"w_t": {torch.float32: (0.5 + 1e-3, 0.0)}},
     read_inputs=("w",),
+    hint=TERNARY_QUANTIZE_HINT,
+    edge_data=_all_zero_weights,
 )
 
 PACK_TERNARY = KernelSpec(
@@ -113,12 +192,13 @@ PACK_TERNARY = KernelSpec(
     dtypes={"cpu": [torch.int8], "gpu": [torch.int8]},
     tolerances={torch.int8: (0.0, 0.0)},
     read_inputs=("w_t",),
+    hint=PACK_TERNARY_HINT,
 )
 
 _MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
 
 
-def _matmul_spec(name: str, summary: str, launcher, cases: dict) -> KernelSpec:
+def _matmul_spec(name: str, summary: str, launcher, cases: dict, hint=None) -> KernelSpec:
     """The three matmul specs differ only in which launcher runs and on which shapes."""
     return KernelSpec(
         name=name, summary=summary, graph_timing=True,
@@ -129,7 +209,7 @@ def _matmul_spec(name: str, summary: str, launcher, cases: dict) -> KernelSpec:
         tolerances=_MATMUL_TOLERANCES, bytes_moved=_matmul_bytes,
         flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
         baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
-        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
+        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"), hint=hint)
 
 
 TERNARY_GEMV = _matmul_spec(
@@ -139,7 +219,8 @@ TERNARY_GEMV = _matmul_spec(
      "gpu": [Case("1x1x1", dict(m=1, k=1, n=1)), Case("K not /4", dict(m=1, k=7, n=5)),
              Case("ragged", dict(m=5, k=4097, n=1000)), Case("decode 16", dict(m=16, k=2051, n=3001))],
      "bench": [Case("M=1 K=N=8192", dict(m=1, k=8192, n=8192)),
-               Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]})
+               Case("M=16 K=N=8192", dict(m=16, k=8192, n=8192))]},
+    hint=TERNARY_GEMV_HINT)
 
 TERNARY_MATMUL = _matmul_spec(
     "ternary_matmul", "int8 × 2-bit ternary matmul (GEMV for one row, int8 tensor-core dots above)",

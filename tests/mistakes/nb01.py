@@ -14,6 +14,8 @@ def _quantize(kind):
         wf = w.float()
         if kind == "absmax":
             scale = 1.0 / wf.abs().max().clamp_min(1e-5)
+        elif kind == "no floor":
+            scale = 1.0 / wf.abs().mean()
         elif kind == "inverted scale":
             scale = wf.abs().mean().clamp_min(1e-5)
         elif kind == "per-row scale":
@@ -109,7 +111,7 @@ MISTAKES = [
     Mistake("01/check-ternary-quantize", "ternary_quantize", "w_t as int64", _quantize("int64"),
             ("dtype int64, expected int8",)),
     Mistake("01/check-ternary-quantize", "ternary_quantize", "truncates instead of rounding", _quantize("truncates"),
-            ("round",), weak="only a rounding-specific spec hint could name truncation"),
+            ("round",)),
     Mistake("01/check-ternary-quantize", "ternary_quantize", "scale = mean|w| (not its inverse)",
             _quantize("inverted scale"), ("reciprocal",)),
     Mistake("01/check-ternary-quantize", "ternary_quantize", "one scale per row", _quantize("per-row scale"),
@@ -120,26 +122,28 @@ MISTAKES = [
             ("factor",)),
     Mistake("01/check-ternary-quantize", "ternary_quantize", "w_scale as a Python float", _quantize("python float"),
             ("should be a tensor",)),
+    Mistake("01/check-ternary-quantize", "ternary_quantize", "no floor on mean|w| (all-zero weights)",
+            _quantize("no floor"), ("floor the mean",)),
 
     Mistake("01/check-pack-ternary", "pack_ternary", "returns int64", _pack("int64"), ("dtype int64, expected uint8",)),
     Mistake("01/check-pack-ternary", "pack_ternary", "pads with code 0 (weight -1)", _pack("pads with code 0"),
             ("columns",)),
     Mistake("01/check-pack-ternary", "pack_ternary", "codes without +1", _pack("codes without +1"),
-            ("code",), weak="needs a packing-specific spec hint"),
+            ("code",)),
     Mistake("01/check-pack-ternary", "pack_ternary", "four consecutive weights per byte", _pack("consecutive layout"),
-            ("layout",), weak="needs a packing-specific spec hint"),
+            ("layout",)),
     Mistake("01/check-pack-ternary", "pack_ternary", "quarter 0 in the high bits", _pack("quarter 0 in the high bits"),
-            ("bit",), weak="needs a packing-specific spec hint"),
+            ("bit",)),
 
     Mistake("01/check-gemv", "ternary_gemv", "no mask on x", _gemv_launcher(1), ("a load past the end of input `x_q`",)),
     Mistake("01/check-gemv", "ternary_gemv", "shift by i, not 2i", _gemv_launcher(2),
-            ("shift",), weak="needs a GEMV-specific spec hint"),
+            ("shift",)),
     Mistake("01/check-gemv", "ternary_gemv", "code not mapped back (no -1)", _gemv_launcher(3),
-            ("- 1", "-1"), weak="needs a GEMV-specific spec hint"),
+            ("- 1", "-1")),
     Mistake("01/check-gemv", "ternary_gemv", "multiplies by the scales", _gemv_launcher(4), ("factor",)),
     Mistake("01/check-gemv", "ternary_gemv", "no mask on the store", _gemv_launcher(5), ("past the end of output `y`",)),
     Mistake("01/check-gemv", "ternary_gemv", "weight rows strided by K", _gemv_launcher(6),
             ("a load past the end of input `w_packed`",)),
     Mistake("01/check-gemv", "ternary_gemv", "Q = K // 4", _gemv_launcher(q_floor=True),
-            ("Q",), weak="needs a GEMV-specific spec hint"),
+            ("Q",)),
 ]
