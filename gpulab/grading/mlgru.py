@@ -95,7 +95,7 @@ SCAN_HINT = hypotheses_hint(
                _tiled(combine="swapped")),
     Hypothesis("h_last is zero: the masked time steps past T in the last chunk wiped the state; load f with "
                "other=1.0 (and i with 0.0) so padded steps leave h unchanged, and carry the chunk's last "
-               "valid state.", _h_last_lost, outputs=("h_last",)),
+               "valid state.", _h_last_lost, outputs=("h_last",), zeros_count=True),
 )
 
 

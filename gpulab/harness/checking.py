@@ -762,13 +762,16 @@ class Hypothesis:
     a kernel making that mistake computes on ``inputs`` (or several dicts, for a mistake with
     a free parameter such as the block size), or None where the mistake cannot show; a wrong output that matches them is explained by ``cause``. ``outputs`` limits it
     to some outputs (empty: any); ``share``: the fraction of elements that must match
-    (below 1 for mistakes such as truncation, where float rounding moves a few)."""
+    (below 1 for mistakes such as truncation, where float rounding moves a few). An answer
+    of all zeros is ignored unless ``zeros_count``: "never loaded" says more there."""
     cause: str
     answer: Callable[[dict], dict | None]
     outputs: tuple[str, ...] = ()
     atol: float = 1e-3
     rtol: float = 1e-3
     share: float = 1.0
+    # an answer of all zeros counts too (else the generic "all zeros" diagnoses speak)
+    zeros_count: bool = False
 
     def explains(self, output: str, got, inputs: dict) -> bool:
         if self.outputs and output not in self.outputs:
@@ -787,7 +790,7 @@ class Hypothesis:
             if not isinstance(value, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
                 continue
             v = value.detach().double().cpu()
-            if not bool((v != 0).any()):
+            if not self.zeros_count and not bool((v != 0).any()):
                 continue    # all zero: the generic "all zeros" and "never loaded" diagnoses say more
             close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
             if float(close.double().mean()) >= self.share:

@@ -63,7 +63,7 @@ MISTAKES = [
     Mistake("06/check-merge", "merge_state", "no guard for two empty states", _launcher(2), ("arithmetic",)),
     Mistake("06/check-merge", "merge_state", "no max subtraction", _launcher(3), ("arithmetic", "overflow")),
     Mistake("06/check-merge", "merge_state", "both weights from lse_a", _launcher(4),
-            ("lse_b", "weight"), weak="needs a merge-specific spec hint"),
+            ("lse_b", "weight")),
     Mistake("06/check-merge", "merge_state", "o stored with the column mask only", _launcher(5),
             ("past the end of output `o`",)),
     Mistake("06/check-merge", "merge_state", "lse in base 2", _launcher(6),
