@@ -489,6 +489,7 @@ PAGED_DECODE_ATTENTION = KernelSpec(
     read_inputs=("q", "k_cache", "v_cache"),
     hint=DECODE_HINT,
     axes=DECODE_AXES,
+    strided=("q", "o", "lse"),     # the launcher passes their strides
     bench_dtypes=[torch.bfloat16],
     notes="gpulab = paged_decode_attention as called; SDPA on the same KV copied into a contiguous "
           "[B, Hkv, L, D] tensor" + (f"; {PEER_NOTE}" if PEER_NOTE else ""),

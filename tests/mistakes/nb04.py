@@ -45,11 +45,16 @@ def _online(x_ptr, y_ptr, n_cols, sx, sy, BLOCK: tl.constexpr, MUT: tl.constexpr
             tl.store(y_ptr + row * sy + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _online_launcher(mut):
+def _online_launcher(mut, stride="own"):
     def online_softmax(x, y):
         n_rows, n_cols = x.shape
         block = min(1024, triton.next_power_of_2(n_cols))
-        _online[(n_rows,)](x, y, n_cols, x.stride(0), y.stride(0), BLOCK=block, MUT=mut)
+        sx, sy = x.stride(0), y.stride(0)
+        if stride == "x for y":
+            sy = sx
+        elif stride == "row length":
+            sx = sy = n_cols
+        _online[(n_rows,)](x, y, n_cols, sx, sy, BLOCK=block, MUT=mut)
     return online_softmax
 
 
@@ -93,6 +98,10 @@ MISTAKES = [
             ("own constant factor",)),
     Mistake("04/check-online-softmax", "online_softmax", "store without its mask", _online_launcher(6),
             ("past the end of output `y`",)),
+    Mistake("04/check-online-softmax", "online_softmax", "x's row stride used for y", _online_launcher(0, "x for y"),
+            ("between the rows",)),
+    Mistake("04/check-online-softmax", "online_softmax", "row length as row stride",
+            _online_launcher(0, "row length"), ("between the rows",)),
 
     Mistake("04/check-merge-states", "merge_state_torch", "no guard for two empty states",
             _merge("no empty-state guard"), ("arithmetic",)),

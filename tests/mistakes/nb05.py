@@ -87,7 +87,7 @@ def decode_partitions(q, k_cache, v_cache, block_table, seq_lens, o_part, lse_pa
     scale = d ** -0.5 * (1.0 if mut == 3 else 1.4426950408889634)     # MUT 3: exp2 without log2(e)
     _decode[(B, hkv, o_part.shape[2])](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *((hq * d, d) if mut == 9 else (q.stride(0), q.stride(1))), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), part_len, k_cache.shape[1], d,
         GROUP=hq // hkv, NUM_KV=hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=32,
@@ -229,6 +229,7 @@ MISTAKES = [
     Mistake("05/check-decode", _DEC, "no guard for the empty sequence", _decode_launcher(7), ("0/0",)),
     Mistake("05/check-decode", _DEC, "q loaded without the group mask", _decode_launcher(8),
             ("a load past the end of input `q`",)),
+    Mistake("05/check-decode", _DEC, "q indexed as if contiguous (h · D)", _decode_launcher(9), ("`q`",)),
 
     Mistake("05/check-reduce", _RED, "no max subtracted", _reduce_launcher(1), ("arithmetic", "overflow")),
     Mistake("05/check-reduce", _RED, "no guard for an all-empty row", _reduce_launcher(2), ("−inf − (−inf)",)),
