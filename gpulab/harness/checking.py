@@ -773,7 +773,7 @@ class Hypothesis:
     # an answer of all zeros counts too (else the generic "all zeros" diagnoses speak)
     zeros_count: bool = False
 
-    def explains(self, output: str, got, inputs: dict) -> bool:
+    def explains(self, output: str, got, inputs: dict, expected=None) -> bool:
         if self.outputs and output not in self.outputs:
             return False
         if not isinstance(got, torch.Tensor) or got.numel() == 0:
@@ -793,9 +793,21 @@ class Hypothesis:
             if not self.zeros_count and not bool((v != 0).any()):
                 continue    # all zero: the generic "all zeros" and "never loaded" diagnoses say more
             close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
-            if float(close.double().mean()) >= self.share:
+            if float(close.double().mean()) >= self.share and (expected is None or self._closer(g, v, expected)):
                 return True
         return False
+
+    @staticmethod
+    def _closer(g, v, expected) -> bool:
+        """The mistake explains the output better than the answer does (so a hypothesis
+        that barely differs from the answer does not claim a small unrelated error)."""
+        e = expected.detach().double().cpu()
+        if e.shape != g.shape:
+            return True
+        ok = torch.isfinite(g) & torch.isfinite(v) & torch.isfinite(e)
+        if not bool(ok.any()):
+            return True
+        return float((g - v)[ok].abs().sum()) < 0.5 * float((g - e)[ok].abs().sum())
 
 
 def hypotheses_hint(*hypotheses: Hypothesis, then=None):
@@ -803,7 +815,7 @@ def hypotheses_hint(*hypotheses: Hypothesis, then=None):
     matches the wrong output (then asks ``then``, another hint, if none does)."""
     def hint(output, got, expected, inputs):
         for h in hypotheses:
-            if h.explains(output, got, inputs):
+            if h.explains(output, got, inputs, expected):
                 return h.cause
         return then(output, got, expected, inputs) if then is not None else None
     return hint
