@@ -807,7 +807,7 @@ class Hypothesis:
         ok = torch.isfinite(g) & torch.isfinite(v) & torch.isfinite(e)
         if not bool(ok.any()):
             return True
-        return float((g - v)[ok].abs().sum()) < 0.5 * float((g - e)[ok].abs().sum())
+        return float((g - v)[ok].abs().sum()) <= 0.5 * float((g - e)[ok].abs().sum())
 
 
 def hypotheses_hint(*hypotheses: Hypothesis, then=None):
