@@ -28,6 +28,8 @@ decode (M = 1..16 rows) the matmul is bound by reading weights, so up to 8× fas
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -36,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .normquant import rmsnorm_fakequant, rmsnorm_quant, round_half_away
+from .normquant import rmsnorm_fakequant, rmsnorm_quant, rmsnorm_quant_into, round_half_away
 from .validate import require_float, require_same_device, require_tensor
 
 WEIGHT_FLOOR = 1e-5
@@ -282,6 +284,16 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     return y.view(*lead, n)
 
 
+@dataclass(frozen=True)
+class PackedKernels:
+    """The functions a packed :class:`BitLinear` runs: gpulab's by default. Notebook 03
+    passes a learner's own (from notebooks 01 and 02) with the same calling conventions."""
+    quantize: Callable = ternary_quantize           # w -> (w_t int8 in {-1, 0, 1}, scale)
+    pack: Callable = pack_ternary                   # w_t [N, K] -> uint8 [N, ceil(K/4)]
+    norm_quant_into: Callable = rmsnorm_quant_into  # (x [M, K], weight, x_q, x_scale, eps)
+    matmul_into: Callable = ternary_matmul_into     # (x_q, x_scale, w_packed, w_scale, y [M, N])
+
+
 # The layer.
 class BitLinear(nn.Module):
     """Linear layer with ternary weights and int8 activations (MatMul-free LM's BitLinear).
@@ -312,6 +324,7 @@ class BitLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.register_buffer("w_packed", None)
         self.register_buffer("w_scale", None)
+        self.kernels: PackedKernels | None = None     # None: the validated public functions
 
     @property
     def packed(self) -> bool:
@@ -329,13 +342,19 @@ class BitLinear(nn.Module):
         return w + (wq - w).detach()
 
     @torch.no_grad()
-    def pack(self) -> "BitLinear":
-        """Switch to inference: 2-bit weights + one scale; the float weights are dropped."""
+    def pack(self, kernels: PackedKernels | None = None) -> "BitLinear":
+        """Switch to inference: 2-bit weights + one scale; the float weights are dropped.
+        ``kernels``: the functions that quantize, pack and later run the layer (default
+        gpulab's)."""
+        if kernels is not None and not isinstance(kernels, PackedKernels):
+            raise TypeError(f"kernels must be a PackedKernels, got {type(kernels).__name__}")
         if not self.packed:
-            w_t, s = ternary_quantize(self.weight)
-            self.w_packed = pack_ternary(w_t)
-            self.w_scale = s.reshape(1).float()
+            k = kernels or PackedKernels()
+            w_t, s = k.quantize(self.weight)
+            self.w_packed = k.pack(w_t)
+            self.w_scale = torch.as_tensor(s, device=self.w_packed.device).reshape(1).float()
             self.weight = None
+        self.kernels = kernels
         return self
 
     def _check_input(self, x):
@@ -351,7 +370,9 @@ class BitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if self.packed:
+        if self.packed and self.kernels is not None:
+            y = self._run_kernels(x)
+        elif self.packed:
             x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
             # .float(): module.to(bf16) also converts float buffers such as the scale
             y = ternary_matmul(x_q, x_s, self.w_packed, self.w_scale.float(), out_dtype=x.dtype)
@@ -361,6 +382,18 @@ class BitLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _run_kernels(self, x):
+        """The packed forward through ``self.kernels``' launchers (rows flattened)."""
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k).contiguous()
+        x_q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
+        x_s = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            self.kernels.norm_quant_into(x2, self.norm_weight.float(), x_q, x_s, self.eps)
+            self.kernels.matmul_into(x_q, x_s, self.w_packed, self.w_scale.float(), y)
+        return y.view(*x.shape[:-1], n)
 
 
 def model_bytes(n_params: int, bits: float) -> float:
