@@ -176,6 +176,6 @@ class KernelSources:
     def report(self) -> None:
         width = max([len(r[0]) for r in self.rows] + [6])
         who = max([len(r[1]) for r in self.rows] + [4])
-        lines = [f"{'kernel':{width}}  {'runs':{who}}  why"] + [
+        lines = [f"{'kernel':{width}}  {'runs':{who}}  exercise, or why gpulab's runs"] + [
             f"{label:{width}}  {source:{who}}  {why}" for label, source, why in self.rows]
         print("\n".join(lines))
