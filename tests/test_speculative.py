@@ -157,6 +157,35 @@ def test_sampled_speculation_under_preemption_and_prefix_hits(target):
     assert spec.block_manager.hit_rate() > 0
 
 
+def test_mixed_greedy_and_sampled_requests_share_a_batch(target):
+    """Drafts are drawn and verified for the whole batch at once: greedy requests beside
+    sampled ones still equal the target alone."""
+    greedy = [SamplingParams(max_tokens=m) for m in (12, 7, 9, 5, 11)]
+    want = serve(LLM(target, EngineConfig(**CONFIG)), greedy)
+    mixed = [g if i % 2 == 0 else SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i, g in enumerate(greedy)]
+    for name in ("mlgru", "transformer"):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=3)
+        got = serve(spec, mixed)
+        assert [got[i] for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
+        assert spec.stats.passes > 0
+
+
+def test_batched_draft_draws_follow_the_draft_distribution():
+    """The Gumbel-max draw of a drafted token, one seeded stream per position, is a sample
+    from q (χ² over many positions)."""
+    from types import SimpleNamespace
+    from gpulab.engine.speculative import Drafter
+    logits = torch.tensor([2.0, 0.0, 1.0, -1.0, -torch.inf])
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(5, dtype=torch.float64)
+    seqs = [SimpleNamespace(params=params, seed=7, index=i, num_tokens=0) for i in range(400)]
+    for pos in range(5):
+        tokens, q = Drafter._draw(seqs, logits.expand(len(seqs), -1).clone(), pos)
+        counts += torch.bincount(tokens, minlength=5).double()
+    assert counts[4] == 0
+    assert chi2_pvalue(counts, torch.softmax(logits.double(), -1)) > 1e-3
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="drafter"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG))
