@@ -172,7 +172,10 @@ def engine_model(cfg: ModelConfig | dict | None = None, seed: int = 0, device=No
     if cfg is None:
         return load_checkpoint(device=device, dtype=dtype)
     cfg = ModelConfig(**cfg) if isinstance(cfg, dict) else cfg
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    cuda = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    # drawn on the device (fast for big models); the same generator on every rank's GPU
+    with torch.random.fork_rng(devices=cuda), device:
         torch.manual_seed(seed)
         model = TernaryTransformer(cfg)
         with torch.no_grad():
