@@ -369,3 +369,18 @@ def test_check_mutation_accepts_the_reference_and_rejects_bad_operators():
                       (one_gene, "never changed")):
         with pytest.raises(CheckFailure, match=words):
             lab_grading.check_mutation(fn, calls=40)
+
+
+def test_weak_verifier_survives_a_cheat_that_raises_when_timed(monkeypatch):
+    """On a GPU the weak verifier times an accepted kernel at the benchmark size; a cheat
+    that only knows the checked shape raises there: it keeps its (wrong) acceptance, gets
+    no time and so no fitness, and the notebook cell goes on."""
+    from gpulab.lab import inprocess
+    from gpulab.lab.planted import PLANTED
+    monkeypatch.setattr(inprocess.runtime, "mode", lambda: "compiled")
+    monkeypatch.setattr(inprocess.triton.testing, "do_bench", lambda fn, return_mode="median": (fn(), 1.0)[1])
+    monkeypatch.setattr(inprocess.runtime, "device", lambda: torch.device("cpu"))
+    task = get_task("softmax")
+    v = inprocess.WeakVerifier(cost_model=False)(task, PLANTED["seed-dependent"].source)
+    assert v.correct and v.time_ms is None and v.fitness_ms == float("inf")
+    assert "raised KeyError" in v.message

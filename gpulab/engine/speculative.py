@@ -97,6 +97,13 @@ def expected_tokens_per_pass(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def best_k(alpha: float, k_max: int, draft_cost: float) -> int:
+    """The number of drafts that maximises tokens per unit of time when a target pass
+    costs 1 and each draft step ``draft_cost`` (Leviathan et al.'s choice of γ):
+    argmax over k in 1..k_max of expected_tokens_per_pass(α, k) / (1 + k · draft_cost)."""
+    return max(range(1, k_max + 1), key=lambda k: expected_tokens_per_pass(alpha, k) / (1 + k * draft_cost))
+
+
 def rollback(seq: Sequence, block_manager: BlockManager, n_drafts: int, n_accepted: int) -> None:
     """After the target checked ``n_drafts`` drafts at the end of ``seq.token_ids`` and
     accepted the first ``n_accepted``: cut the rejected ones, count the last committed
@@ -358,21 +365,40 @@ class SpeculativeLLM(LLM):
     """
 
     def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
-                 accept=accept_draft, rollback=rollback, **overrides):
+                 accept=accept_draft, rollback=rollback, adaptive: bool = False,
+                 draft_cost: float = 0.1, **overrides):
         """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
-        other implementations with the same signatures (notebook 08 plugs in the learner's)."""
+        other implementations with the same signatures (notebook 08 plugs in the learner's).
+
+        ``adaptive``: each request drafts its own number of tokens, up to ``k``: the
+        :func:`best_k` for its acceptance so far (counted per request, recent passes
+        weighing more) and ``draft_cost``, a draft step's time over a target pass's."""
         if drafter is None:
             raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        if isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float)) or not 0 <= draft_cost < 10:
+            raise ValueError(f"draft_cost (a draft step's time over a target pass's) must be in [0, 10), "
+                             f"got {draft_cost!r}")
         super().__init__(model, config, **overrides)
         self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
+        self.adaptive, self.draft_cost = bool(adaptive), float(draft_cost)
+        self.acceptance: dict[int, tuple[float, float]] = {}   # seq_id -> (accepted, rejections), decayed
         self.stats = SpeculationStats(k)
+
+    def request_k(self, seq: Sequence) -> int:
+        """Drafts this request proposes per step: ``k``, or its :func:`best_k` when adaptive
+        (acceptance estimated as accepted / (accepted + rejections), the geometric law's
+        estimate, starting from a prior of 2 accepted per rejection)."""
+        if not self.adaptive:
+            return self.k
+        accepted, rejected = self.acceptance.get(seq.seq_id, (2.0, 1.0))
+        return best_k(accepted / (accepted + rejected), self.k, self.draft_cost)
 
     def _draft_budget(self, seq: Sequence) -> int:
         """Drafts worth proposing: never past max_tokens or the context."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        return max(0, min(self.k, left - 1))
+        return max(0, min(self.request_k(seq), left - 1))
 
     def _propose(self) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
         seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
@@ -418,11 +444,14 @@ class SpeculativeLLM(LLM):
         for seq in list(new_tokens) + batch.preempted:
             if seq.status is not Status.RUNNING:
                 self.drafter.forget(seq.seq_id)
+                if seq.status is Status.FINISHED:
+                    self.acceptance.pop(seq.seq_id, None)
         return outputs
 
     def abort(self, request_id: str) -> None:
         for seq in self.groups.get(request_id, []):
             self.drafter.forget(seq.seq_id)
+            self.acceptance.pop(seq.seq_id, None)
         super().abort(request_id)
 
     def _verify_step(self, batch: ScheduledBatch, drafts: dict):
@@ -483,6 +512,8 @@ class SpeculativeLLM(LLM):
             out = self.accept(tokens, q, p, _stream(seq, committed, ACCEPT_SALT))
         n_acc = len(out) - 1
         self.stats.record(len(tokens), n_acc, len(out))
+        accepted, rejected = self.acceptance.get(seq.seq_id, (2.0, 1.0))
+        self.acceptance[seq.seq_id] = (0.8 * accepted + n_acc, 0.8 * rejected + (n_acc < len(tokens)))
         self.rollback(seq, self.block_manager, len(tokens), n_acc)
         del seq.token_ids[committed:]              # emit() appends `out`, checking EOS and max_tokens
         return out
@@ -500,9 +531,10 @@ def format_results(result: dict) -> str:
     acceptance, tokens per pass; then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
-    lines.append(f"{'batch':>5} {'draft':>12} {'k':>2} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    lines.append(f"{'batch':>5} {'draft':>12} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
-        lines.append(f"{r['batch']:>5} {r['draft']:>12} {r['k']:>2} {r['tokens_per_s']:>9.0f} "
+        k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
+        lines.append(f"{r['batch']:>5} {r['draft']:>12} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
     if "server" in result:
         sv = result["server"]
