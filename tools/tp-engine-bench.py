@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if a.dry_run_gloo:
         models = [("tiny (dry run)", {k: getattr(TINY, k) for k in TINY.__dataclass_fields__})]
         max_tokens, engine_extra, graph_modes = 4, {"linear": "torch", "attention": "torch"}, (False,)
-        start_method = "fork"
+        start_method = launch.kernel_start_method()      # spawned where the ranks' device is a GPU
     else:
         models = [("engine checkpoint", None), ("wide random", WIDE_QUICK if a.quick else WIDE)]
         max_tokens, engine_extra, graph_modes = (16 if a.quick else 64), {}, (False, True)
