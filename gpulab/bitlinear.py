@@ -229,7 +229,7 @@ def dot4_u8s8(a, b, acc, USE_ASM: tl.constexpr):
 @triton.jit
 def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, G, XW, G_SPLIT,
                             stride_xm, stride_wn, stride_ym,
-                            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN: tl.constexpr,
                             PARTIAL: tl.constexpr, USE_ASM: tl.constexpr):
     """y[m, n] = Σ_k x_q[m, k] W_t[n, k] / (s_x[m] s_w), weights in the int32x16 layout.
 
@@ -242,7 +242,9 @@ def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N,
     one AND and one dp4a per 4 weights, no shift: bytes are 4^i·c (≤ 128, still an
     unsigned byte), so acc_i holds 4^i Σ c·x and the quarters are combined exactly once at
     the end, acc_0 + acc_1/4 + acc_2/16 + acc_3/64. The code offset is removed once:
-    Σ (c − 1)·x = Σ c·x − Σ x, with Σ x from dp4a(0x01010101, x_word). All sums are exact
+    Σ (c − 1)·x = Σ c·x − Σ x, with Σ x from dp4a(0x01010101, x_word) in a short second
+    loop over x alone (in the main loop it would cost loads and dp4a per column). EVEN
+    (shapes that tile exactly, as every model's do) drops all masks. All sums are exact
     int32 (|64·Σ c·x| ≤ 2^14·K < 2^31 for K ≤ GEMV_MAX_K).
 
     Split-K (grid axis 2): program s covers words [s·G_SPLIT, (s+1)·G_SPLIT). With
@@ -259,26 +261,39 @@ def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N,
     acc1 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
-    x_sum = tl.zeros([BLOCK_G], dtype=tl.int32)
-    ones = tl.full([BLOCK_G], 0x01010101, dtype=tl.int32)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    g = g_lo + tl.arange(0, BLOCK_G)
+    x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + g
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + g[None, :]
     for g0 in range(g_lo, g_hi, BLOCK_G):
-        g = g0 + tl.arange(0, BLOCK_G)
-        g_mask = g < g_hi
-        word = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + g[None, :],
-                       mask=n_mask[:, None] & g_mask[None, :], other=0)
-        x0 = tl.load(x_row + g, mask=g_mask & (g < XW), other=0)
-        x1 = tl.load(x_row + G + g, mask=g_mask & (G + g < XW), other=0)
-        x2 = tl.load(x_row + 2 * G + g, mask=g_mask & (2 * G + g < XW), other=0)
-        x3 = tl.load(x_row + 3 * G + g, mask=g_mask & (3 * G + g < XW), other=0)
+        if EVEN:     # N % BLOCK_N == 0, G % BLOCK_G == 0 and XW == 4G: no masks at all
+            word = tl.load(w_ptrs)
+            x0 = tl.load(x_ptrs)
+            x1 = tl.load(x_ptrs + G)
+            x2 = tl.load(x_ptrs + 2 * G)
+            x3 = tl.load(x_ptrs + 3 * G)
+        else:
+            gg = g0 + tl.arange(0, BLOCK_G)
+            g_mask = gg < g_hi
+            word = tl.load(w_ptrs, mask=n_mask[:, None] & g_mask[None, :], other=0)
+            x0 = tl.load(x_ptrs, mask=g_mask & (gg < XW), other=0)
+            x1 = tl.load(x_ptrs + G, mask=g_mask & (G + gg < XW), other=0)
+            x2 = tl.load(x_ptrs + 2 * G, mask=g_mask & (2 * G + gg < XW), other=0)
+            x3 = tl.load(x_ptrs + 3 * G, mask=g_mask & (3 * G + gg < XW), other=0)
         acc0 = dot4_u8s8(word & 0x03030303, x0[None, :], acc0, USE_ASM)
         acc1 = dot4_u8s8(word & 0x0C0C0C0C, x1[None, :], acc1, USE_ASM)
         acc2 = dot4_u8s8(word & 0x30303030, x2[None, :], acc2, USE_ASM)
         acc3 = dot4_u8s8(word & -0x3F3F3F40, x3[None, :], acc3, USE_ASM)   # 0xC0C0C0C0 as int32
-        x_sum = dot4_u8s8(ones, x0, x_sum, USE_ASM)
-        x_sum = dot4_u8s8(ones, x1, x_sum, USE_ASM)
-        x_sum = dot4_u8s8(ones, x2, x_sum, USE_ASM)
-        x_sum = dot4_u8s8(ones, x3, x_sum, USE_ASM)
+        w_ptrs += BLOCK_G
+        x_ptrs += BLOCK_G
+    # Σ x over this split's x words: a short 1-D pass (K bytes, next to K·BLOCK_N/4 of weights)
+    x_sum = tl.zeros([BLOCK_G], dtype=tl.int32)
+    ones = tl.full([BLOCK_G], 0x01010101, dtype=tl.int32)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        gg = g0 + tl.arange(0, BLOCK_G)
+        for i in tl.static_range(4):
+            xi = tl.load(x_row + i * G + gg, mask=(gg < g_hi) & (i * G + gg < XW), other=0)
+            x_sum = dot4_u8s8(ones, xi, x_sum, USE_ASM)
     total = (tl.sum(acc0, axis=1) + (tl.sum(acc1, axis=1) >> 2) + (tl.sum(acc2, axis=1) >> 4)
              + (tl.sum(acc3, axis=1) >> 6) - tl.sum(x_sum, axis=0))
     if PARTIAL:
@@ -441,7 +456,8 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
     ternary_gemv_x16_kernel[(m, triton.cdiv(n, block_n), split)](
         xw, x_scale, w_packed, w_scale, y, part, m, n, g, xw.shape[1], g_split,
         xw.stride(0), w_packed.stride(0), y.stride(0),
-        BLOCK_N=block_n, BLOCK_G=block_g, PARTIAL=split > 1, USE_ASM=asm, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_G=block_g, PARTIAL=split > 1, USE_ASM=asm, num_warps=warps,
+        EVEN=(n % block_n == 0 and g % block_g == 0 and xw.shape[1] == 4 * g))
     if split > 1:
         ternary_gemv_x16_reduce_kernel[(m, triton.cdiv(n, X16_REDUCE_BLOCK))](
             part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=X16_REDUCE_BLOCK, num_warps=4)
