@@ -24,6 +24,15 @@ A kernel reading bytes j0..j0+B of a row therefore gets four tiles of B weights,
 matching a *contiguous* slice of x (x[i·K4/4 + j0 : ... + B]): no shuffling in
 registers, just a shift and a mask per quarter. 2 bits per weight is 1/8 of bf16: at
 decode (M = 1..16 rows) the matmul is bound by reading weights, so up to 8× faster.
+
+Decode layout "int32x16" (``pack_ternary_x16``, opt-in: ``BitLinear.pack(layout=
+"int32x16")``, or pass its int32 words to ``ternary_matmul``). At M = 1 the byte layout's
+GEMV is limited by its unpacking, about 3 SASS instructions per weight (measured on the
+compiled code by tools/gemv-instructions.py), not by the bytes. This layout puts 16 weights
+in an int32 word so that one AND yields four 2-bit codes as bytes, lined up with four
+consecutive int8 x values in one int32 word of x, and one ``dp4a`` multiplies and adds all
+four: 0.5 unpack-and-multiply instructions per weight. The byte layout stays the default
+until the new GEMV is measured on a GPU (tools/ternary-gemv-bench.py).
 """
 from __future__ import annotations
 

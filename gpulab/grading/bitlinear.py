@@ -189,7 +189,8 @@ TERNARY_GEMV_X16 = _matmul_spec(
     ternary_gemv_x16_into,
     {"cpu": TERNARY_GEMV.cases["cpu"],
      "gpu": TERNARY_GEMV.cases["gpu"] + [Case("split-K, K not /4", dict(m=1, k=8190, n=300)),
-                                        Case("split-K", dict(m=1, k=8192, n=512))],
+                                        Case("split-K", dict(m=1, k=8192, n=512)),
+                                        Case("16 rows, no masks", dict(m=16, k=2048, n=2048))],
      "bench": [Case(f"M={m} N={n} K={k}", dict(m=m, k=k, n=n))
                for m, n, k in ((1, 8192, 8192), (1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336),
                                (16, 8192, 8192))]},
