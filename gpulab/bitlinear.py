@@ -372,6 +372,63 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
              y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
+                          stride_xm, stride_wn, stride_ym, M_BUCKET,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                          GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
+    """Prefill on the int32x16 layout: tile [BLOCK_M, BLOCK_N] of y; each step reads
+    BLOCK_G weight words per output column (16·BLOCK_G weights) and issues 16 dots, one
+    per (quarter i, byte lane t). A dot sums over k in any order, so the k's of one
+    (i, t), k = 4(iG + g) + t, are taken together: weights ((word >> (8t + 2i)) & 3) − 1,
+    x the byte t of x words iG + g (x viewed as int32, as in the GEMV)."""
+    pid = tl.program_id(0)
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        g_mask = g < G
+        word = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + g[:, None],
+                       mask=g_mask[:, None] & n_mask[None, :], other=0)            # [BLOCK_G, BLOCK_N]
+        for i in tl.static_range(4):
+            xw = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (i * G + g)[None, :],
+                         mask=m_mask[:, None] & (g_mask & (i * G + g < XW))[None, :], other=0)
+            for t in tl.static_range(4):
+                a = ((xw << (24 - 8 * t)) >> 24).to(tl.int8)                     # signed byte t
+                wi = (((word >> (8 * t + 2 * i)) & 3) - 1).to(tl.int8)
+                if DOT_INT8:
+                    acc = tl.dot(a, wi, acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _mm_x16_configs():
+    if runtime.interpreting():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_G": 32, "GROUP_M": 8}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_G": bg, "GROUP_M": 8}, num_warps=w, num_stages=st)
+            for bm, bn, bg, w, st in ((128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (16, 128, 32, 4, 4),
+                                      (128, 256, 32, 8, 3))]
+
+
+_ternary_mm_x16_tuned = triton.autotune(configs=_mm_x16_configs(), key=["M_BUCKET", "N", "G"])(
+    ternary_mm_x16_kernel)
+
+
 def _mm_configs():
     if runtime.interpreting():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
@@ -482,6 +539,17 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
                             DOT_INT8=_int8_dot())
 
 
+def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
+    """Prefill launcher on the int32x16 layout (check calling convention)."""
+    m, k = x_q.shape
+    n, g = w_packed.shape
+    xw = int8_rows_as_words(x_q)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _ternary_mm_x16_tuned[grid](xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
+                                xw.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
+                                DOT_INT8=_int8_dot())
+
+
 def _int8_dot() -> bool:
     """int8 tensor-core dots need sm_80+; Turing (Colab's T4) takes the fp16 path. Without a
     GPU (interpreter, compile check) the fp16 path is used: it compiles for every target."""
@@ -490,10 +558,12 @@ def _int8_dot() -> bool:
 
 
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
-    """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill.
-    The int32x16 layout (opt-in, a decode layout) has only its GEMV, for every M."""
+    """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill."""
     if w_packed.dtype == torch.int32:
-        ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y)
+        if x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
+            ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y)
+        else:
+            ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
     elif x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
         ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
     else:
@@ -516,8 +586,8 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
 
     x_q: int8 [..., K]; x_scale: float32 [...]; w_packed: uint8 [N, ceil(K/4)] from
     :func:`pack_ternary` (layout "uint8x4", the default) or int32 [N, ceil(K/16)] from
-    :func:`pack_ternary_x16` (layout "int32x16", opt-in: a decode layout whose GEMV serves
-    every M, re-reading the weights per row, so prefill-sized M is slow on it);
+    :func:`pack_ternary_x16` (layout "int32x16", opt-in: the dp4a GEMV for one row, its
+    own tensor-core kernel above);
     w_scale: float or float32 tensor of one element.
     Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
     require_tensor("x_q", x_q, dtype=torch.int8)
@@ -525,10 +595,7 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
         raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
     lead, k = x_q.shape[:-1], x_q.shape[-1]
     require_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
-    layout = ternary_layout(w_packed, k)
-    if layout == "int32x16" and k > GEMV_MAX_K:
-        raise ValueError(f"the int32x16 layout has only a GEMV, exact for K <= {GEMV_MAX_K}, got "
-                         f"K={k}: pack with pack_ternary (layout uint8x4) instead")
+    ternary_layout(w_packed, k)
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     ws = _as_scale_tensor(w_scale, x_q.device)
@@ -600,9 +667,9 @@ class BitLinear(nn.Module):
     def pack(self, layout: str = "uint8x4") -> "BitLinear":
         """Switch to inference: 2-bit weights + one scale; the float weights are dropped.
 
-        layout: "uint8x4" (default; :func:`pack_ternary`, GEMV for one row and tensor-core
-        dots for prefill) or "int32x16" (opt-in decode layout, :func:`pack_ternary_x16`:
-        the dp4a GEMV for every M, so prefill-sized inputs are slow on it)."""
+        layout: "uint8x4" (default; :func:`pack_ternary`) or "int32x16" (opt-in decode
+        layout, :func:`pack_ternary_x16`: the dp4a GEMV for one row). Both take the
+        GEMV for one row and int8 tensor-core dots for more."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
         if self.packed:
@@ -610,9 +677,6 @@ class BitLinear(nn.Module):
                 raise ValueError(f"this layer is already packed as {self.layout!r}; packing is "
                                  f"one-way, so it cannot be repacked as {layout!r}")
             return self
-        if layout == "int32x16" and self.in_features > GEMV_MAX_K:
-            raise ValueError(f"layout 'int32x16' has only a GEMV, exact for in_features <= "
-                             f"{GEMV_MAX_K}, got {self.in_features}: use layout='uint8x4'")
         w_t, s = ternary_quantize(self.weight)
         self.w_packed = pack_ternary_x16(w_t) if layout == "int32x16" else pack_ternary(w_t)
         self.w_scale = s.reshape(1).float()

@@ -344,6 +344,10 @@ def test_gemv_x16_passes_its_check():
     gpulab.check("ternary_gemv_x16", bl.ternary_gemv_x16_into)
 
 
+def test_mm_x16_passes_its_check():
+    gpulab.check("ternary_mm_x16", bl.ternary_mm_x16_into)
+
+
 def _x16_problem(m, k, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     x_q, x_s = nq.absmax_quantize(torch.randn(m, k, generator=g))
@@ -441,6 +445,8 @@ def test_bitlinear_pack_int32x16(device):
     assert a.layout == "uint8x4" and b.layout == "int32x16" and "int32x16" in repr(b)
     assert b.w_packed.dtype == torch.int32 and b.w_packed.shape == (45, 5)
     torch.testing.assert_close(b(x), a(x), atol=1e-5, rtol=1e-5)
+    x_long = torch.randn(40, 67, device=device)                 # prefill: the tensor-core kernel
+    torch.testing.assert_close(b(x_long), a(x_long), atol=1e-5, rtol=1e-5)
     assert b.pack(layout="int32x16") is b                      # packing twice the same way: no-op
     with pytest.raises(ValueError, match="one-way"):
         b.pack(layout="uint8x4")

@@ -15,6 +15,7 @@ bits as the uint8x4 GEMV and matches the float64 reference, then times, with
 * a sweep of the int32x16 launcher over split-K in (1, 2, 4, 8) and the block configs of
   tools/gemv-instructions.py (--quick: the default config and auto split only),
 * the portable twin compiled (asm=False): what the dp4a instruction itself buys,
+* at M > 1 also the tensor-core kernels of both layouts (``ternary_matmul`` sends M > 1 there),
 * bf16 ``F.linear`` on the same (dequantized) product.
 
 Writes OUTDIR/ternary_gemv_bench.json: date, GPU, versions, and per row the median µs,
@@ -145,6 +146,11 @@ def bench_shape(m, n, k, quick, graph):
         config=dict(bl.X16_CONFIG))
     add("ternary_gemv_x16_into (portable twin compiled, auto split)", "int32x16",
         lambda: bl.ternary_gemv_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out, asm=False))
+    if m > 1:   # ternary_matmul sends M > 1 to the tensor-core kernels: time both layouts' own
+        add("ternary_mm_into (uint8x4 tensor cores)", "uint8x4",
+            lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out))
+        add("ternary_mm_x16_into (int32x16 tensor cores)", "int32x16",
+            lambda: bl.ternary_mm_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out))
     if not quick:
         for cfg in CONFIGS:
             for split in SPLITS:

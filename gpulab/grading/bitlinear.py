@@ -1,7 +1,7 @@
 """Grading of notebook 01 (:mod:`gpulab.bitlinear`): float64 references, inputs, cases,
 baselines and the specs ``ternary_quantize``, ``pack_ternary``, ``ternary_gemv``,
-``ternary_gemv_x16`` (the same product on the int32x16 layout), ``ternary_mm`` and
-``ternary_matmul``."""
+``ternary_gemv_x16`` and ``ternary_mm_x16`` (the same products on the int32x16 layout),
+``ternary_mm`` and ``ternary_matmul``."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
                          ternary_gemv_x16_into, ternary_matmul_into, ternary_matmul_ref, ternary_mm_into,
-                         ternary_quantize, unpack_ternary, unpack_ternary_x16)
+                         ternary_mm_x16_into, ternary_quantize, unpack_ternary, unpack_ternary_x16)
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
 
@@ -195,3 +195,12 @@ TERNARY_GEMV_X16 = _matmul_spec(
                for m, n, k in ((1, 8192, 8192), (1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336),
                                (16, 8192, 8192))]},
     make_inputs=_x16_inputs, bytes_moved=_x16_bytes, edge_data=_x16_extremes)
+
+TERNARY_MM_X16 = _matmul_spec(
+    "ternary_mm_x16", "int8 × ternary matmul on the int32x16 layout, tensor-core path (prefill)",
+    ternary_mm_x16_into,
+    {"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
+     "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+             Case("ragged", dict(m=1000, k=4099, n=3001))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]},
+    make_inputs=_x16_inputs, bytes_moved=_x16_bytes)
