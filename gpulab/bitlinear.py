@@ -422,7 +422,7 @@ def _mm_x16_configs():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_G": 32, "GROUP_M": 8}, num_warps=4)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_G": bg, "GROUP_M": 8}, num_warps=w, num_stages=st)
             for bm, bn, bg, w, st in ((128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (16, 128, 32, 4, 4),
-                                      (128, 256, 32, 8, 3))]
+                                      (128, 256, 32, 8, 2))]
 
 
 _ternary_mm_x16_tuned = triton.autotune(configs=_mm_x16_configs(), key=["M_BUCKET", "N", "G"])(
