@@ -372,6 +372,18 @@ def test_gemv_x16_split_k_is_bit_identical_to_the_byte_gemv(m, k, n, split):
     assert torch.equal(y_new, y_old)       # exact int32 sums, one scaling: the same bits
 
 
+@pytest.mark.skipif(not on_gpu(), reason="dp4a inline PTX runs only compiled on a GPU")
+@pytest.mark.parametrize("m, k, n, split", [(1, 8192, 1024, None), (3, 4099, 1000, 1), (1, 4096, 512, 4)])
+def test_gemv_x16_dp4a_and_portable_twin_agree_on_gpu(m, k, n, split):
+    x_q, x_s, w_t, w_s = _x16_problem(m, k, n, seed=5)
+    w32 = bl.pack_ternary_x16(w_t)
+    ys = []
+    for asm in (True, False):
+        ys.append(torch.empty(m, n, device=x_q.device))
+        bl.ternary_gemv_x16_into(x_q, x_s, w32, w_s, ys[-1], split_k=split, asm=asm)
+    assert torch.equal(ys[0], ys[1])
+
+
 def test_gemv_x16_strided_x_rows():
     # rows padded to 4100 bytes (4-byte aligned, not K): the int32 view still applies
     x_q, x_s, w_t, w_s = _x16_problem(2, 4096, 64, seed=1)
