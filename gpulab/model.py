@@ -195,7 +195,7 @@ class MatMulFreeLM(nn.Module):
         run by ``kernels`` (default gpulab's)."""
         for m in self.modules():
             if isinstance(m, BitLinear):
-                m.pack(kernels)
+                m.pack(kernels=kernels)
         return self
 
     def set_scan(self, scan: str | ScanLaunchers) -> "MatMulFreeLM":

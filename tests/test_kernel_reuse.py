@@ -152,3 +152,5 @@ def test_packed_model_runs_the_given_kernels(device):
     torch.testing.assert_close(mine, trained, atol=1e-3, rtol=1e-3)
     with pytest.raises(TypeError, match="kernels must be a PackedKernels"):
         bl.BitLinear(4, 4).pack(kernels=bl.ternary_gemv_into)
+    with pytest.raises(ValueError, match="layout='uint8x4'"):
+        bl.BitLinear(4, 4).pack("int32x16", kernels=bl.PackedKernels())
