@@ -17,7 +17,7 @@ from . import grading  # registers every kernel spec
 from .harness import errors
 from .harness.checking import CheckFailure, check
 from .harness.errors import verbose_errors
-from .harness.notebook import mine_or_reference, show_error
+from .harness.notebook import KernelSources, mine_or_reference, notebook_functions, show_error
 from .harness.plots import benchmark
 from .harness.profiler import show as profile
 from .harness.spec import Case, get as get_spec
@@ -25,7 +25,7 @@ from .runtime import device, env_report, mode
 from .tools.progress import show as show_progress
 
 __version__ = "0.1.0"
-__all__ = ["Case", "CheckFailure", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode", "profile",
+__all__ = ["Case", "CheckFailure", "KernelSources", "benchmark", "check", "get_spec", "device", "env_report", "mine_or_reference", "mode", "notebook_functions", "profile",
            "setup", "show_error", "show_progress", "verbose_errors"]
 
 

@@ -8,7 +8,14 @@ Row softmax of an [M, N] matrix, in the safe form that cannot overflow:
 
     m_r = max_j x_rj,     s_r = \sum_j exp(x_rj - m_r),     y_rj = exp(x_rj - m_r) / s_r
 
-Unfused (:func:`safe_softmax_unfused`), PyTorch reads x for the max, reads it again for
+Row sums of an [M, N] matrix, y_m = \sum_n x_mn, with 2-D tiles: program p owns rows
+p·BLOCK_M … p·BLOCK_M + BLOCK_M - 1 and walks the columns BLOCK_N at a time, loading a
+[BLOCK_M, BLOCK_N] tile whose addresses are ``rows[:, None] * stride_m + cols[None, :] *
+stride_n`` (a column of row offsets plus a row of column offsets, broadcast), masked on
+both axes, and adding ``tl.sum(tile, axis=1)`` into a float32 accumulator. The ternary
+GEMV of notebook 01 is the same loop with a multiply in it.
+
+Softmax unfused (:func:`safe_softmax_unfused`), PyTorch reads x for the max, reads it again for
 the exponentials and writes them, reads them for the sum, reads them again to divide
 and writes y: about 6·M·N elements of traffic. The fused kernel gives each row to one
 program, holds the row in registers and touches memory twice: read x, write y (2·M·N).
@@ -56,6 +63,21 @@ def softmax_kernel(x_ptr, y_ptr, n_cols, x_row_stride, y_row_stride, BLOCK: tl.c
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def row_sum_kernel(x_ptr, y_ptr, M, N, stride_m, stride_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    row_offsets = rows.to(tl.int64)[:, None] * stride_m          # [BLOCK_M, 1]
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]            # both axes: [BLOCK_M, BLOCK_N]
+        tile = tl.load(x_ptr + row_offsets + cols[None, :] * stride_n, mask=mask, other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=1)
+    tl.store(y_ptr + rows, acc, mask=row_mask)
+
+
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ---------
 ADD_BLOCK = 1024
 
@@ -64,6 +86,16 @@ def add_into(x, y, out):
     """Writes x + y into ``out``: cdiv(n, ADD_BLOCK) programs."""
     n = out.numel()
     add_kernel[(triton.cdiv(n, ADD_BLOCK),)](x, y, out, n, BLOCK=ADD_BLOCK)
+
+
+ROW_SUM_BLOCK_M, ROW_SUM_BLOCK_N = 16, 128
+
+
+def row_sum_into(x, y):
+    """Writes the float32 row sums of x [M, N] (any strides) into y [M]."""
+    m, n = x.shape
+    row_sum_kernel[(triton.cdiv(m, ROW_SUM_BLOCK_M),)](x, y, m, n, x.stride(0), x.stride(1),
+                                                      BLOCK_M=ROW_SUM_BLOCK_M, BLOCK_N=ROW_SUM_BLOCK_N)
 
 
 def _softmax_warps(block: int) -> int:
@@ -91,6 +123,16 @@ def vector_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if x.numel():
         add_into(x, y, out)
     return out
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Float32 row sums of a 2-D float tensor (any strides: views such as ``x.t()`` work)."""
+    require_tensor("x", x, ndim=2, contiguous=False)
+    require_float("x", x)
+    y = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.numel():
+        row_sum_into(x, y)
+    return y
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,21 @@ A kernel reading bytes j0..j0+B of a row therefore gets four tiles of B weights,
 matching a *contiguous* slice of x (x[i·K4/4 + j0 : ... + B]): no shuffling in
 registers, just a shift and a mask per quarter. 2 bits per weight is 1/8 of bf16: at
 decode (M = 1..16 rows) the matmul is bound by reading weights, so up to 8× faster.
+
+Decode layout "int32x16" (``pack_ternary_x16``, opt-in: ``BitLinear.pack(layout=
+"int32x16")``, or pass its int32 words to ``ternary_matmul``). At M = 1 the byte layout's
+GEMV is limited by its unpacking, about 3 SASS instructions per weight (measured on the
+compiled code by tools/gemv-instructions.py), not by the bytes. This layout puts 16 weights
+in an int32 word so that one AND yields four 2-bit codes as bytes, lined up with four
+consecutive int8 x values in one int32 word of x, and one ``dp4a`` multiplies and adds all
+four: 0.5 unpack-and-multiply instructions per weight. The byte layout stays the default
+until the new GEMV is measured on a GPU (tools/ternary-gemv-bench.py).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -36,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .normquant import rmsnorm_fakequant, rmsnorm_quant, round_half_away
+from .normquant import rmsnorm_fakequant, rmsnorm_quant, rmsnorm_quant_into, round_half_away
 from .validate import require_float, require_same_device, require_tensor
 
 WEIGHT_FLOOR = 1e-5
@@ -83,6 +94,72 @@ def unpack_ternary(packed: torch.Tensor, k: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
     codes = (packed[:, None, :] >> shifts[None, :, None]) & 3        # [N, 4, q]
     return (codes.reshape(packed.shape[0], -1)[:, :k].to(torch.int8) - 1)
+
+
+# The decode layout "int32x16": 16 weights per int32 word, unpacked 4 at a time (dp4a).
+LAYOUTS = ("uint8x4", "int32x16")
+
+
+def pack_ternary_x16(w_t: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 ternary -> [N, ceil(K/16)] int32, sixteen weights per word.
+
+    With G = ceil(K/16) words per row, K is padded with zeros to 16·G and cut into four
+    quarters of 4·G weights. Word g holds four consecutive weights of each quarter:
+    weight k = 4·(i·G + g) + t (quarter i, byte lane t) sits in bits 8t + 2i .. 8t + 2i + 1
+    as the code w + 1::
+
+        packed[n, g] = Σ_{i<4} Σ_{t<4} (W_t[n, 4(iG + g) + t] + 1) << (8t + 2i)
+
+    So ``word & (0x03030303 << 2i)`` leaves, in its four bytes, 4^i times the codes of the
+    weights matched by x bytes 4(iG+g) .. 4(iG+g)+3, i.e. by int32 word iG + g of the
+    int8 row x viewed as int32: one AND per 4 weights, then one dp4a (see
+    :func:`ternary_gemv_x16_kernel`). Reading words g0..g0+B of a row pairs them with four
+    contiguous slices of x words, as the byte layout does with x bytes."""
+    _require_ternary(w_t)
+    n, k = w_t.shape
+    g = triton.cdiv(k, 16)
+    codes = torch.ones((n, 16 * g), dtype=torch.int32, device=w_t.device)  # padding: weight 0
+    codes[:, :k] = (w_t + 1).to(torch.int32)
+    c = codes.view(n, 4, g, 4)                                   # [n, quarter i, word g, lane t]
+    shifts = (8 * torch.arange(4, device=w_t.device)[None, :]
+              + 2 * torch.arange(4, device=w_t.device)[:, None]).to(torch.int32)   # [i, t]
+    # disjoint bits: the sum is an OR; int64 first so the top lane does not overflow
+    word = (c.to(torch.int64) << shifts[None, :, None, :].to(torch.int64)).sum(dim=(1, 3))
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def unpack_ternary_x16(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary_x16`: [N, ceil(k/16)] int32 -> [N, k] int8."""
+    require_tensor("packed", packed, ndim=2, dtype=torch.int32, any_device=True)
+    if not isinstance(k, int) or k < 1 or triton.cdiv(k, 16) != packed.shape[1]:
+        raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} int32 words: "
+                         f"k must satisfy ceil(k/16) == {packed.shape[1]}")
+    n, g = packed.shape
+    shifts = (8 * torch.arange(4, device=packed.device)[None, :]
+              + 2 * torch.arange(4, device=packed.device)[:, None])               # [i, t]
+    codes = (packed.to(torch.int64)[:, None, :, None] >> shifts[None, :, None, :]) & 3   # [n, i, g, t]
+    return codes.reshape(n, 16 * g)[:, :k].to(torch.int8) - 1
+
+
+def ternary_layout(w_packed: torch.Tensor, k: int) -> str:
+    """Which packed layout ``w_packed`` is in for rows of K = k weights, or a clear error:
+    uint8 [N, ceil(k/4)] is "uint8x4" (:func:`pack_ternary`), int32 [N, ceil(k/16)] is
+    "int32x16" (:func:`pack_ternary_x16`)."""
+    if not isinstance(w_packed, torch.Tensor):
+        raise TypeError(f"w_packed must be a torch.Tensor, got {type(w_packed).__name__}")
+    if w_packed.dtype == torch.uint8:
+        layout, per = "uint8x4", 4
+    elif w_packed.dtype == torch.int32:
+        layout, per = "int32x16", 16
+    else:
+        raise TypeError(f"w_packed must be uint8 (layout uint8x4, from pack_ternary) or int32 "
+                        f"(layout int32x16, from pack_ternary_x16), got {w_packed.dtype}")
+    require_tensor("w_packed", w_packed, ndim=2, dtype=w_packed.dtype)
+    if w_packed.shape[1] != triton.cdiv(k, per):
+        raise ValueError(f"w_packed ({layout}) has rows of {w_packed.shape[1]} "
+                         f"{'bytes' if per == 4 else 'int32 words'} but K={k} needs ceil(K/{per}) = "
+                         f"{triton.cdiv(k, per)}: was it packed from a [N, {k}] matrix?")
+    return layout
 
 
 def ternary_matmul_ref(x_q, x_scale, w_t, w_scale, out_dtype=torch.float64):
@@ -142,6 +219,118 @@ def _gemv_configs():
 _ternary_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(ternary_gemv_kernel)
 
 
+# -- Triton kernels: the decode GEMV on the int32x16 layout, four weights per instruction --
+@triton.jit
+def dot4_u8s8(a, b, acc, USE_ASM: tl.constexpr):
+    """acc + Σ_{t<4} a.byte[t] · b.byte[t], a's bytes unsigned, b's signed (int32 lanes).
+
+    USE_ASM: one PTX ``dp4a.u32.s32`` (sm_61 and newer). Otherwise the portable twin, four
+    byte extractions and multiply-adds, the same exact integer: the interpreter cannot run
+    inline PTX, and the compiled twin lets both branches be checked against each other."""
+    if USE_ASM:
+        out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = acc
+        for t in tl.static_range(4):
+            out += ((a >> (8 * t)) & 0xFF) * ((b << (24 - 8 * t)) >> 24)   # arithmetic >>: signed byte
+    return out
+
+
+@triton.jit
+def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, G, XW, G_SPLIT,
+                            stride_xm, stride_wn, stride_ym,
+                            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN: tl.constexpr,
+                            PARTIAL: tl.constexpr, USE_ASM: tl.constexpr):
+    """y[m, n] = Σ_k x_q[m, k] W_t[n, k] / (s_x[m] s_w), weights in the int32x16 layout.
+
+    x_ptr is the int8 row viewed as int32 words (XW = ceil(K/4) of them, bytes past K
+    zero), so x word iG + g holds the four x bytes that weight word g's quarter i pairs
+    with (:func:`pack_ternary_x16`). Per weight word and quarter i the loop does
+
+        acc_i = dp4a(word & (0x03030303 << 2i), x_word[iG + g], acc_i)
+
+    one AND and one dp4a per 4 weights, no shift: bytes are 4^i·c (≤ 128, still an
+    unsigned byte), so acc_i holds 4^i Σ c·x and the quarters are combined exactly once at
+    the end, acc_0 + acc_1/4 + acc_2/16 + acc_3/64. The code offset is removed once:
+    Σ (c − 1)·x = Σ c·x − Σ x, with Σ x from dp4a(0x01010101, x_word) in a short second
+    loop over x alone (in the main loop it would cost loads and dp4a per column). EVEN
+    (shapes that tile exactly, as every model's do) drops all masks. All sums are exact
+    int32 (|64·Σ c·x| ≤ 2^14·K < 2^31 for K ≤ GEMV_MAX_K).
+
+    Split-K (grid axis 2): program s covers words [s·G_SPLIT, (s+1)·G_SPLIT). With
+    PARTIAL it stores its exact int32 partial sum to part[s, m, n] and
+    :func:`ternary_gemv_x16_reduce_kernel` adds the splits in a fixed order and scales:
+    deterministic, and bit-identical to the unsplit kernel (integer sums are exact)."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(2)
+    n_mask = n < N
+    g_lo = s * G_SPLIT
+    g_hi = tl.minimum(g_lo + G_SPLIT, G)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+    g = g_lo + tl.arange(0, BLOCK_G)
+    x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + g
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + g[None, :]
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        if EVEN:     # N % BLOCK_N == 0, G % BLOCK_G == 0 and XW == 4G: no masks at all
+            word = tl.load(w_ptrs)
+            x0 = tl.load(x_ptrs)
+            x1 = tl.load(x_ptrs + G)
+            x2 = tl.load(x_ptrs + 2 * G)
+            x3 = tl.load(x_ptrs + 3 * G)
+        else:
+            gg = g0 + tl.arange(0, BLOCK_G)
+            g_mask = gg < g_hi
+            word = tl.load(w_ptrs, mask=n_mask[:, None] & g_mask[None, :], other=0)
+            x0 = tl.load(x_ptrs, mask=g_mask & (gg < XW), other=0)
+            x1 = tl.load(x_ptrs + G, mask=g_mask & (G + gg < XW), other=0)
+            x2 = tl.load(x_ptrs + 2 * G, mask=g_mask & (2 * G + gg < XW), other=0)
+            x3 = tl.load(x_ptrs + 3 * G, mask=g_mask & (3 * G + gg < XW), other=0)
+        acc0 = dot4_u8s8(word & 0x03030303, x0[None, :], acc0, USE_ASM)
+        acc1 = dot4_u8s8(word & 0x0C0C0C0C, x1[None, :], acc1, USE_ASM)
+        acc2 = dot4_u8s8(word & 0x30303030, x2[None, :], acc2, USE_ASM)
+        acc3 = dot4_u8s8(word & -0x3F3F3F40, x3[None, :], acc3, USE_ASM)   # 0xC0C0C0C0 as int32
+        w_ptrs += BLOCK_G
+        x_ptrs += BLOCK_G
+    # Σ x over this split's x words: a short 1-D pass (K bytes, next to K·BLOCK_N/4 of weights)
+    x_sum = tl.zeros([BLOCK_G], dtype=tl.int32)
+    ones = tl.full([BLOCK_G], 0x01010101, dtype=tl.int32)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        gg = g0 + tl.arange(0, BLOCK_G)
+        for i in tl.static_range(4):
+            xi = tl.load(x_row + i * G + gg, mask=(gg < g_hi) & (i * G + gg < XW), other=0)
+            x_sum = dot4_u8s8(ones, xi, x_sum, USE_ASM)
+    total = (tl.sum(acc0, axis=1) + (tl.sum(acc1, axis=1) >> 2) + (tl.sum(acc2, axis=1) >> 4)
+             + (tl.sum(acc3, axis=1) >> 6) - tl.sum(x_sum, axis=0))
+    if PARTIAL:
+        tl.store(part_ptr + (s * M + m).to(tl.int64) * N + n, total, mask=n_mask)
+    else:
+        scale = tl.load(xs_ptr + m) * tl.load(ws_ptr)
+        y = total.to(tl.float32) / scale
+        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def ternary_gemv_x16_reduce_kernel(part_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLIT, stride_ym,
+                                   BLOCK: tl.constexpr):
+    """Second pass of split-K: y[m, n] = (Σ_s part[s, m, n]) / (s_x[m] s_w), splits added
+    in order s = 0, 1, ... (exact int32, so any order would give the same bits)."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = n < N
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for s in range(0, SPLIT):
+        total += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + n, mask=n_mask, other=0)
+    scale = tl.load(xs_ptr + m) * tl.load(ws_ptr)
+    y = total.to(tl.float32) / scale
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
 # -- Triton kernels: the prefill matmul, int8 tensor-core dots on unpacked tiles -----------
 @triton.jit
 def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
@@ -185,6 +374,63 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
              y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
+                          stride_xm, stride_wn, stride_ym, M_BUCKET,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                          GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
+    """Prefill on the int32x16 layout: tile [BLOCK_M, BLOCK_N] of y; each step reads
+    BLOCK_G weight words per output column (16·BLOCK_G weights) and issues 16 dots, one
+    per (quarter i, byte lane t). A dot sums over k in any order, so the k's of one
+    (i, t), k = 4(iG + g) + t, are taken together: weights ((word >> (8t + 2i)) & 3) − 1,
+    x the byte t of x words iG + g (x viewed as int32, as in the GEMV)."""
+    pid = tl.program_id(0)
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        g_mask = g < G
+        word = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + g[:, None],
+                       mask=g_mask[:, None] & n_mask[None, :], other=0)            # [BLOCK_G, BLOCK_N]
+        for i in tl.static_range(4):
+            xw = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (i * G + g)[None, :],
+                         mask=m_mask[:, None] & (g_mask & (i * G + g < XW))[None, :], other=0)
+            for t in tl.static_range(4):
+                a = ((xw << (24 - 8 * t)) >> 24).to(tl.int8)                     # signed byte t
+                wi = (((word >> (8 * t + 2 * i)) & 3) - 1).to(tl.int8)
+                if DOT_INT8:
+                    acc = tl.dot(a, wi, acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _mm_x16_configs():
+    if runtime.interpreting():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_G": 32, "GROUP_M": 8}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_G": bg, "GROUP_M": 8}, num_warps=w, num_stages=st)
+            for bm, bn, bg, w, st in ((128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (16, 128, 32, 4, 4),
+                                      (128, 256, 32, 8, 2))]
+
+
+_ternary_mm_x16_tuned = triton.autotune(configs=_mm_x16_configs(), key=["M_BUCKET", "N", "G"])(
+    ternary_mm_x16_kernel)
+
+
 def _mm_configs():
     if runtime.interpreting():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
@@ -219,6 +465,72 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
                         x_q.stride(0), w_packed.stride(0), y.stride(0))
 
 
+# The int32x16 GEMV's launch configuration: a first guess, to be replaced by the sweep of
+# tools/ternary-gemv-bench.py on the H200. The interpreter takes big blocks (cost grows
+# with the number of programs).
+X16_CONFIG = {"BLOCK_N": 16, "BLOCK_G": 64, "num_warps": 4}
+X16_INTERPRETER_CONFIG = {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}
+X16_MAX_SPLIT = 16
+X16_REDUCE_BLOCK = 1024
+
+
+def x16_split_k(m: int, n: int, k: int, block_n: int, block_g: int) -> int:
+    """Split-K factor for the int32x16 GEMV: enough programs for about two per SM
+    (runtime.num_sms(); 132 without a GPU), each split at least two BLOCK_G steps long."""
+    programs = m * triton.cdiv(n, block_n)
+    want = triton.cdiv(2 * runtime.num_sms(), programs)
+    most = max(1, triton.cdiv(k, 16) // (2 * block_g))
+    return max(1, min(want, most, X16_MAX_SPLIT))
+
+
+def int8_rows_as_words(x_q: torch.Tensor) -> torch.Tensor:
+    """x_q int8 [M, K] viewed as int32 [M, ceil(K/4)] (a free view when K % 4 == 0 and
+    the rows are 4-byte aligned; otherwise a zero-padded copy, so bytes past K are 0)."""
+    m, k = x_q.shape
+    if (k % 4 == 0 and x_q.stride(1) == 1 and x_q.stride(0) % 4 == 0
+            and x_q.storage_offset() % 4 == 0 and x_q.data_ptr() % 4 == 0):
+        return x_q.view(torch.int32)
+    padded = torch.zeros((m, 4 * triton.cdiv(k, 4)), dtype=torch.int8, device=x_q.device)
+    padded[:, :k] = x_q
+    return padded.view(torch.int32)
+
+
+def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, config=None, asm=None):
+    """Decode launcher for the int32x16 layout (check calling convention).
+
+    split_k: None chooses with :func:`x16_split_k`; 1 is one pass; s > 1 adds a second,
+    deterministic reduce pass over an [s, M, N] int32 workspace. config: BLOCK_N, BLOCK_G,
+    num_warps (default X16_CONFIG). asm: dp4a as inline PTX (default on the compiled
+    path) or the portable twin (always in the interpreter, which cannot run PTX)."""
+    m, k = x_q.shape
+    if k > GEMV_MAX_K:
+        raise ValueError(f"the GEMV's int32 sums are exact for K <= {GEMV_MAX_K}, got K={k}")
+    n, g = w_packed.shape
+    if runtime.interpreting():
+        if asm:
+            raise ValueError("asm=True needs the compiled path: the interpreter cannot run inline PTX")
+        asm, cfg = False, dict(X16_INTERPRETER_CONFIG)
+    else:
+        asm, cfg = (True if asm is None else bool(asm)), dict(X16_CONFIG)
+    cfg.update(config or {})
+    block_n, block_g, warps = cfg["BLOCK_N"], cfg["BLOCK_G"], cfg["num_warps"]
+    split = x16_split_k(m, n, k, block_n, block_g) if split_k is None else split_k
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
+    g_split = triton.cdiv(triton.cdiv(g, split), block_g) * block_g
+    split = triton.cdiv(g, g_split)                          # no empty splits
+    xw = int8_rows_as_words(x_q)
+    part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
+    ternary_gemv_x16_kernel[(m, triton.cdiv(n, block_n), split)](
+        xw, x_scale, w_packed, w_scale, y, part, m, n, g, xw.shape[1], g_split,
+        xw.stride(0), w_packed.stride(0), y.stride(0),
+        BLOCK_N=block_n, BLOCK_G=block_g, PARTIAL=split > 1, USE_ASM=asm, num_warps=warps,
+        EVEN=(n % block_n == 0 and g % block_g == 0 and xw.shape[1] == 4 * g))
+    if split > 1:
+        ternary_gemv_x16_reduce_kernel[(m, triton.cdiv(n, X16_REDUCE_BLOCK))](
+            part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=X16_REDUCE_BLOCK, num_warps=4)
+
+
 def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
     """Prefill launcher (check calling convention): one program per output tile."""
     m, k = x_q.shape
@@ -229,6 +541,17 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
                             DOT_INT8=_int8_dot())
 
 
+def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
+    """Prefill launcher on the int32x16 layout (check calling convention)."""
+    m, k = x_q.shape
+    n, g = w_packed.shape
+    xw = int8_rows_as_words(x_q)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _ternary_mm_x16_tuned[grid](xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
+                                xw.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
+                                DOT_INT8=_int8_dot())
+
+
 def _int8_dot() -> bool:
     """int8 tensor-core dots need sm_80+; Turing (Colab's T4) takes the fp16 path. Without a
     GPU (interpreter, compile check) the fp16 path is used: it compiles for every target."""
@@ -237,8 +560,13 @@ def _int8_dot() -> bool:
 
 
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
-    """Dispatch on M: the GEMV for decode, tensor-core dots for prefill."""
-    if x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
+    """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill."""
+    if w_packed.dtype == torch.int32:
+        if x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
+            ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y)
+        else:
+            ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
+    elif x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
         ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
     else:
         ternary_mm_into(x_q, x_scale, w_packed, w_scale, y)
@@ -259,17 +587,17 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     """y = (x_q · W_tᵀ) / (x_scale[:, None] · w_scale) reading 2-bit packed weights.
 
     x_q: int8 [..., K]; x_scale: float32 [...]; w_packed: uint8 [N, ceil(K/4)] from
-    :func:`pack_ternary`; w_scale: float or float32 tensor of one element.
+    :func:`pack_ternary` (layout "uint8x4", the default) or int32 [N, ceil(K/16)] from
+    :func:`pack_ternary_x16` (layout "int32x16", opt-in: the dp4a GEMV for one row, its
+    own tensor-core kernel above);
+    w_scale: float or float32 tensor of one element.
     Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
     require_tensor("x_q", x_q, dtype=torch.int8)
     if x_q.dim() < 1 or x_q.shape[-1] == 0:
         raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
     lead, k = x_q.shape[:-1], x_q.shape[-1]
     require_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
-    require_tensor("w_packed", w_packed, ndim=2, dtype=torch.uint8)
-    if w_packed.shape[1] != triton.cdiv(k, 4):
-        raise ValueError(f"w_packed has rows of {w_packed.shape[1]} bytes but K={k} needs "
-                         f"ceil(K/4) = {triton.cdiv(k, 4)}: was it packed from a [N, {k}] matrix?")
+    ternary_layout(w_packed, k)
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     ws = _as_scale_tensor(w_scale, x_q.device)
@@ -280,6 +608,16 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     if x2.shape[0] and n:
         ternary_matmul_into(x2, x_scale.reshape(-1), w_packed, ws, y)
     return y.view(*lead, n)
+
+
+@dataclass(frozen=True)
+class PackedKernels:
+    """The functions a packed :class:`BitLinear` runs: gpulab's by default. Notebook 03
+    passes a learner's own (from notebooks 01 and 02) with the same calling conventions."""
+    quantize: Callable = ternary_quantize           # w -> (w_t int8 in {-1, 0, 1}, scale)
+    pack: Callable = pack_ternary                   # w_t [N, K] -> uint8 [N, ceil(K/4)]
+    norm_quant_into: Callable = rmsnorm_quant_into  # (x [M, K], weight, x_q, x_scale, eps)
+    matmul_into: Callable = ternary_matmul_into     # (x_q, x_scale, w_packed, w_scale, y [M, N])
 
 
 # The layer.
@@ -297,6 +635,8 @@ class BitLinear(nn.Module):
     * Inference: ``.pack()`` stores the weights as 2 bits each plus one scale, drops the
       float weights, and forward runs ``rmsnorm_quant`` then ``ternary_matmul`` (Triton
       kernels: compiled on a GPU, interpreted on a CPU). Packing is one-way.
+      ``.pack(layout="int32x16")`` opts in to the decode layout (16 weights per int32 word,
+      dp4a GEMV); the default "uint8x4" stays the default until the new GEMV is measured.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-8,
@@ -312,6 +652,7 @@ class BitLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.register_buffer("w_packed", None)
         self.register_buffer("w_scale", None)
+        self.kernels: PackedKernels | None = None     # None: the validated public functions
 
     @property
     def packed(self) -> bool:
@@ -319,7 +660,7 @@ class BitLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, {'packed (2-bit)' if self.packed else 'training'}")
+                f"bias={self.bias is not None}, {f'packed (2-bit, {self.layout})' if self.packed else 'training'}")
 
     def ternary_weight(self) -> torch.Tensor:
         """Fake-quantized weight W_t / s_w with the straight-through estimator."""
@@ -328,14 +669,44 @@ class BitLinear(nn.Module):
         wq = round_half_away(w * scale).clamp(-1, 1) / scale
         return w + (wq - w).detach()
 
-    @torch.no_grad()
-    def pack(self) -> "BitLinear":
-        """Switch to inference: 2-bit weights + one scale; the float weights are dropped."""
+    @property
+    def layout(self) -> str | None:
+        """The packed weights' layout ("uint8x4" or "int32x16"), None while training."""
         if not self.packed:
+            return None
+        return "int32x16" if self.w_packed.dtype == torch.int32 else "uint8x4"
+
+    @torch.no_grad()
+    def pack(self, layout: str = "uint8x4", kernels: PackedKernels | None = None) -> "BitLinear":
+        """Switch to inference: 2-bit weights + one scale; the float weights are dropped.
+
+        layout: "uint8x4" (default; :func:`pack_ternary`) or "int32x16" (opt-in decode
+        layout, :func:`pack_ternary_x16`: the dp4a GEMV for one row). Both take the
+        GEMV for one row and int8 tensor-core dots for more.
+        kernels: the functions that quantize, pack and later run the layer (default
+        gpulab's; "uint8x4" only), e.g. a learner's own in notebook 03."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        if kernels is not None and not isinstance(kernels, PackedKernels):
+            raise TypeError(f"kernels must be a PackedKernels, got {type(kernels).__name__}")
+        if kernels is not None and layout != "uint8x4":
+            raise ValueError("PackedKernels run the 'uint8x4' layout: pack with layout='uint8x4'")
+        if self.packed:
+            if layout != self.layout:
+                raise ValueError(f"this layer is already packed as {self.layout!r}; packing is "
+                                 f"one-way, so it cannot be repacked as {layout!r}")
+            self.kernels = kernels
+            return self
+        if kernels is not None:
+            w_t, s = kernels.quantize(self.weight)
+            self.w_packed = kernels.pack(w_t)
+            self.w_scale = torch.as_tensor(s, device=self.w_packed.device).reshape(1).float()
+        else:
             w_t, s = ternary_quantize(self.weight)
-            self.w_packed = pack_ternary(w_t)
+            self.w_packed = pack_ternary_x16(w_t) if layout == "int32x16" else pack_ternary(w_t)
             self.w_scale = s.reshape(1).float()
-            self.weight = None
+        self.weight = None
+        self.kernels = kernels
         return self
 
     def _check_input(self, x):
@@ -351,7 +722,9 @@ class BitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if self.packed:
+        if self.packed and self.kernels is not None:
+            y = self._run_kernels(x)
+        elif self.packed:
             x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
             # .float(): module.to(bf16) also converts float buffers such as the scale
             y = ternary_matmul(x_q, x_s, self.w_packed, self.w_scale.float(), out_dtype=x.dtype)
@@ -361,6 +734,18 @@ class BitLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _run_kernels(self, x):
+        """The packed forward through ``self.kernels``' launchers (rows flattened)."""
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k).contiguous()
+        x_q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
+        x_s = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            self.kernels.norm_quant_into(x2, self.norm_weight.float(), x_q, x_s, self.eps)
+            self.kernels.matmul_into(x_q, x_s, self.w_packed, self.w_scale.float(), y)
+        return y.view(*x.shape[:-1], n)
 
 
 def model_bytes(n_params: int, bits: float) -> float:

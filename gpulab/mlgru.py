@@ -42,6 +42,8 @@ stored in the input dtype, the final state ``h_last`` in float32.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -294,20 +296,29 @@ def scan_into(f, i, h0, h, h_last):
     _FORWARD[choose_kernel(f.shape[1])](f, i, h0, h, h_last)
 
 
+class ScanLaunchers(NamedTuple):
+    """A forward and a backward scan launcher with the calling convention of
+    :func:`scan_recurrent_into` and :func:`scan_backward_recurrent_into` (for instance a
+    learner's own, which notebook 03 runs inside the language model)."""
+    forward: Callable      # (f, i, h0, h, h_last)
+    backward: Callable     # (f, h0, h, dh, dh_last, df, di, dh0)
+
+
 # -- public API ---------------------------------------------------------------------------
 class MLGRUScan(torch.autograd.Function):
-    """h, h_last = scan(f, i, h0) with Triton forward and backward kernels."""
+    """h, h_last = scan(f, i, h0) with Triton forward and backward kernels
+    (``launchers``: a :class:`ScanLaunchers`)."""
 
     @staticmethod
-    def forward(ctx, f, i, h0, kernel):
+    def forward(ctx, f, i, h0, launchers):
         B, T, D = f.shape
         h = torch.empty_like(f)
         h_last = torch.empty(B, D, dtype=torch.float32, device=f.device)
         if f.numel():
-            _FORWARD[kernel](f, i, h0, h, h_last)
+            launchers.forward(f, i, h0, h, h_last)
         else:
             h_last.copy_(h0)
-        ctx.kernel = kernel
+        ctx.launchers = launchers
         ctx.save_for_backward(f, h0, h)
         return h, h_last
 
@@ -319,13 +330,22 @@ class MLGRUScan(torch.autograd.Function):
         df, di = torch.empty_like(f), torch.empty_like(f)
         dh0 = torch.empty_like(h0)
         if f.numel():
-            _BACKWARD[ctx.kernel](f, h0, h, dh, dh_last, df, di, dh0)
+            ctx.launchers.backward(f, h0, h, dh, dh_last, df, di, dh0)
         else:
             dh0.copy_(dh_last)
         return df, di, dh0, None
 
 
 KERNELS = ("auto", "recurrent", "chunked", "torch")
+
+
+def require_scan_kernel(name: str, kernel) -> None:
+    if isinstance(kernel, ScanLaunchers):
+        if not (callable(kernel.forward) and callable(kernel.backward)):
+            raise TypeError(f"{name}: both launchers of a ScanLaunchers must be callable")
+    elif kernel not in KERNELS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, KERNELS))} or a ScanLaunchers "
+                         f"pair, got {kernel!r}")
 
 
 def _require_scan_inputs(f, i, h0):
@@ -339,22 +359,24 @@ def _require_scan_inputs(f, i, h0):
 
 
 def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None, *,
-               kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               kernel: str | ScanLaunchers = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """h_t = f_t ⊙ h_{t-1} + i_t over [batch, time, hidden]; differentiable.
 
     f, i: [B, T, D], one of float32/float16/bfloat16, contiguous. h0: [B, D] or None
     (zeros). Returns h ([B, T, D], f's dtype) and h_last ([B, D], float32).
     kernel: "auto" (recurrent for T <= 32, chunked above), "recurrent", "chunked", or
-    "torch" (a plain-PyTorch log-step scan, the fast path on a CPU)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    "torch" (a plain-PyTorch log-step scan, the fast path on a CPU), or a
+    :class:`ScanLaunchers` pair (your own forward and backward launchers)."""
+    require_scan_kernel("kernel", kernel)
     _require_scan_inputs(f, i, h0)
     B, T, D = f.shape
     if kernel == "torch":
         return scan_torch(f, i, h0)
     h0 = f.new_zeros(B, D, dtype=torch.float32) if h0 is None else h0.float().contiguous()
-    k = choose_kernel(T) if kernel == "auto" else kernel
-    return MLGRUScan.apply(f, i, h0, k)
+    if not isinstance(kernel, ScanLaunchers):
+        k = choose_kernel(T) if kernel == "auto" else kernel
+        kernel = ScanLaunchers(_FORWARD[k], _BACKWARD[k])
+    return MLGRUScan.apply(f, i, h0, kernel)
 
 
 def mlgru_step(f_t: torch.Tensor, i_t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
@@ -381,8 +403,8 @@ class MLGRU(nn.Module):
     variant="code":  as released: i = SiLU(x W_i)(1 - f), optional forget-gate lower bound
                      f ← β + (1 - β) f (pass ``lower_bound=β``),
                      out = W_o (RMSNorm(x W_g) ⊙ SiLU(h)).
-    scan: "auto" (Triton kernels on a GPU, the PyTorch scan on a CPU), or any
-    ``mlgru_scan`` kernel name."""
+    scan: "auto" (Triton kernels on a GPU, the PyTorch scan on a CPU), any
+    ``mlgru_scan`` kernel name, or a :class:`ScanLaunchers` pair."""
 
     def __init__(self, d_model: int, variant: str = "paper", lower_bound: float | None = None,
                  scan: str = "auto"):
@@ -391,8 +413,7 @@ class MLGRU(nn.Module):
             raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
         if lower_bound is not None and (variant != "code" or not 0 <= lower_bound < 1):
             raise ValueError("lower_bound (a float in [0, 1)) only applies to variant='code'")
-        if scan not in KERNELS:
-            raise ValueError(f"scan must be one of {', '.join(map(repr, KERNELS))}, got {scan!r}")
+        require_scan_kernel("scan", scan)
         self.d_model, self.variant, self.lower_bound, self.scan = d_model, variant, lower_bound, scan
         self.f_proj = BitLinear(d_model, d_model)
         self.c_proj = BitLinear(d_model, d_model)
@@ -415,7 +436,7 @@ class MLGRU(nn.Module):
         return self.o_proj(self.g_norm(self.g_proj(x)) * F.silu(h))
 
     def _kernel(self, x):
-        if self.scan != "auto":
+        if isinstance(self.scan, ScanLaunchers) or self.scan != "auto":
             return self.scan
         return "auto" if x.is_cuda and runtime.mode() == "compiled" else "torch"
 

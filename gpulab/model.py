@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm as tqdm_auto
 from tqdm.std import tqdm as tqdm_text
 
-from .bitlinear import BitLinear
-from .mlgru import KERNELS, MLGRU
+from .bitlinear import BitLinear, PackedKernels
+from .mlgru import MLGRU, ScanLaunchers, require_scan_kernel
 from .validate import require_index_range, require_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -118,10 +118,9 @@ class MatMulFreeLM(nn.Module):
     """
 
     def __init__(self, vocab_size: int = VOCAB, d_model: int = 128, n_layers: int = 2,
-                 hidden: int | None = None, variant: str = "paper", scan: str = "auto"):
+                 hidden: int | None = None, variant: str = "paper", scan: str | ScanLaunchers = "auto"):
         super().__init__()
-        if scan not in KERNELS:
-            raise ValueError(f"scan must be one of {', '.join(map(repr, KERNELS))}, got {scan!r}")
+        require_scan_kernel("scan", scan)
         self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(Block(d_model, hidden, variant, scan) for _ in range(n_layers))
@@ -191,11 +190,20 @@ class MatMulFreeLM(nn.Module):
                 logits, states = self.step(token, states)
         return out
 
-    def pack(self) -> "MatMulFreeLM":
-        """Switch every BitLinear to packed 2-bit inference weights."""
+    def pack(self, kernels: PackedKernels | None = None) -> "MatMulFreeLM":
+        """Switch every BitLinear to packed 2-bit inference weights, quantized, packed and
+        run by ``kernels`` (default gpulab's)."""
         for m in self.modules():
-            if m is not self and hasattr(m, "pack") and not isinstance(m, MatMulFreeLM):
-                m.pack()
+            if isinstance(m, BitLinear):
+                m.pack(kernels=kernels)
+        return self
+
+    def set_scan(self, scan: str | ScanLaunchers) -> "MatMulFreeLM":
+        """Which scan every MLGRU runs: an ``mlgru_scan`` kernel name or a
+        :class:`gpulab.mlgru.ScanLaunchers` pair (your own forward and backward)."""
+        require_scan_kernel("scan", scan)
+        for block in self.blocks:
+            block.mixer.scan = scan
         return self
 
 

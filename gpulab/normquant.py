@@ -213,6 +213,18 @@ def rmsnorm_quant_bwd_into(x, weight, rstd, dy, dx, dw):
     torch.sum(part, dim=0, out=dw)
 
 
+def rmsnorm_quant_bwd_partials_into(x, weight, rstd, dy, dx, dw_part):
+    """Backward launcher with the weight gradient left as G partial rows (G =
+    ``dw_part.shape[0]`` programs): program g handles rows g, g + G, g + 2G... and writes
+    ``dw_part[g] = Σ_{r ≡ g (mod G)} dy_r ⊙ x̂_r``; dw is ``dw_part.sum(0)``. A grouped
+    reduction: the partial traffic is G rows, not one per input row."""
+    n_rows, n_cols = x.shape
+    block_n = triton.next_power_of_2(max(1, n_cols))
+    rmsnorm_quant_bwd_kernel[(dw_part.shape[0],)](x, weight, rstd, dy, dx, dw_part, n_rows, n_cols,
+                                                   x.stride(0), dy.stride(0), dx.stride(0),
+                                                   BLOCK_R=1, BLOCK_N=block_n, num_warps=_warps(1, block_n))
+
+
 # -- public API -----------------------------------------------------------------------------
 def _require_norm_inputs(x, weight):
     require_tensor("x", x)

@@ -290,3 +290,177 @@ def _pack_consecutive(w_t):
 def test_pack_check_rejects(fn):
     msg = rejects("pack_ternary", fn)
     assert "`packed` is wrong" in msg, msg
+
+
+# -- the int32x16 decode layout and its GEMV ------------------------------------------------------
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 15), (5, 16), (4, 17), (7, 33), (5, 1001), (2, 4096)])
+def test_pack_x16_unpack_are_exact_inverses(device, n, k):
+    w_t = torch.randint(-1, 2, (n, k), dtype=torch.int8, device=device)
+    packed = bl.pack_ternary_x16(w_t)
+    assert packed.dtype == torch.int32 and packed.shape == (n, triton.cdiv(k, 16))
+    assert torch.equal(bl.unpack_ternary_x16(packed, k), w_t)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1])
+def test_pack_x16_constant_matrices(value):
+    # K = 48: every 2-bit field is a real weight, so every word is one code repeated
+    # (all -1: code 0, all 0: code 1, all +1: code 2)
+    w_t = torch.full((3, 48), value, dtype=torch.int8)
+    packed = bl.pack_ternary_x16(w_t)
+    assert torch.equal(bl.unpack_ternary_x16(packed, 48), w_t)
+    assert (packed == {-1: 0, 0: 0x55555555, 1: 0xAAAAAAAA - 2 ** 32}[value]).all()
+    # K = 37: G = 3 words, quarters of 12; fields with k >= 37 hold padding (weight 0)
+    w_t = torch.full((2, 37), value, dtype=torch.int8)
+    packed = bl.pack_ternary_x16(w_t)
+    assert torch.equal(bl.unpack_ternary_x16(packed, 37), w_t)
+    padded = bl.unpack_ternary_x16(packed, 48)
+    assert (padded[:, :37] == value).all() and (padded[:, 37:] == 0).all()
+
+
+def test_pack_x16_layout_is_the_documented_one():
+    # K = 32: G = 2 words, quarters of 8 weights; word g, quarter i, lane t holds
+    # weight 4(iG + g) + t in bits 8t + 2i
+    torch.manual_seed(3)
+    w_t = torch.randint(-1, 2, (1, 32), dtype=torch.int8)
+    codes = (w_t[0] + 1).tolist()
+    expected = []
+    for g in range(2):
+        word = sum(codes[4 * (i * 2 + g) + t] << (8 * t + 2 * i) for i in range(4) for t in range(4))
+        expected.append(word - 2 ** 32 if word >= 2 ** 31 else word)
+    assert bl.pack_ternary_x16(w_t).tolist() == [expected]
+
+
+def test_pack_x16_rejects_bad_input(device):
+    with pytest.raises(ValueError, match="must be -1, 0 or 1"):
+        bl.pack_ternary_x16(torch.tensor([[0, 2]], dtype=torch.int8, device=device))
+    packed = bl.pack_ternary_x16(torch.zeros(2, 17, dtype=torch.int8, device=device))
+    with pytest.raises(ValueError, match=r"ceil\(k/16\) == 2"):
+        bl.unpack_ternary_x16(packed, 33)
+    with pytest.raises(TypeError, match="int32"):
+        bl.unpack_ternary_x16(packed.to(torch.int64), 17)
+
+
+def test_gemv_x16_passes_its_check():
+    gpulab.check("ternary_gemv_x16", bl.ternary_gemv_x16_into)
+
+
+def test_mm_x16_passes_its_check():
+    gpulab.check("ternary_mm_x16", bl.ternary_mm_x16_into)
+
+
+def _x16_problem(m, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x_q, x_s = nq.absmax_quantize(torch.randn(m, k, generator=g))
+    w = torch.randn(n, k, generator=g) * (torch.rand(n, k, generator=g) > 0.3)
+    w_t, w_s = bl.ternary_quantize(w)
+    dev = gpulab.device()
+    return (x_q.to(dev), x_s.float().to(dev), w_t.to(dev), w_s.reshape(1).float().to(dev))
+
+
+@pytest.mark.parametrize("m, k, n, split", [
+    (1, 4096, 64, 1),        # EVEN: no masks
+    (1, 4096, 64, 3),        # split-K, EVEN
+    (2, 2050, 70, 2),        # split-K with every mask (K not /16, N not /BLOCK_N)
+    (1, 1030, 5, 5),         # K % 4 != 0: x is copied with zero padding
+])
+def test_gemv_x16_split_k_is_bit_identical_to_the_byte_gemv(m, k, n, split):
+    x_q, x_s, w_t, w_s = _x16_problem(m, k, n)
+    y_new = torch.empty(m, n, device=x_q.device)
+    y_old = torch.empty(m, n, device=x_q.device)
+    bl.ternary_gemv_x16_into(x_q, x_s, bl.pack_ternary_x16(w_t), w_s, y_new, split_k=split)
+    bl.ternary_gemv_into(x_q, x_s, bl.pack_ternary(w_t), w_s, y_old)
+    assert torch.equal(y_new, y_old)       # exact int32 sums, one scaling: the same bits
+
+
+@pytest.mark.skipif(not on_gpu(), reason="dp4a inline PTX runs only compiled on a GPU")
+@pytest.mark.parametrize("m, k, n, split", [(1, 8192, 1024, None), (3, 4099, 1000, 1), (1, 4096, 512, 4)])
+def test_gemv_x16_dp4a_and_portable_twin_agree_on_gpu(m, k, n, split):
+    x_q, x_s, w_t, w_s = _x16_problem(m, k, n, seed=5)
+    w32 = bl.pack_ternary_x16(w_t)
+    ys = []
+    for asm in (True, False):
+        ys.append(torch.empty(m, n, device=x_q.device))
+        bl.ternary_gemv_x16_into(x_q, x_s, w32, w_s, ys[-1], split_k=split, asm=asm)
+    assert torch.equal(ys[0], ys[1])
+
+
+def test_gemv_x16_strided_x_rows():
+    # rows padded to 4100 bytes (4-byte aligned, not K): the int32 view still applies
+    x_q, x_s, w_t, w_s = _x16_problem(2, 4096, 64, seed=1)
+    x_pad = torch.zeros(2, 4100, dtype=torch.int8, device=x_q.device)
+    x_pad[:, :4096] = x_q
+    y_a = torch.empty(2, 64, device=x_q.device)
+    y_b = torch.empty(2, 64, device=x_q.device)
+    bl.ternary_gemv_x16_into(x_pad[:, :4096], x_s, bl.pack_ternary_x16(w_t), w_s, y_a)
+    bl.ternary_gemv_x16_into(x_q, x_s, bl.pack_ternary_x16(w_t), w_s, y_b)
+    assert torch.equal(y_a, y_b)
+
+
+def test_dot4_portable_twin_matches_dp4a_semantics():
+    """dp4a.u32.s32: a's bytes unsigned, b's signed; the twin must agree on extremes."""
+    @triton.jit
+    def k(a_ptr, b_ptr, c_ptr, o_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(o_ptr + i, bl.dot4_u8s8(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i), False))
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-2 ** 31, 2 ** 31 - 1, (64,), generator=g, dtype=torch.int64)
+    b = torch.randint(-2 ** 31, 2 ** 31 - 1, (64,), generator=g, dtype=torch.int64)
+    a[:4] = torch.tensor([-1, 0x80808080 - 2 ** 32, 0x7F7F7F7F, 0])
+    b[:4] = torch.tensor([0x80808080 - 2 ** 32, -1, 0x7F7F7F7F, 0x01020304])
+    c = torch.randint(-2 ** 20, 2 ** 20, (64,), generator=g, dtype=torch.int64)
+    out = torch.empty(64, dtype=torch.int32)
+    if gpulab.mode() == "compiled":
+        pytest.skip("interpreter check of the portable twin (the GPU runs the spec check on dp4a)")
+    k[(1,)](a.to(torch.int32), b.to(torch.int32), c.to(torch.int32), out, BLOCK=64)
+    au = a & 0xFFFFFFFF
+    bu = b & 0xFFFFFFFF
+    want = c.clone()
+    for t in range(4):
+        ab = (au >> (8 * t)) & 0xFF
+        bb = (bu >> (8 * t)) & 0xFF
+        want += ab * torch.where(bb >= 128, bb - 256, bb)
+    assert torch.equal(out.to(torch.int64), want)
+
+
+def test_gemv_x16_rejects_bad_calls():
+    x_q, x_s, w_t, w_s = _x16_problem(1, 64, 8)
+    y = torch.empty(1, 8, device=x_q.device)
+    with pytest.raises(ValueError, match="split_k"):
+        bl.ternary_gemv_x16_into(x_q, x_s, bl.pack_ternary_x16(w_t), w_s, y, split_k=0)
+    if gpulab.mode() == "interpreter":
+        with pytest.raises(ValueError, match="inline PTX"):
+            bl.ternary_gemv_x16_into(x_q, x_s, bl.pack_ternary_x16(w_t), w_s, y, asm=True)
+
+
+def test_ternary_matmul_takes_either_layout(device):
+    x_q, x_s, w_t, w_s = _x16_problem(3, 100, 20, seed=2)
+    y8 = bl.ternary_matmul(x_q, x_s, bl.pack_ternary(w_t), w_s, out_dtype=torch.float32)
+    y32 = bl.ternary_matmul(x_q, x_s, bl.pack_ternary_x16(w_t), w_s, out_dtype=torch.float32)
+    torch.testing.assert_close(y32, y8, atol=1e-5, rtol=1e-5)
+    assert bl.ternary_layout(bl.pack_ternary_x16(w_t), 100) == "int32x16"
+    assert bl.ternary_layout(bl.pack_ternary(w_t), 100) == "uint8x4"
+    with pytest.raises(ValueError, match=r"int32x16.*ceil\(K/16\) = 7"):
+        bl.ternary_matmul(x_q, x_s, bl.pack_ternary_x16(w_t[:, :90].contiguous()), w_s)
+    with pytest.raises(TypeError, match="uint8 .*int32"):
+        bl.ternary_matmul(x_q, x_s, bl.pack_ternary_x16(w_t).to(torch.int64), w_s)
+
+
+def test_bitlinear_pack_int32x16(device):
+    torch.manual_seed(4)
+    a = bl.BitLinear(67, 45).to(device)
+    b = bl.BitLinear(67, 45).to(device)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 67, device=device)
+    a.pack()
+    b.pack(layout="int32x16")
+    assert a.layout == "uint8x4" and b.layout == "int32x16" and "int32x16" in repr(b)
+    assert b.w_packed.dtype == torch.int32 and b.w_packed.shape == (45, 5)
+    torch.testing.assert_close(b(x), a(x), atol=1e-5, rtol=1e-5)
+    x_long = torch.randn(40, 67, device=device)                 # prefill: the tensor-core kernel
+    torch.testing.assert_close(b(x_long), a(x_long), atol=1e-5, rtol=1e-5)
+    assert b.pack(layout="int32x16") is b                      # packing twice the same way: no-op
+    with pytest.raises(ValueError, match="one-way"):
+        b.pack(layout="uint8x4")
+    with pytest.raises(ValueError, match="layout must be one of 'uint8x4', 'int32x16'"):
+        bl.BitLinear(8, 4).pack(layout="int4")

@@ -77,7 +77,9 @@ def test_runner_logits_match_teacher_forcing_under_chunked_prefill(model):
         for n in (5, 1, 7, 3, 1, len(tokens) - 17):
             bm.append_slots(s, n)
             s.token_ids = tokens[:s.num_computed_tokens + n]     # the chunk ends the "prompt" so it is sampled
-            logits, _, _ = runner.run([(s, n)])
+            logits, _, plan = runner.run([(s, n)])
+            # one-token steps on the Triton path run the decode planned once for all layers
+            assert plan.decode_planned == (n == 1 and attention == "triton")
             s.num_computed_tokens += n
             torch.testing.assert_close(logits[0], want[s.num_computed_tokens - 1], atol=2e-4, rtol=1e-4)
 

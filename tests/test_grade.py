@@ -59,7 +59,7 @@ def test_tampering_does_not_change_the_grade(tmp_path):
                     insert_after_setup="gpulab.check = lambda *a, **k: None\n"
                                        "gpulab.get_spec('softmax').cases['cpu'].clear()")
     result = grade.grade_notebook(path, timeout=120)
-    assert result.score == (0, 6), grade.table([result])
+    assert result.score == (0, 8), grade.table([result])
     ex = _by_id(result)
     assert ex["check-add"].is_stub and ex["check-softmax-torch"].error == "NotImplementedError"
     assert ex["check-softmax-kernel"].error == "Missing" and "0 points" in ex["check-softmax-kernel"].message
@@ -85,7 +85,7 @@ def test_shortcuts_and_hidden_tests(tmp_path):
     assert not ex["check-add"].passed and "many blocks + 1" in ex["check-add"].message
     assert "asks for a Triton kernel of your own" in ex["check-softmax-kernel"].message
     assert "gpulab.basics.softmax_kernel" in ex["check-softmax-kernel"].message
-    assert result.score == (1, 6)
+    assert result.score == (3, 8)   # the row-sum exercise (untouched) passes too
 
     torch_only = _variant(tmp_path, "solutions", edits={
         "ex3-softmax-kernel": "def softmax(x, y):\n    y.copy_(torch.softmax(x.float(), -1))",
@@ -111,7 +111,7 @@ def test_a_hang_and_a_crash_fail_their_exercise_and_grading_goes_on(tmp_path, mo
     assert ex["check-softmax-torch"].error == "DeadKernel"
     assert "the kernel died: exit code 3" in ex["check-softmax-torch"].message
     assert ex["check-softmax-kernel"].passed, grade.table([result])    # graded after two restarts
-    assert result.score == (3, 6)
+    assert result.score == (5, 8)
     assert sum("kernel restarted" in n for n in result.notes) == 2
 
 
@@ -121,7 +121,7 @@ def test_grade_command_writes_table_and_json(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert sol.returncode == 0, sol.stdout + sol.stderr
     data = json.loads(out.read_text())
-    assert data[0]["score"] == data[0]["max_score"] == 6
+    assert data[0]["score"] == data[0]["max_score"] == 8
     assert "passed  check-add" in sol.stdout
     # a notebook that cannot even be read is reported, and the JSON is still written
     bad = tmp_path / "broken.ipynb"

@@ -340,7 +340,12 @@ def test_cli_list_seed_and_eval_exit_status(tmp_path, capsys):
 
 # -- notebook 09's checks ---------------------------------------------------------------------------
 def test_check_verifier_accepts_the_reference_and_names_what_a_weak_one_misses():
-    lab_grading.check_verifier(inprocess.verify)
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lab_grading.check_verifier(inprocess.verify)
+    # nbgrader fails a grade cell that writes to stderr: the planted kernels' overflows stay quiet
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in seen]
     with pytest.raises(CheckFailure) as e:
         lab_grading.check_verifier(lambda task, launch: None)
     for name in lab_grading.VERIFIER_PLANTS:
@@ -369,3 +374,18 @@ def test_check_mutation_accepts_the_reference_and_rejects_bad_operators():
                       (one_gene, "never changed")):
         with pytest.raises(CheckFailure, match=words):
             lab_grading.check_mutation(fn, calls=40)
+
+
+def test_weak_verifier_survives_a_cheat_that_raises_when_timed(monkeypatch):
+    """On a GPU the weak verifier times an accepted kernel at the benchmark size; a cheat
+    that only knows the checked shape raises there: it keeps its (wrong) acceptance, gets
+    no time and so no fitness, and the notebook cell goes on."""
+    from gpulab.lab import inprocess
+    from gpulab.lab.planted import PLANTED
+    monkeypatch.setattr(inprocess.runtime, "mode", lambda: "compiled")
+    monkeypatch.setattr(inprocess.triton.testing, "do_bench", lambda fn, return_mode="median": (fn(), 1.0)[1])
+    monkeypatch.setattr(inprocess.runtime, "device", lambda: torch.device("cpu"))
+    task = get_task("softmax")
+    v = inprocess.WeakVerifier(cost_model=False)(task, PLANTED["seed-dependent"].source)
+    assert v.correct and v.time_ms is None and v.fitness_ms == float("inf")
+    assert "raised KeyError" in v.message

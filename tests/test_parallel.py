@@ -329,6 +329,13 @@ def test_tp_check_explains_a_wrong_reduction(matmul, expected):
     assert expected in message, message
 
 
+def test_tp_check_draws_other_inputs_where_a_float_reduction_happens_to_be_exact():
+    """Seed 6 (float32, one row): the float reduction gives TP=1's bits; the check must
+    still catch it, on inputs that tell the reductions apart."""
+    message = rejects("row-parallel-matmul", row_parallel_matmul_float, 2, (1,), (torch.float32,), 30.0, 6)
+    assert "all-reduce the *int32* partial sums" in message, message
+
+
 # -- faults ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode,reason", [("kill", "peer lost"), ("stall", "timeout")])
 def test_a_dead_or_stalled_rank_is_detected_within_the_timeout(mode, reason):

@@ -8,7 +8,7 @@ from gpulab.engine.engine import LLM, EngineConfig
 from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
-                                       accept_greedy, expected_tokens_per_pass)
+                                       accept_greedy, best_k, expected_tokens_per_pass)
 import gpulab
 from gpulab.model import MatMulFreeLM
 
@@ -157,6 +157,65 @@ def test_sampled_speculation_under_preemption_and_prefix_hits(target):
     assert spec.block_manager.hit_rate() > 0
 
 
+def test_best_k_follows_the_acceptance_rate():
+    assert best_k(0.0, 8, 0.1) == 1                 # nothing is accepted: one draft at most
+    assert best_k(0.99, 8, 0.05) == 8               # almost everything is: draft as many as allowed
+    assert best_k(0.6, 8, 0.1) < best_k(0.9, 8, 0.1)
+    assert best_k(0.8, 8, 0.0) == 8 and best_k(0.8, 8, 1.0) < best_k(0.8, 8, 0.1)
+
+
+def test_adaptive_k_per_request_keeps_the_output_and_follows_acceptance(target):
+    """Requests in one batch draft different numbers of tokens; greedy output still equals
+    the target alone. A perfect draft (the target itself) climbs to k, a poor one falls."""
+    params = [SamplingParams(max_tokens=m) for m in (12, 7, 9, 5, 11)]
+    want = serve(LLM(target, EngineConfig(**CONFIG)), params)
+    seen = {}
+    for name in ("self", "mlgru"):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=4, adaptive=True)
+        for p, sp in zip(PROMPTS, params):
+            spec.add_request(p, sp)
+        ks = []
+        while spec.has_unfinished():
+            ks += [spec.request_k(s) for s in spec.scheduler.running]
+            spec.step()
+        assert spec.idle() and not spec.acceptance, "per-request acceptance left after the requests finished"
+        seen[name] = ks
+        assert serve(SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=4,
+                                    adaptive=True), params) == want
+    assert max(seen["self"]) == 4 and min(seen["mlgru"]) < max(seen["self"])
+    with pytest.raises(ValueError, match="draft_cost"):
+        SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)["self"], draft_cost=-1)
+
+
+def test_mixed_greedy_and_sampled_requests_share_a_batch(target):
+    """Drafts are drawn and verified for the whole batch at once: greedy requests beside
+    sampled ones still equal the target alone."""
+    greedy = [SamplingParams(max_tokens=m) for m in (12, 7, 9, 5, 11)]
+    want = serve(LLM(target, EngineConfig(**CONFIG)), greedy)
+    mixed = [g if i % 2 == 0 else SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i, g in enumerate(greedy)]
+    for name in ("mlgru", "transformer"):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=3)
+        got = serve(spec, mixed)
+        assert [got[i] for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
+        assert spec.stats.passes > 0
+
+
+def test_batched_draft_draws_follow_the_draft_distribution():
+    """The Gumbel-max draw of a drafted token, one seeded stream per position, is a sample
+    from q (χ² over many positions)."""
+    from types import SimpleNamespace
+    from gpulab.engine.speculative import Drafter
+    logits = torch.tensor([2.0, 0.0, 1.0, -1.0, -torch.inf])
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(5, dtype=torch.float64)
+    seqs = [SimpleNamespace(params=params, seed=7, index=i, num_tokens=0) for i in range(400)]
+    for pos in range(5):
+        tokens, q = Drafter._draw(seqs, logits.expand(len(seqs), -1).clone(), pos)
+        counts += torch.bincount(tokens, minlength=5).double()
+    assert counts[4] == 0
+    assert chi2_pvalue(counts, torch.softmax(logits.double(), -1)) > 1e-3
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="drafter"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG))
@@ -243,3 +302,11 @@ def test_rollback_check_passes_the_package_rollback(capsys):
 def test_checks_are_called_by_name_like_kernel_checks(capsys):
     gpulab.check("speculative-rollback", rollback)
     assert "✔ rollback" in capsys.readouterr().out
+
+
+def test_results_table_marks_adaptive_rows():
+    from gpulab.engine.speculative import format_results
+    row = dict(batch=1, draft="mlgru", k=4, tokens_per_s=100.0, speedup=1.5, acceptance=0.7, tokens_per_pass=2.1)
+    text = format_results(dict(gpu="GPU", date="d", versions={}, max_tokens=8,
+                               rows=[row, dict(row, adaptive=True)]))
+    assert "   4 " in text and "<=4" in text

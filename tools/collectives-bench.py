@@ -18,7 +18,8 @@ Sections (each is independent; a failing one is recorded and the others still ru
 5. faults      a rank killed (SIGKILL) or stalled before an all-reduce; time until the
                survivor reports it (deadline 5 s), with TORCH_NCCL_ASYNC_ERROR_HANDLING=1
                                                                      -> dead_rank.json
-and summary.json with the targets: ring busbw at 256 MB >= 70% of NCCL's; TP=n output
+(The serving engine's whole model at TP=n against TP=1: tools/tp-engine-bench.py.)
+And summary.json with the targets: ring busbw at 256 MB >= 70% of NCCL's; TP=n output
 identical to TP=1; dead rank detected within the deadline.
 
 NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0,

@@ -65,20 +65,21 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2):
     rows = [dict(batch=batch, draft="none", k=0, tokens_per_s=base_tps, speedup=1.0, acceptance=float("nan"),
                  tokens_per_pass=1.0)]
     for name, drafter_factory in drafts.items():
-        for k in ks:
+        for k, adaptive in [(k, False) for k in ks] + [(max(ks), True)]:
             best, stats = 0.0, None
             for _ in range(repeats):
-                llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafter_factory(), k=k)
+                llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafter_factory(), k=k,
+                                          adaptive=adaptive)
                 llm.generate(prompts[:2], SamplingParams(max_tokens=4))
                 llm.stats = spec.SpeculationStats(k)
                 outs, tps = timed_generate(llm, prompts, params)
                 assert [o.token_ids for o in outs] == [o.token_ids for o in want], f"{name} k={k} changed tokens"
                 if tps > best:
                     best, stats = tps, llm.stats
-            rows.append(dict(batch=batch, draft=name, k=k, tokens_per_s=best, speedup=best / base_tps,
+            rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, tokens_per_s=best, speedup=best / base_tps,
                              acceptance=stats.acceptance_rate(), tokens_per_pass=stats.mean_tokens_per_pass(),
                              acceptance_by_position=stats.acceptance_by_position()))
-            print(f"batch {batch} {name} k={k}: {best:.0f} tok/s ({best / base_tps:.2f}x), "
+            print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k}: {best:.0f} tok/s ({best / base_tps:.2f}x), "
                   f"acceptance {stats.acceptance_rate():.0%}", flush=True)
     return rows
 

@@ -66,7 +66,9 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, hook=None, prefix=None):
-    """Paged decode for one query per sequence: the one place the engine calls it.
+    """Paged decode for one query per sequence, where the runner holds no decode plan:
+    cascade steps, a learner's hook, and CUDA-graph capture (eager steps on gpulab's
+    kernels run the runner's :class:`~gpulab.paged.PagedDecodeWrapper` instead).
 
     ``prefix = (prefix_pages, prefix_len)``: every sequence shares those pages first and
     ``block_table``/``seq_lens`` describe only each one's own suffix; cascade attention

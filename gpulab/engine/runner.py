@@ -12,7 +12,9 @@ into rows, decodes first, then prefill chunks:
 
 **The layers** then call ``attend`` once per layer: write this step's keys and values
 into their slots, run decode attention on the decode rows and append attention on the
-rest (:mod:`.batch_attention`). Linear layers are the packed BitLinears (gpulab's
+rest (:mod:`.batch_attention`). Eager decode rows use FlashInfer's plan/run split
+(:class:`gpulab.paged.PagedDecodeWrapper`): checked and partitioned once in the plan,
+launched by every layer without a host sync. Linear layers are the packed BitLinears (gpulab's
 Triton kernels) or, with ``linear="torch"``, the same arithmetic in PyTorch ops;
 ``attention="torch"`` likewise runs attention as the PyTorch reference. "auto" picks
 Triton where kernels are compiled (a GPU) and PyTorch in the interpreter, which is
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
+from ..paged import PagedDecodeWrapper
 from .batch_attention import append_attention, append_attention_reference, decode_attention, shared_prefix_pages
 from .model import TernaryTransformer
 from .sequence import Sequence
@@ -50,6 +53,7 @@ class StepPlan:
     sample_rows: torch.Tensor         # long [S]
     sample_seqs: list[Sequence]
     use_graph: bool = False
+    decode_planned: bool = False      # the runner's PagedDecodeWrapper holds this step's decode plan
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -85,6 +89,8 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.graphs: dict[int, tuple] = {}
         self.max_num_seqs = max_num_seqs
+        # eager decode steps: planned (and checked) once per step, run by every layer
+        self.decode_wrapper = PagedDecodeWrapper()
         # graphs replay gpulab's decode kernels; a hook or the PyTorch reference may sync the host
         if (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
                 and self.attention == "triton" and decode_hook is None):
@@ -119,13 +125,28 @@ class ModelRunner:
                 dec_tables = [t[k:] + [0] * k for t in dec_tables]
                 dec_lens = [n - k * bs for n in dec_lens]
         long = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepPlan(
+        plan = StepPlan(
             input_ids=long(ids), positions=long(pos), slot_mapping=long(slots), num_decode=num_decode,
             decode_table=self._ints(dec_tables, (0, w)), decode_lens=self._ints(dec_lens),
             prefix=prefix, append_indptr=self._ints(indptr), append_table=self._ints(tables[num_decode:], (0, w)),
             append_lens=self._ints(lens[num_decode:]), sample_rows=long(rows), sample_seqs=sample_seqs,
             use_graph=(num_decode == len(items) and prefix is None and 0 < num_decode <= self.max_num_seqs
                        and bool(self.graphs)))
+        if num_decode and prefix is None and not plan.use_graph and self.attention == "triton" \
+                and self.decode_hook is None:
+            self.plan_decode(plan)
+        return plan
+
+    def plan_decode(self, plan: StepPlan) -> None:
+        """FlashInfer's plan/run for an eager step's decode rows: the layout is checked
+        and the split-KV partitioning chosen here, once, and each layer's run() only
+        launches kernels (no host sync per layer)."""
+        cfg = self.cfg
+        self.decode_wrapper.plan(plan.decode_table, plan.decode_lens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                 self.block_size, self.k_cache.shape[1], self.dtype,
+                                 # the interpreter pays per program: one partition per sequence
+                                 num_splits=1 if runtime.interpreting() else None)
+        plan.decode_planned = True
 
     def _ints(self, v, empty_shape=(0,)):
         t = torch.tensor(v, dtype=torch.int32, device=self.device)
@@ -153,8 +174,11 @@ class ModelRunner:
             indptr = torch.cat([indptr, plan.append_indptr[1:] + nd])
             return append_attention_reference(q, kc, vc, indptr, torch.cat([plan.decode_table, plan.append_table]),
                                               torch.cat([plan.decode_lens, plan.append_lens]))
-        dec = decode_attention(q[:nd], kc, vc, plan.decode_table, plan.decode_lens,
-                               hook=self.decode_hook, prefix=plan.prefix) if nd else None
+        if plan.decode_planned:
+            dec = self.decode_wrapper.run(q[:nd], kc, vc)     # the plan's buffer, consumed before the next layer
+        else:
+            dec = decode_attention(q[:nd], kc, vc, plan.decode_table, plan.decode_lens,
+                                   hook=self.decode_hook, prefix=plan.prefix) if nd else None
         if nd == q.shape[0]:
             return dec
         app = append_attention(q[nd:], kc, vc, plan.append_indptr, plan.append_table, plan.append_lens)

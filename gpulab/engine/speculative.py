@@ -73,7 +73,11 @@ def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.
 def accept_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
     """Greedy acceptance: keep drafts while they equal the target's argmax, then emit the
     target's argmax at the first mismatch (or the bonus position)."""
-    best = target_logits.argmax(-1).tolist()
+    return accept_greedy_ids(draft, target_logits.argmax(-1).tolist())
+
+
+def accept_greedy_ids(draft: list[int], best: list[int]) -> list[int]:
+    """:func:`accept_greedy` given the target's argmax per position (len(draft) + 1 ids)."""
     for i, x in enumerate(draft):
         if x != best[i]:
             return draft[:i] + [best[i]]
@@ -91,6 +95,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
     """(1 - α^{k+1}) / (1 - α): tokens one target pass yields at acceptance rate α."""
     return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_k(alpha: float, k_max: int, draft_cost: float) -> int:
+    """The number of drafts that maximises tokens per unit of time when a target pass
+    costs 1 and each draft step ``draft_cost`` (Leviathan et al.'s choice of γ):
+    argmax over k in 1..k_max of expected_tokens_per_pass(α, k) / (1 + k · draft_cost)."""
+    return max(range(1, k_max + 1), key=lambda k: expected_tokens_per_pass(alpha, k) / (1 + k * draft_cost))
 
 
 def rollback(seq: Sequence, block_manager: BlockManager, n_drafts: int, n_accepted: int) -> None:
@@ -118,7 +129,9 @@ class Drafter:
 
     It keeps, per sequence, its state after the sequence's *accepted* tokens. ``propose``
     first catches up over the tokens accepted since the last call (so a rewind is free:
-    rejected drafts never enter that state), then drafts from a copy of the state."""
+    rejected drafts never enter that state), then drafts from copies of the states, all
+    sequences together. Drafted tokens stay on the device until the last one is drawn:
+    one device -> host copy per call, whatever the batch and k."""
 
     vocab_size: int = 258
 
@@ -128,23 +141,60 @@ class Drafter:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """For each sequence, (draft tokens, [len, V] draft probabilities or None when
         greedy). A sequence may get fewer tokens than asked (none: plain decoding)."""
-        out = []
-        for seq, k in zip(seqs, ks):
-            state, logits = self.catch_up(seq, self.states.get(seq.seq_id))
+        states, logits = [], []
+        for seq in seqs:
+            state, row = self.catch_up(seq, self.states.get(seq.seq_id))
             self.states[seq.seq_id] = state
-            tokens, probs = [], []
-            for i in range(k if logits is not None else 0):
-                if seq.params.greedy:
-                    x = int(logits.argmax())
-                else:
-                    q = probabilities(logits[None], seq.params)[0]
-                    x = int(torch.multinomial(q.cpu(), 1, generator=_stream(seq, seq.num_tokens + i, DRAFT_SALT)))
-                    probs.append(q)
-                tokens.append(x)
-                if i + 1 < k:
-                    state, logits = self.advance(state, x)
-            out.append((tokens, torch.stack(probs) if probs else None))
+            states.append(state)
+            logits.append(row)
+        tokens = [[] for _ in seqs]     # per sequence, one device scalar per drafted position
+        probs = [[] for _ in seqs]
+        for pos in range(max(ks, default=0)):
+            live = [i for i in range(len(seqs)) if ks[i] > pos and logits[i] is not None]
+            if not live:
+                break
+            drawn = self._draw([seqs[i] for i in live], torch.stack([logits[i] for i in live]), pos)
+            for j, i in enumerate(live):
+                tokens[i].append(drawn[0][j])
+                if drawn[1] is not None and not seqs[i].params.greedy:
+                    probs[i].append(drawn[1][j])
+            going = [j for j, i in enumerate(live) if ks[i] > pos + 1]
+            if going:
+                new_states, new_logits = self.advance_many([states[live[j]] for j in going], drawn[0][going])
+                for j, st, row in zip(going, new_states, new_logits):
+                    states[live[j]], logits[live[j]] = st, row
+        flat = [t for row in tokens for t in row]
+        ids = torch.stack(flat).tolist() if flat else []     # the call's one device -> host copy
+        out, at = [], 0
+        for row, q in zip(tokens, probs):
+            out.append((ids[at:at + len(row)], torch.stack(q) if q else None))
+            at += len(row)
         return out
+
+    @staticmethod
+    def _draw(seqs: list[Sequence], logits: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row, on the device: the argmax for greedy sequences, else
+        a Gumbel-max draw from the sequence's sampling distribution q (its own seeded
+        stream per position). Returns (tokens [n], q [n, V] or None if all greedy)."""
+        best = logits.argmax(-1)
+        if all(s.params.greedy for s in seqs):
+            return best, None
+        q = torch.stack([probabilities(row[None], s.params)[0] if not s.params.greedy else
+                         torch.zeros_like(row) for s, row in zip(seqs, logits)])
+        noise = []
+        for s in seqs:
+            u = torch.rand(logits.shape[-1], generator=_stream(s, s.num_tokens + pos, DRAFT_SALT),
+                           dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+            noise.append(-torch.log(-torch.log(u)))
+        drawn = (q.log() + torch.stack(noise).float().to(q.device)).argmax(-1)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        return torch.where(greedy, best, drawn), q
+
+    def advance_many(self, states: list, tokens: torch.Tensor) -> tuple[list, list]:
+        """:meth:`advance` for several sequences (tokens: [n] on the device). A drafter
+        that can batch its model overrides this; logits None ends that sequence's draft."""
+        out = [self.advance(st, tok) for st, tok in zip(states, tokens)]
+        return [st for st, _ in out], [row for _, row in out]
 
     def forget(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
@@ -154,8 +204,9 @@ class Drafter:
         """(state after all of ``seq.token_ids``, logits [V] for the next token or None)."""
         raise NotImplementedError
 
-    def advance(self, state, token: int):
-        """(a new state after one more token, its next-token logits [V]); ``state`` unchanged."""
+    def advance(self, state, token: torch.Tensor):
+        """(a new state after one more token (a 0-d tensor on the device, read without a
+        host sync), its next-token logits [V] or None); ``state`` unchanged."""
         raise NotImplementedError
 
 
@@ -190,14 +241,20 @@ class MLGRUDrafter(Drafter):
             logits = self._widen(out[0, -1])
         return (len(seq.token_ids), states, logits), logits
 
+    # Drafts are never BOS/EOS: their widened logits are -inf, so a drafted token is a byte.
     @torch.no_grad()
     def advance(self, state, token):
-        n_done, states, _ = state
-        if token >= 256:
-            return state, None
-        out, states = self.model.step(torch.tensor([token], device=self.device), states)
-        logits = self._widen(out[0])
-        return (n_done + 1, states, logits), logits
+        new_states, logits = self.advance_many([state], token.reshape(1))
+        return new_states[0], logits[0]
+
+    @torch.no_grad()
+    def advance_many(self, states, tokens):
+        """One batched step of the MatMul-free LM for all sequences (its state is n_layers
+        vectors per sequence: they stack)."""
+        layers = [torch.cat([st[1][k] for st in states]) for k in range(len(states[0][1]))]
+        out, layers = self.model.step(tokens, layers)
+        new = [(st[0] + 1, [h[j:j + 1] for h in layers], self._widen(out[j])) for j, st in enumerate(states)]
+        return new, [st[2] for st in new]
 
 
 def train_mlgru_draft(d_model: int = 128, n_layers: int = 2, steps: int = 800, seed: int = 0,
@@ -250,7 +307,8 @@ class TransformerDrafter(Drafter):
             return attention_with_history(q, kc, vc)
 
         pos = torch.arange(start, start + len(tokens), device=self.device)
-        h = self.model.hidden_states(torch.tensor(tokens, device=self.device), pos, attend, reference=True)
+        ids = tokens.reshape(-1) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=self.device)
+        h = self.model.hidden_states(ids, pos, attend, reference=True)
         return new, self.model.logits(h[-1])
 
     def catch_up(self, seq, state):
@@ -264,7 +322,7 @@ class TransformerDrafter(Drafter):
         n_done, caches, _ = state
         if n_done + 1 >= self.model.cfg.max_seq_len:
             return state, None
-        caches, logits = self._run(caches, [token], n_done)
+        caches, logits = self._run(caches, token.reshape(1), n_done)
         return (n_done + 1, caches, logits), logits
 
 
@@ -307,21 +365,40 @@ class SpeculativeLLM(LLM):
     """
 
     def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
-                 accept=accept_draft, rollback=rollback, **overrides):
+                 accept=accept_draft, rollback=rollback, adaptive: bool = False,
+                 draft_cost: float = 0.1, **overrides):
         """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
-        other implementations with the same signatures (notebook 08 plugs in the learner's)."""
+        other implementations with the same signatures (notebook 08 plugs in the learner's).
+
+        ``adaptive``: each request drafts its own number of tokens, up to ``k``: the
+        :func:`best_k` for its acceptance so far (counted per request, recent passes
+        weighing more) and ``draft_cost``, a draft step's time over a target pass's."""
         if drafter is None:
             raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        if isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float)) or not 0 <= draft_cost < 10:
+            raise ValueError(f"draft_cost (a draft step's time over a target pass's) must be in [0, 10), "
+                             f"got {draft_cost!r}")
         super().__init__(model, config, **overrides)
         self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
+        self.adaptive, self.draft_cost = bool(adaptive), float(draft_cost)
+        self.acceptance: dict[int, tuple[float, float]] = {}   # seq_id -> (accepted, rejections), decayed
         self.stats = SpeculationStats(k)
+
+    def request_k(self, seq: Sequence) -> int:
+        """Drafts this request proposes per step: ``k``, or its :func:`best_k` when adaptive
+        (acceptance estimated as accepted / (accepted + rejections), the geometric law's
+        estimate, starting from a prior of 2 accepted per rejection)."""
+        if not self.adaptive:
+            return self.k
+        accepted, rejected = self.acceptance.get(seq.seq_id, (2.0, 1.0))
+        return best_k(accepted / (accepted + rejected), self.k, self.draft_cost)
 
     def _draft_budget(self, seq: Sequence) -> int:
         """Drafts worth proposing: never past max_tokens or the context."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        return max(0, min(self.k, left - 1))
+        return max(0, min(self.request_k(seq), left - 1))
 
     def _propose(self) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
         seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
@@ -367,11 +444,14 @@ class SpeculativeLLM(LLM):
         for seq in list(new_tokens) + batch.preempted:
             if seq.status is not Status.RUNNING:
                 self.drafter.forget(seq.seq_id)
+                if seq.status is Status.FINISHED:
+                    self.acceptance.pop(seq.seq_id, None)
         return outputs
 
     def abort(self, request_id: str) -> None:
         for seq in self.groups.get(request_id, []):
             self.drafter.forget(seq.seq_id)
+            self.acceptance.pop(seq.seq_id, None)
         super().abort(request_id)
 
     def _verify_step(self, batch: ScheduledBatch, drafts: dict):
@@ -394,21 +474,46 @@ class SpeculativeLLM(LLM):
         self.scheduler.postprocess(ScheduledBatch([it for it in batch.items if it[0] not in drafts]))
         in_span = {i for a, b in spans.values() for i in range(a, b)}
         new_tokens = self.sample_tokens(logits[[i for i in range(len(rows)) if i not in in_span]], seqs)
-        for seq, (tokens, q) in drafts.items():
-            a, b = spans[seq]
-            new_tokens[seq] = self._verify(seq, tokens, q, logits[a:b])
+        for seq, (tokens, q, p, best) in self._on_host(drafts, spans, logits).items():
+            new_tokens[seq] = self._verify(seq, tokens, q, p, best)
         return plan, new_tokens
 
-    def _verify(self, seq: Sequence, tokens: list[int], q, target_logits: torch.Tensor) -> list[int]:
+    def _on_host(self, drafts: dict, spans: dict, logits: torch.Tensor) -> dict:
+        """What acceptance needs, per drafted sequence, brought to the host in one copy:
+        (tokens, q, p) for sampled sequences (p the target's distribution at the k+1
+        positions), the target's argmax per position for greedy ones."""
+        best = logits.argmax(-1)
+        sampled = [seq for seq in drafts if not seq.params.greedy]
+        parts = [best.double()]
+        for seq in sampled:
+            a, b = spans[seq]
+            parts += [probabilities(logits[a:b], seq.params).double().flatten(), drafts[seq][1].double().flatten()]
+        flat = torch.cat(parts).cpu()                     # the verification's one device -> host copy
+        best_ids = flat[:best.numel()].long().tolist()
+        at, out = best.numel(), {}
+        for seq, (tokens, q) in drafts.items():
+            a, b = spans[seq]
+            p_host = q_host = None
+            if not seq.params.greedy:
+                vocab = logits.shape[-1]
+                p_host = flat[at:at + (b - a) * vocab].view(b - a, vocab)
+                at += (b - a) * vocab
+                q_host = flat[at:at + len(tokens) * vocab].view(len(tokens), vocab)
+                at += len(tokens) * vocab
+            out[seq] = (tokens, q_host, p_host, best_ids[a:b])
+        return out
+
+    def _verify(self, seq: Sequence, tokens: list[int], q, p, best: list[int]) -> list[int]:
         """Accept/reject one sequence's drafts, then roll it back to what was accepted."""
         committed = seq.num_tokens - len(tokens)
         if seq.params.greedy:
-            out = accept_greedy(tokens, target_logits)
+            out = accept_greedy_ids(tokens, best)
         else:
-            p = probabilities(target_logits, seq.params)
             out = self.accept(tokens, q, p, _stream(seq, committed, ACCEPT_SALT))
         n_acc = len(out) - 1
         self.stats.record(len(tokens), n_acc, len(out))
+        accepted, rejected = self.acceptance.get(seq.seq_id, (2.0, 1.0))
+        self.acceptance[seq.seq_id] = (0.8 * accepted + n_acc, 0.8 * rejected + (n_acc < len(tokens)))
         self.rollback(seq, self.block_manager, len(tokens), n_acc)
         del seq.token_ids[committed:]              # emit() appends `out`, checking EOS and max_tokens
         return out
@@ -426,9 +531,10 @@ def format_results(result: dict) -> str:
     acceptance, tokens per pass; then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
-    lines.append(f"{'batch':>5} {'draft':>12} {'k':>2} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    lines.append(f"{'batch':>5} {'draft':>12} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
-        lines.append(f"{r['batch']:>5} {r['draft']:>12} {r['k']:>2} {r['tokens_per_s']:>9.0f} "
+        k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
+        lines.append(f"{r['batch']:>5} {r['draft']:>12} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
     if "server" in result:
         sv = result["server"]

@@ -1,10 +1,10 @@
 """Grading of notebook 00 (:mod:`gpulab.basics`): float64 references, inputs, cases,
-baselines and the specs ``vector_add`` and ``softmax``."""
+baselines and the specs ``vector_add``, ``row_sum`` and ``softmax``."""
 from __future__ import annotations
 
 import torch
 
-from ..basics import ADD_BLOCK, add_into, safe_softmax_unfused, softmax_into
+from ..basics import ADD_BLOCK, ROW_SUM_BLOCK_M, ROW_SUM_BLOCK_N, add_into, row_sum_into, safe_softmax_unfused, softmax_into
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
 
@@ -104,4 +104,45 @@ SOFTMAX = KernelSpec(
     strided=("x", "y"),
     edge_data=_softmax_wide_rows,
     fresh_case=_softmax_fresh,
+)
+
+
+# -- row sums over 2-D tiles ----------------------------------------------------------------
+def row_sum_reference(x):
+    return {"y": x.double().sum(dim=-1)}
+
+
+def _row_sum_inputs(p, dtype, device, gen):
+    # Rows with different offsets: a row read twice, or a tile summed into the wrong row, shows.
+    x = randn((p["M"], p["N"]), torch.float32, device, gen)
+    x = x + torch.linspace(-2.0, 3.0, p["M"], device=device)[:, None]
+    return {"x": x.to(dtype)}
+
+
+ROW_SUM = KernelSpec(
+    name="row_sum",
+    summary="y[m] = sum over n of x[m, n], [BLOCK_M, BLOCK_N] tiles masked on both axes",
+    args=("x", "y"),
+    make_inputs=_row_sum_inputs,
+    reference=row_sum_reference,
+    outputs=lambda inp, dtype: {"y": ((inp["x"].shape[0],), torch.float32)},
+    implementation=row_sum_into,
+    cases={
+        "cpu": [Case("1 x 1", dict(M=1, N=1)), Case("one partial tile", dict(M=3, N=7)),
+                Case("row tiles + tail", dict(M=ROW_SUM_BLOCK_M + 5, N=30)),
+                Case("column tiles + tail", dict(M=2, N=2 * ROW_SUM_BLOCK_N + 3))],
+        "gpu": [Case("1 x 1", dict(M=1, N=1)), Case("ragged", dict(M=37, N=1000)),
+                Case("wide", dict(M=3, N=12345))],
+        "bench": [Case("4096x4096", dict(M=4096, N=4096)), Case("8192x8192", dict(M=8192, N=8192))],
+    },
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-4, 1e-5), torch.float16: (1e-4, 1e-5), torch.bfloat16: (1e-4, 1e-5)},
+    bytes_moved=lambda p, dtype: p["M"] * p["N"] * bytes_of(dtype) + 4 * p["M"],
+    flops=lambda p, dtype: p["M"] * p["N"],
+    baselines={"torch": lambda inp: inp["x"].sum(dim=-1, dtype=torch.float32)},
+    read_inputs=("x",),
+    strided=("x",),
+    axes={"y": ("row",)},
+    fresh_case=lambda gen: Case("random size", dict(M=int(torch.randint(1, 40, (1,), generator=gen)),
+                                                    N=int(torch.randint(1, 300, (1,), generator=gen)))),
 )

@@ -1,5 +1,6 @@
 """Grading of notebook 01 (:mod:`gpulab.bitlinear`): float64 references, inputs, cases,
 baselines and the specs ``ternary_quantize``, ``pack_ternary``, ``ternary_gemv``,
+``ternary_gemv_x16`` and ``ternary_mm_x16`` (the same products on the int32x16 layout),
 ``ternary_mm`` and ``ternary_matmul``."""
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, ternary_gemv_into, ternary_matmul_into,
-                         ternary_matmul_ref, ternary_mm_into, ternary_quantize, unpack_ternary)
+from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
+                         ternary_gemv_x16_into, ternary_matmul_into, ternary_matmul_ref, ternary_mm_into,
+                         ternary_mm_x16_into, ternary_quantize, unpack_ternary, unpack_ternary_x16)
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
@@ -29,7 +31,9 @@ def pack_ternary_reference(w_t):
 
 
 def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, **_):
-    w_t = unpack_ternary(w_packed, x_q.shape[1])    # from the packed bytes, so zeroing them shows
+    # from the packed weights, so zeroing them shows; int32 words are the int32x16 layout
+    unpack = unpack_ternary_x16 if w_packed.dtype == torch.int32 else unpack_ternary
+    w_t = unpack(w_packed, x_q.shape[1])
     return {"y": ternary_matmul_ref(x_q, x_scale, w_t, w_scale)}
 
 
@@ -131,8 +135,29 @@ def _matmul_inputs(p, dtype, device, gen):
             "w_bf16": (w_t.float() / w_scale).to(torch.bfloat16)}
 
 
+def _x16_inputs(p, dtype, device, gen):
+    inp = _matmul_inputs(p, dtype, device, gen)
+    inp["w_packed"] = pack_ternary_x16(unpack_ternary(inp["w_packed"], p["k"]))
+    return inp
+
+
+def _x16_extremes(inp, params, dtype, gen):
+    """All weights +1 in odd rows and -1 in even rows, x at -128 and +127: the largest
+    bytes (code 2 in the top lane is 128) and the largest sums the int32x16 GEMV meets."""
+    m, k = inp["x_q"].shape
+    n = inp["w_packed"].shape[0]
+    dev = inp["x_q"].device
+    x_q = torch.where(torch.arange(k, device=dev) % 3 == 0, 127, -128).to(torch.int8).expand(m, k).contiguous()
+    w_t = torch.where(torch.arange(n, device=dev) % 2 == 1, 1, -1).to(torch.int8)[:, None].expand(n, k).contiguous()
+    return {**inp, "x_q": x_q, "w_packed": pack_ternary_x16(w_t)}
+
+
 def _matmul_outputs(inp, dtype):
     return {"y": ((inp["x_q"].shape[0], inp["w_packed"].shape[0]), dtype)}
+
+
+def _x16_bytes(p, dtype):
+    return 4 * p["n"] * triton.cdiv(p["k"], 16) + p["m"] * p["k"] + 4 * p["m"] + p["m"] * p["n"] * bytes_of(dtype)
 
 
 def _matmul_bytes(p, dtype):
@@ -198,18 +223,20 @@ PACK_TERNARY = KernelSpec(
 _MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
 
 
-def _matmul_spec(name: str, summary: str, launcher, cases: dict, hint=None) -> KernelSpec:
-    """The three matmul specs differ only in which launcher runs and on which shapes."""
+def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_matmul_inputs,
+                 bytes_moved=_matmul_bytes, **extra) -> KernelSpec:
+    """The matmul specs differ only in which launcher runs, on which shapes, and (int32x16)
+    in how the weights are packed."""
     return KernelSpec(
         name=name, summary=summary, graph_timing=True,
         args=("x_q", "x_scale", "w_packed", "w_scale", "y"),
-        make_inputs=_matmul_inputs, reference=ternary_matmul_reference, outputs=_matmul_outputs,
+        make_inputs=make_inputs, reference=ternary_matmul_reference, outputs=_matmul_outputs,
         implementation=launcher, cases=cases,
         dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
-        tolerances=_MATMUL_TOLERANCES, bytes_moved=_matmul_bytes,
+        tolerances=_MATMUL_TOLERANCES, bytes_moved=bytes_moved, **extra,
         flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
         baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
-        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"), hint=hint)
+        bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 
 
 TERNARY_GEMV = _matmul_spec(
@@ -237,3 +264,24 @@ TERNARY_MM = _matmul_spec(
      "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
              Case("ragged", dict(m=1000, k=4099, n=3001))],
      "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
+
+TERNARY_GEMV_X16 = _matmul_spec(
+    "ternary_gemv_x16", "int8 × ternary GEMV on the int32x16 layout (16 weights per word, dp4a)",
+    ternary_gemv_x16_into,
+    {"cpu": TERNARY_GEMV.cases["cpu"],
+     "gpu": TERNARY_GEMV.cases["gpu"] + [Case("split-K, K not /4", dict(m=1, k=8190, n=300)),
+                                        Case("split-K", dict(m=1, k=8192, n=512)),
+                                        Case("16 rows, no masks", dict(m=16, k=2048, n=2048))],
+     "bench": [Case(f"M={m} N={n} K={k}", dict(m=m, k=k, n=n))
+               for m, n, k in ((1, 8192, 8192), (1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336),
+                               (16, 8192, 8192))]},
+    make_inputs=_x16_inputs, bytes_moved=_x16_bytes, edge_data=_x16_extremes)
+
+TERNARY_MM_X16 = _matmul_spec(
+    "ternary_mm_x16", "int8 × ternary matmul on the int32x16 layout, tensor-core path (prefill)",
+    ternary_mm_x16_into,
+    {"cpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("K not /4", dict(m=37, k=301, n=70))],
+     "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+             Case("ragged", dict(m=1000, k=4099, n=3001))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]},
+    make_inputs=_x16_inputs, bytes_moved=_x16_bytes)

@@ -14,6 +14,9 @@ import math
 import os
 import random
 import threading
+import warnings
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -335,20 +338,24 @@ def check_verifier(verify) -> None:
         if plant.reason == "out-of-bounds-write":
             launch = _contained(launch)
         threads = set(threading.enumerate())
-        try:
-            answer = verify(task, launch)
-        except NotImplementedError:
-            raise                         # the exercise is not written yet
-        except Exception as e:
-            problems.append(f"`{name}` ({plant.what}): your verifier raised {type(e).__name__}: {e}. A verifier "
-                            f"reports a bad kernel, it does not crash on one: catch the kernel's errors.")
-            continue
-        finally:
-            # The async plant's thread still launches a kernel after the call returned:
-            # let it end here, before anything else launches (Triton's interpreter keeps
-            # one grid position for the whole process).
-            for t in set(threading.enumerate()) - threads:
-                t.join(timeout=10)
+        # Planted kernels overflow on purpose (no max subtraction...): the interpreter's
+        # NumPy warnings must not reach stderr, where nbgrader would fail the cell.
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                answer = verify(task, launch)
+            except NotImplementedError:
+                raise                         # the exercise is not written yet
+            except Exception as e:
+                problems.append(f"`{name}` ({plant.what}): your verifier raised {type(e).__name__}: {e}. A "
+                                f"verifier reports a bad kernel, it does not crash on one: catch the kernel's errors.")
+                continue
+            finally:
+                # The async plant's thread still launches a kernel after the call returned:
+                # let it end here, before anything else launches (Triton's interpreter keeps
+                # one grid position for the whole process).
+                for t in set(threading.enumerate()) - threads:
+                    t.join(timeout=10)
         if name == "correct" and answer is not None:
             problems.append(f"it rejected the correct kernel, saying: {answer}")
         elif name != "correct" and answer is None:

@@ -12,6 +12,7 @@ from ..harness import memory
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import (ABSMAX_FLOOR, RMSNormFakeQuant, rmsnorm_fakequant, rmsnorm_fakequant_fwd_into,
+                         rmsnorm_quant_bwd_partials_into,
                          rmsnorm_fakequant_ref, rmsnorm_quant_bwd_into, rmsnorm_quant_into, rmsnorm_quant_ref,
                          round_half_away)
 
@@ -287,3 +288,72 @@ def activation_memory(save: bool = False) -> dict:
         {"autograd through the reference": rmsnorm_fakequant_ref,
          "fused (gpulab)": lambda x, w: rmsnorm_fakequant(x, w, fused=True)},
         rows=8192, cols=4096, dtype=torch.bfloat16, save=save)
+
+
+# -- the backward with a grouped reduction of the weight gradient ------------------------------
+def rmsnorm_quant_bwd_grouped_reference(x, weight, rstd, dy, groups):
+    ref = rmsnorm_quant_bwd_reference(x, weight, rstd, dy)
+    xhat = x.double() * rstd.double()[:, None]
+    terms = dy.double() * xhat                                   # one dw term per row
+    part = torch.zeros(groups, x.shape[1], dtype=torch.float64, device=x.device)
+    part.index_add_(0, torch.arange(x.shape[0], device=x.device) % groups, terms)
+    return {"dx": ref["dx"], "dw_part": part}
+
+
+def _grouped_hint(name, got, expected, inputs):
+    """Two grouping mistakes with their own message: contiguous chunks of rows per group,
+    and a partial row overwritten by each row's term instead of accumulated."""
+    if name != "dw_part" or got.shape != expected.shape:
+        return None
+    x, groups = inputs["x"], inputs["groups"]
+    rows = x.shape[0]
+    terms = inputs["dy"].double() * x.double() * inputs["rstd"].double()[:, None]
+    chunk = -(-rows // groups)
+    chunks = torch.zeros_like(expected)
+    chunks.index_add_(0, torch.arange(rows, device=x.device) // chunk, terms)
+    last = torch.zeros_like(expected)
+    for r in range(rows):
+        last[r % groups] = terms[r]
+
+    def close(a):
+        return bool(torch.allclose(got.double(), a, atol=1e-3, rtol=1e-3))
+    if close(chunks):
+        return ("each group summed a contiguous chunk of rows; the contract is rows g, g + G, "
+                "g + 2G, ... in group g (loop `for row in range(group, n_rows, n_groups)`).")
+    if close(last):
+        return ("dw_part[g] holds only the last row's term of group g: accumulate the terms "
+                "(dw += dy * xhat) in a float32 vector and store it once, after the loop.")
+    return None
+
+
+def _grouped_inputs(p, dtype, device, gen):
+    return {**_bwd_inputs(p, dtype, device, gen), "groups": p["groups"]}
+
+
+RMSNORM_QUANT_BWD_GROUPED = KernelSpec(
+    name="rmsnorm_quant_bwd_grouped",
+    summary="RMSNorm + fake-quant backward, dw reduced in G groups: dw_part[g] sums rows r ≡ g (mod G)",
+    args=("x", "weight", "rstd", "dy", "dx", "dw_part"),
+    make_inputs=_grouped_inputs,
+    reference=lambda x, weight, rstd, dy, groups: rmsnorm_quant_bwd_grouped_reference(x, weight, rstd, dy, groups),
+    outputs=lambda inp, dtype: {"dx": (inp["x"].shape, dtype),
+                                "dw_part": ((inp["groups"], inp["x"].shape[1]), torch.float32)},
+    implementation=rmsnorm_quant_bwd_partials_into,
+    cases={"cpu": [Case("one element", dict(rows=1, cols=1, groups=1)),
+                   Case("odd rows, 2 groups", dict(rows=5, cols=7, groups=2)),
+                   Case("tail, 4 groups", dict(rows=37, cols=300, groups=4)),
+                   Case("more groups than rows", dict(rows=3, cols=33, groups=4))],
+           "gpu": [Case("one element", dict(rows=1, cols=1, groups=1)),
+                   Case("tail", dict(rows=1000, cols=1000, groups=64)),
+                   Case("wide", dict(rows=129, cols=12345, groups=16))],
+           "bench": [Case("8192x4096, 528 groups", dict(rows=8192, cols=4096, groups=528))]},
+    dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)},
+    # reads x, dy (rows x cols), rstd and w; writes dx and G partial rows of dw in float32
+    bytes_moved=lambda p, dtype: (3 * p["rows"] * p["cols"] + p["cols"]) * bytes_of(dtype)
+    + 4 * p["rows"] + 4 * p["groups"] * p["cols"],
+    flops=lambda p, dtype: 10 * p["rows"] * p["cols"],
+    read_inputs=("x", "weight", "rstd", "dy"),
+    axes={"dx": ("row", "col"), "dw_part": ("group", "col")},
+    hint=_grouped_hint,
+)

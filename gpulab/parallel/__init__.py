@@ -7,6 +7,8 @@
 * :mod:`.bandwidth`: algorithm and bus bandwidth (nccl-tests conventions), sweeps, plots;
 * :mod:`.tensor_parallel`: column- and row-parallel ternary BitLinear layers whose
   TP=2 output is bit-identical to TP=1 (the reduction is on int32 partial sums);
+* :mod:`.tensor_parallel_model`: the serving engine's model at TP=n (heads split,
+  rank-local KV caches), served by the unchanged engine with TP=1's tokens;
 * :mod:`.faults`: collectives with a deadline that turn a dead or stalled rank into
   an error.
 """

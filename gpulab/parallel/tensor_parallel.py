@@ -35,6 +35,11 @@ activations and one all-reduce of int32 partial sums.
 The final scale runs in a Triton kernel with the same expression as gpulab.bitlinear's
 matmul epilogue, ``acc.to(float32) / (s_x · s_w)``: Triton divides with ``div.full.f32``
 on NVIDIA GPUs, PyTorch with IEEE division, and bit-identity needs the same one.
+
+Every layer also has a PyTorch path (``forward(x, reference=True)``): the same split
+and int32 all-reduce around the PyTorch arithmetic of the serving engine's
+``linear="torch"`` mode (``gpulab.engine.model.packed_bitlinear_reference``), so a
+tensor-parallel model on CPU ranks is bit-identical to that mode at TP=1.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..bitlinear import BitLinear, pack_ternary, ternary_matmul, unpack_ternary
-from ..normquant import rmsnorm_quant
+from ..normquant import rmsnorm_quant, rmsnorm_quant_ref
 from ..validate import require_tensor
 from .bandwidth import local_time_per_call, time_per_call
 
@@ -163,6 +168,33 @@ def row_parallel_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32
     return scale_partial_sums(acc, x_scale, w_scale, out_dtype)
 
 
+def ternary_partial_sums_reference(x_q: torch.Tensor, w_packed: torch.Tensor) -> torch.Tensor:
+    """The same int32 sums [..., N] in PyTorch ops (a float32 matmul of integers below
+    2^24 is exact in any summation order), as the engine's ``linear="torch"`` path."""
+    require_tensor("x_q", x_q, dtype=torch.int8, any_device=True)
+    k = x_q.shape[-1]
+    if k > EXACT_MAX_K:
+        raise ValueError(f"K={k} inputs per rank can sum past 2^24, where float32 stops holding every "
+                         f"integer: keep K <= {EXACT_MAX_K} per rank (split over more ranks)")
+    w_t = unpack_ternary(w_packed, k).float()
+    return (x_q.float() @ w_t.t()).round().to(torch.int32)
+
+
+def scale_partial_sums_reference(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """acc / (x_scale[..., None] · w_scale) with PyTorch's division: the expression of
+    ``gpulab.engine.model.packed_bitlinear_reference``, so equal integers give equal bits."""
+    return (acc.float() / (x_scale[..., None] * w_scale.float())).to(out_dtype)
+
+
+def row_parallel_matmul_reference(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=None):
+    """:func:`row_parallel_matmul` in PyTorch ops: partial int32 sums, an int32
+    all-reduce, one scale; bit for bit the engine's ``linear="torch"`` layer at TP=1."""
+    acc = ternary_partial_sums_reference(x_q, w_packed)
+    dist.all_reduce(acc, group=group)
+    return scale_partial_sums_reference(acc, x_scale, w_scale, out_dtype)
+
+
 def row_parallel_matmul_float(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=None):
     """The same split with the reduction in floating point, as for a float layer: each rank
     scales its partial result, then the all-reduce adds rounded floats. Close to TP=1, not
@@ -189,7 +221,8 @@ def _group_info(group):
 class ColumnParallelBitLinear(nn.Module):
     """Rank's output features of a BitLinear (``parts``: sizes of stacked matrices, each
     split separately). ``forward(x)`` gives the local outputs [..., out/n];
-    ``forward_gathered(x)`` all-gathers them into the one-GPU layout [..., out]."""
+    ``forward_gathered(x)`` all-gathers them into the one-GPU layout [..., out].
+    ``reference=True``: the PyTorch arithmetic instead of gpulab's kernels."""
 
     def __init__(self, w_t_shard: torch.Tensor, w_scale: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float, parts: tuple[int, ...], bias_shard: torch.Tensor | None = None, group=None):
@@ -213,13 +246,18 @@ class ColumnParallelBitLinear(nn.Module):
         return cls(split_parts(w_t, parts, rank, world_size), layer.w_scale, layer.norm_weight, layer.eps,
                    parts, bias, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
-        y = ternary_matmul(x_q, x_s, self.w_packed, self.w_scale.float(), out_dtype=x.dtype)
+    def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        if reference:
+            x_q, x_s = rmsnorm_quant_ref(x, self.norm_weight, self.eps)
+            y = scale_partial_sums_reference(ternary_partial_sums_reference(x_q, self.w_packed), x_s,
+                                             self.w_scale, x.dtype)
+        else:
+            x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
+            y = ternary_matmul(x_q, x_s, self.w_packed, self.w_scale.float(), out_dtype=x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def forward_gathered(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_parts(self(x), self.parts, self.group)
+    def forward_gathered(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        return gather_parts(self(x, reference), self.parts, self.group)
 
 
 def gather_parts(y_local: torch.Tensor, parts: tuple[int, ...], group=None) -> torch.Tensor:
@@ -244,7 +282,8 @@ def gather_parts(y_local: torch.Tensor, parts: tuple[int, ...], group=None) -> t
 class RowParallelBitLinear(nn.Module):
     """Rank's input features of a BitLinear. ``forward(x)`` takes the whole input row
     (replicated), quantizes it like TP=1 and multiplies this rank's K/n inputs;
-    ``matmul`` (default :func:`row_parallel_matmul`) reduces the partial results."""
+    ``matmul`` (default :func:`row_parallel_matmul`) reduces the partial results;
+    ``forward(x, reference=True)`` runs :func:`row_parallel_matmul_reference` instead."""
 
     def __init__(self, w_t_shard: torch.Tensor, w_scale: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                  k_range: tuple[int, int], bias: torch.Tensor | None = None, group=None, matmul=None):
@@ -266,11 +305,12 @@ class RowParallelBitLinear(nn.Module):
         return cls(w_t[:, a:b], layer.w_scale, layer.norm_weight, layer.eps, (a, b),
                    None if layer.bias is None else layer.bias, group, matmul)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q, x_s = rmsnorm_quant(x.contiguous(), self.norm_weight, self.eps)
+    def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        norm_quant, matmul = (rmsnorm_quant_ref, row_parallel_matmul_reference) if reference else \
+            (rmsnorm_quant, self.matmul)
+        x_q, x_s = norm_quant(x.contiguous(), self.norm_weight, self.eps)
         a, b = self.k_range
-        y = self.matmul(x_q[..., a:b].contiguous(), x_s, self.w_packed, self.w_scale.float(), x.dtype,
-                        self.group)
+        y = matmul(x_q[..., a:b].contiguous(), x_s, self.w_packed, self.w_scale.float(), x.dtype, self.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -304,9 +344,9 @@ class TensorParallelGLU(nn.Module):
         self.down = RowParallelBitLinear(w_down, down.w_scale, down.norm_weight, down.eps, (a, b),
                                          down.bias, group, matmul)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.forward_gathered(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up.forward_gathered(x, reference).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, reference)
 
 
 def glu_forward(gate_up: BitLinear, down: BitLinear, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,10 @@ cell's first part (the Colab install and ``gpulab.setup()``) is rewritten from
 open that notebook's learner version in the course repository; the README's badges
 follow the same address. So ``gpulab generate`` also rewrites ``solutions/`` and
 ``README.md`` when the repository address changed, and ``--check`` reports them.
+The title cell also gets a "Before you start" line (:func:`guide_line`): the notebooks to
+do first (``metadata.gpulab.prerequisites``), an estimate of the working time, and how
+long running every cell took where it was measured (``gpulab/data/notebook_times.json``,
+written by ``tools/time_notebooks.py``).
 
 ``python -m gpulab.tools.authoring`` (or ``gpulab generate``) rewrites ``notebooks/``;
 ``--check`` only reports stale or missing files and exits 1 if there are any.
@@ -49,6 +53,7 @@ from .progress import EXERCISES
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASED_TESTS = Path(__file__).resolve().parents[1] / "data" / "grading"
+NOTEBOOK_TIMES = Path(__file__).resolve().parents[1] / "data" / "notebook_times.json"
 RELEASE_FORMAT = 1
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -234,6 +239,77 @@ def fill_links(nb, learner_path: str, repo: GitHubRepo) -> bool:
     return changed
 
 
+GUIDE_PREFIX = "**Before you start.**"
+
+
+def working_minutes(nb) -> int:
+    """An estimate, not a measurement, of a learner's time on a notebook: reading the prose
+    at 120 words a minute and the code at 15 lines a minute, plus 3 minutes per graded
+    exercise and 1.5 minutes per line of its solution (writing, running, fixing);
+    rounded to 5 minutes."""
+    prose = "\n".join(l for c in nb.cells if c.cell_type == "markdown"
+                      for l in c.source.splitlines() if not l.startswith(GUIDE_PREFIX))
+    words = len(re.findall(r"\w+", prose))
+    code = sum(len(c.source.splitlines()) for c in nb.cells if c.cell_type == "code")
+    exercises = sum(1 for c in nb.cells if nbgrader_meta(c).get("grade"))
+    solution_lines = 0
+    for c in nb.cells:
+        if nbgrader_meta(c).get("solution"):
+            part = c.source.split(BEGIN, 1)[1].split(END, 1)[0] if BEGIN in c.source else c.source
+            solution_lines += len([l for l in part.splitlines() if l.strip()])
+    minutes = words / 120 + code / 15 + 3 * exercises + 1.5 * solution_lines
+    return max(5, int(5 * round(minutes / 5)))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def guide_line(nb, name: str, times: dict) -> str:
+    """The title cell's "Before you start" line for notebook ``name``."""
+    prereq = nb.metadata.get("gpulab", {}).get("prerequisites", [])
+    before = f"notebook{'s' if len(prereq) > 1 else ''} {_and(list(prereq))}" if prereq else "none"
+    minutes = working_minutes(nb)
+    work = f"{minutes} minutes" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
+    parts = []
+    for device, labels in (("a CPU", (("cpu_ci", "with demos shortened (`CI=true`)"), ("cpu", "in full"))),
+                           ("a GPU", (("gpu", ""),))):
+        got = [(times[l], what) for l, what in labels
+               if name in ((times.get(l) or {}).get("seconds") or {}) and name not in times[l].get("failed", {})]
+        if not got:
+            parts.append(f"on {device} not measured yet")
+            continue
+        where = "; ".join(dict.fromkeys(f"{run['machine']}, {run['date']}" for run, _ in got))
+        figures = ", ".join(f"{_duration(run['seconds'][name])}{' ' + what if what else ''}" for run, what in got)
+        parts.append(f"on {device} ({where}) {figures}")
+    measured = "; ".join(parts)
+    return (f"{GUIDE_PREFIX} Prerequisites: {before}. Working time: about {work} of reading "
+            f"and exercises (an estimate from the notebook's length and exercises). Running "
+            f"every cell: {measured}.")
+
+
+def fill_guide(nb, name: str, times: dict) -> bool:
+    """Write the guide line as the title cell's paragraph after the badges (replacing an
+    older one). Returns True if the cell changed."""
+    title = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if title is None or not title.source.lstrip().startswith("#"):
+        return False
+    lines = title.source.split("\n")
+    kept = [l for l in lines if not l.startswith(GUIDE_PREFIX)]
+    at = max([i for i, l in enumerate(kept) if BADGE_LINE.match(l)], default=0) + 1
+    rest = kept[at:]
+    while rest and not rest[0].strip():
+        rest.pop(0)
+    new = "\n".join(kept[:at] + ["", guide_line(nb, name, times)] + ([""] + rest if rest else []))
+    changed = new != title.source
+    title.source = new
+    return changed
+
+
 def exercise_index(notebooks: list) -> list[dict]:
     """The course's graded exercises, for ``gpulab progress``: one entry per notebook
     ``{notebook, title, exercises: [{grade_id, points}]}``, from (solution) notebooks."""
@@ -293,13 +369,14 @@ def generate(solutions: Path = ROOT / "solutions", notebooks: Path = ROOT / "not
             if not check:
                 readme.write_text(new)
     read = []
+    times = json.loads(NOTEBOOK_TIMES.read_text()) if NOTEBOOK_TIMES.exists() else {}
     for src in sorted(solutions.glob("*.ipynb")):
         nb = nbformat.read(src, as_version=4)
         validate_solution(nb, src.name)
         read.append((src.name, nb))
         learner_path = (notebooks / src.name).relative_to(root).as_posix() \
             if notebooks.is_relative_to(root) else src.name
-        if fill_links(nb, learner_path, repo):
+        if fill_links(nb, learner_path, repo) | fill_guide(nb, src.name, times):
             stale.append(f"{solutions.name}/{src.name} (links)")
             if not check:
                 src.write_text(_dump(nb))
