@@ -172,7 +172,6 @@ def _clamped_lengths(inp):
 
 def _rounded_lengths(inp):
     """Every length rounded up to a multiple of m (a tile or partition past seq_len read)."""
-    lens = inp["seq_lens"].long().cpu()
     for m in (2, 4, 8, 16, 32, 64, 128):
         yield decode_variant(inp, lens=_lengths(inp, lambda n: -(-n // m) * m))
 
