@@ -363,3 +363,29 @@ def test_fresh_case_defeats_a_hard_coded_grid():
     msg = checking.rejects(spec, four_rows_only)
     assert "random size" in msg and "never written" in msg
     checking.check(spec, lambda x, y: y.copy_(2 * x), quiet=True)
+
+
+# -- spec hints from hypotheses (the reference recomputed under a mistake) -------------------
+def test_a_hypothesis_names_the_mistake_it_reproduces_and_nothing_else():
+    x = torch.linspace(-3, 3, 40, dtype=torch.float64).reshape(4, 10)
+    expected = x * 2
+    hint = checking.hypotheses_hint(
+        checking.Hypothesis("doubled twice", lambda inp: {"y": inp["x"] * 4}),
+        checking.Hypothesis("all zero", lambda inp: {"y": torch.zeros_like(inp["x"])}),
+        checking.Hypothesis("a hair off the answer", lambda inp: {"y": inp["x"] * 2 + 1e-4}),
+        checking.Hypothesis("another output", lambda inp: {"z": inp["x"]}, outputs=("z",)))
+    assert hint("y", x * 4, expected, {"x": x}) == "doubled twice"
+    # an all-zero answer is left to the generic diagnoses ("never loaded", "all zeros")
+    assert hint("y", torch.zeros_like(x), expected, {"x": x}) is None
+    # a hypothesis a hair off the answer does not claim an unrelated small error
+    off = expected.clone()
+    off[0, 0] += 5e-4
+    assert hint("y", off, expected, {"x": x}) is None
+    # one answer among several (a free parameter), and a share below 1
+    several = checking.Hypothesis("x times k", lambda inp: ({"y": inp["x"] * k} for k in (3, 5, 7)))
+    assert several.explains("y", x * 5, {"x": x}, expected)
+    most = checking.Hypothesis("mostly", lambda inp: {"y": inp["x"] * 3}, share=0.9)
+    nearly = x * 3
+    nearly[0, 0] += 1
+    assert most.explains("y", nearly, {"x": x}, expected)
+    assert not checking.Hypothesis("all", lambda inp: {"y": inp["x"] * 3}).explains("y", nearly, {"x": x}, expected)

@@ -799,14 +799,14 @@ class Hypothesis:
 
     @staticmethod
     def _closer(g, v, expected) -> bool:
-        """The mistake explains the output at least as well as the answer does, where the
-        two differ at all (so a hypothesis that barely differs from the answer does not
-        claim a small unrelated error)."""
+        """The mistake explains the output at least as well as the answer does, on the
+        elements where the output or the mistake differ from the answer (so a hypothesis
+        that barely differs from the answer does not claim a small unrelated error)."""
         e = expected.detach().double().cpu()
         if e.shape != g.shape:
             return True
         ok = torch.isfinite(g) & torch.isfinite(v) & torch.isfinite(e) & \
-            ~torch.isclose(g, e, atol=1e-7, rtol=1e-7)
+            ~(torch.isclose(g, e, atol=1e-7, rtol=1e-7) & torch.isclose(v, e, atol=1e-7, rtol=1e-7))
         return float((g - v)[ok].abs().sum()) <= 1.05 * float((g - e)[ok].abs().sum())
 
 
