@@ -82,7 +82,10 @@ def test_shortcuts_and_hidden_tests(tmp_path):
     result = grade.grade_notebook(path, timeout=120)
     ex = _by_id(result)
     assert ex["check-softmax-torch"].passed
-    assert not ex["check-add"].passed and "many blocks + 1" in ex["check-add"].message
+    # a grid sized for the listed cases fails: now already on the visible check's fresh random size
+    assert not ex["check-add"].passed and ("many blocks + 1" in ex["check-add"].message
+                                           or "random size" in ex["check-add"].message)
+    assert "never written" in ex["check-add"].message
     assert "asks for a Triton kernel of your own" in ex["check-softmax-kernel"].message
     assert "gpulab.basics.softmax_kernel" in ex["check-softmax-kernel"].message
     assert result.score == (3, 8)   # the row-sum exercise (untouched) passes too
