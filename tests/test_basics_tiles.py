@@ -71,7 +71,9 @@ def _mutant(mode):
 
 def test_row_sum_check_rejects_unmasked_columns():
     msg = rejects("row_sum", _mutant(0))
-    assert "mask" in msg and "offsets ≥ the length" in msg
+    # the interpreter watches every load; compiled, the stray value is seen in the output
+    seen = "offsets ≥ the length" if gpulab.mode() == "interpreter" else "past the end of an input"
+    assert "mask" in msg and seen in msg
 
 
 def test_row_sum_check_rejects_unmasked_store():

@@ -389,3 +389,23 @@ def test_a_hypothesis_names_the_mistake_it_reproduces_and_nothing_else():
     nearly[0, 0] += 1
     assert most.explains("y", nearly, {"x": x}, expected)
     assert not checking.Hypothesis("all", lambda inp: {"y": inp["x"] * 3}).explains("y", nearly, {"x": x}, expected)
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, 0x7FFFFFFF), (torch.float32, 0x7FC00000),
+                                         (torch.bfloat16, 0x7FFF), (torch.bfloat16, 0x7FC0),
+                                         (torch.float16, 0x7FFF), (torch.float16, 0x7E00)])
+def test_arithmetic_nans_are_not_blamed_on_a_read_past_the_end(dtype, bits):
+    """A GPU makes 0/0 and inf - inf the NaN with every payload bit set, a CPU the one with
+    none; a float conversion can leave either where a guard's payload was. Neither is
+    evidence of a stray load: the diagnosis must look at the arithmetic."""
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    width = torch.iinfo(view).bits
+    signed = bits - (1 << width) if bits >= 1 << (width - 1) else bits
+    got = torch.ones(4, 8, dtype=dtype)
+    got[1, 3:] = torch.tensor(signed, dtype=view).view(dtype)
+    msg, _ = diagnose("y", got, torch.ones(4, 8, dtype=dtype), 1e-3, 1e-3, poisoned=False)
+    assert "bit pattern gpulab puts around every input" not in msg, msg
+    guard = torch.ones(4, 8, dtype=dtype)       # a guard's own NaN still is
+    guard.view(view)[1, 3:] = checking._signed(checking._GUARD_BITS[dtype], view)
+    msg, _ = diagnose("y", guard, torch.ones(4, 8, dtype=dtype), 1e-3, 1e-3, poisoned=False)
+    assert "bit pattern gpulab puts around every input" in msg, msg

@@ -64,9 +64,12 @@ def flat(text):
 
 def test_unfinished_kernel_is_one_short_message(shell, capsys):
     result, text = run(shell, capsys, KERNEL_STUB, 'gpulab.check("vector_add", add)')
-    assert type(result.error_in_exec).__name__ == "InterpreterError"   # unchanged for graders
+    # the exception itself is unchanged for graders: Triton's, which differs by mode
+    raised = "InterpreterError" if gpulab.mode() == "interpreter" else "CompileTimeAssertionFailure"
+    assert type(result.error_in_exec).__name__ == raised
     assert "Exercise ex1-add-kernel is not finished: `add_kernel` still has its placeholder" in flat(text)
-    assert "(Cell In[1], line 4)" in flat(text)
+    # compiled, Triton names the kernel but not the cell's line
+    assert ("(Cell In[1], line 4)" if gpulab.mode() == "interpreter" else "(its cell)") in flat(text)
     assert "It computes (vector_add): " + gpulab.get_spec("vector_add").summary in flat(text)
     assert "interpreter.py" not in text and "checking.py" not in text and "Traceback" not in text
     assert len(text.strip().splitlines()) <= 6

@@ -64,6 +64,7 @@ def host_overhead() -> dict:
 
 def main(argv) -> int:
     out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
     save = "--save" in argv[1:]
     names = [a for a in argv[1:] if a != "--save"] or list(KERNELS)
     bench.require_gpu("tools/attention_bench.py")

@@ -225,7 +225,9 @@ class ModelRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.forward(plan)
             pool = graph.pool()
-            self.graphs[b] = (graph, out)
+            # the graph reads the plan's tensors (sample_rows, the empty append ones) at
+            # every replay: keep them alive, or their memory is reused and read as indices
+            self.graphs[b] = (graph, out, plan)
 
     def replay(self, plan: StepPlan) -> torch.Tensor:
         n = plan.num_decode
@@ -238,6 +240,6 @@ class ModelRunner:
         buf["table"][:n] = plan.decode_table
         buf["lens"][:n] = plan.decode_lens
         buf["lens"][n:b] = 0
-        graph, out = self.graphs[b]
+        graph, out, _ = self.graphs[b]
         graph.replay()
         return out[plan.sample_rows]

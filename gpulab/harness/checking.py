@@ -185,6 +185,19 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(t, dtype=torch.bool)
 
 
+def _canonical_nans(dt: torch.dtype) -> set[int]:
+    """Bit patterns (as signed ints of dt's width) of the NaNs hardware and conversions
+    make: the quiet NaN with no payload (x86, PyTorch) and with every payload bit set
+    (NVIDIA GPUs), of either sign."""
+    width = torch.finfo(dt).bits
+    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7, torch.float64: 52}[dt]
+    quiet = ((1 << (width - 1)) - 1) ^ ((1 << (mantissa - 1)) - 1)     # exponent ones + quiet bit
+    every = (1 << (width - 1)) - 1
+    sign = 1 << (width - 1)
+    view = _INT_VIEW[dt]
+    return {_signed(b, view) for b in (quiet, every, quiet | sign, every | sign)}
+
+
 def _guard_derived(t: torch.Tensor) -> torch.Tensor:
     """Elements of a float output holding a NaN whose payload is an input guard's (as
     stored, or after a float conversion): a value loaded from past an input's end."""
@@ -197,6 +210,9 @@ def _guard_derived(t: torch.Tensor) -> torch.Tensor:
         one = torch.tensor([_signed(b, _INT_VIEW[src])], dtype=_INT_VIEW[src]).view(src)
         for route in (one, one.float()):
             marks.add(int(route.to(dt).view(_INT_VIEW[dt])[0]))
+    # a conversion that drops the payload leaves a canonical NaN, which arithmetic (0/0,
+    # inf - inf) also makes, on a GPU as on a CPU: that carries no trace of a guard
+    marks -= _canonical_nans(dt)
     hit = torch.zeros_like(bits, dtype=torch.bool)
     for m in marks:
         hit |= bits == m
@@ -779,7 +795,9 @@ class Hypothesis:
         if not isinstance(got, torch.Tensor) or got.numel() == 0:
             return False
         try:
-            alts = self.answer(inputs)
+            # references on the CPU: an answer builds index tensors without a device
+            alts = self.answer({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                for k, v in inputs.items()})
             # one answer, or several (a mistake with a free parameter, e.g. the block size)
             alts = [alts] if alts is None or isinstance(alts, dict) else list(alts)
         except Exception:

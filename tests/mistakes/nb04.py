@@ -110,7 +110,7 @@ MISTAKES = [
     Mistake("04/check-merge-states", "merge_state_torch", "base-2 log-sum-exp", _merge("base-2 lse"),
             ("base 2", "ln 2", "log2")),
     Mistake("04/check-merge-states", "merge_state_torch", "o returned in float32", _merge("o stays float32"),
-            ("dtype float32, expected float16",)),
+            ("dtype float32, expected float16", "dtype float32, expected bfloat16")),
     Mistake("04/check-merge-states", "merge_state_torch", "lse in o's dtype", _merge("lse in o's dtype"),
-            ("dtype float16, expected float32",)),
+            ("dtype float16, expected float32", "dtype bfloat16, expected float32")),
 ]
