@@ -155,3 +155,35 @@ def test_scheduler_preempts_newest_and_requeues_it_first():
     assert batch.preempted == [b] and [s for s, _ in batch.items] == [a]
     assert sch.waiting[0] is b and b.block_table == [] and b.num_computed_tokens == 0
     assert b.num_preemptions == 1
+
+
+def test_registration_resumes_retries_a_held_key_and_restarts_after_preemption():
+    """commit_full_blocks runs for every sequence every step, so it resumes where it
+    stopped; the result must equal registering every full page from scratch."""
+    bm = BlockManager(16, 2)
+    a = seq([1, 2, 3, 4, 5])
+    bm.allocate(a, [], 5)
+    a.num_computed_tokens = 5
+    bm.commit_full_blocks(a)
+    assert [bm.blocks[b].hash is not None for b in a.block_table] == [True, True, False]
+    assert a.num_registered_blocks == 2
+    # b computes the same tokens in its own pages (no prefix lookup): a holds the keys
+    b = seq([1, 2, 3, 4, 5])
+    bm.allocate(b, [], 5)
+    b.num_computed_tokens = 5
+    bm.commit_full_blocks(b)
+    assert all(bm.blocks[x].hash is None for x in b.block_table) and b.num_registered_blocks == 0
+    # a leaves and its pages are evicted: b's pages take the keys at its next step
+    bm.free_sequence(a)
+    while any(bm.blocks[x].hash is not None for x in bm.free):
+        bm.take_free_block()
+    bm.commit_full_blocks(b)
+    assert [bm.blocks[x].hash is not None for x in b.block_table[:2]] == [True, True]
+    assert bm.match_prefix(seq([1, 2, 3, 4, 9])) == b.block_table[:2]
+    # preempted (pages freed) and readmitted into fresh pages: registered from the start
+    bm.free_sequence(b)
+    assert b.num_registered_blocks == 0
+    bm.allocate(b, [], 5)
+    b.num_computed_tokens = 5
+    bm.commit_full_blocks(b)
+    assert all(bm.blocks[x].hash is not None for x in b.block_table[:2])

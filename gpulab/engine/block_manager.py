@@ -144,6 +144,7 @@ class BlockManager:
         for bid in hits:
             self.share_block(bid)
         seq.block_table = list(hits)
+        seq.num_registered_blocks = 0
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self.take_free_block().block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
@@ -184,14 +185,25 @@ class BlockManager:
         values are now in the cache), so later requests can find them."""
         if not self.prefix_caching:
             return
-        h = None
-        for i in range(seq.num_computed_tokens // self.block_size):
+        bs, full = self.block_size, seq.num_computed_tokens // self.block_size
+        # Called for every running sequence every step, so it resumes where it stopped:
+        # a full, computed page's tokens never change, so its key is computed once
+        # (seq.block_hashes), and pages registered before are not looked at again.
+        keys = seq.block_hashes
+        while len(keys) < full:
+            i = len(keys)
+            keys.append(chain_hash(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        first_open = None
+        for i in range(seq.num_registered_blocks, full):
             block = self.blocks[seq.block_table[i]]
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(h, tokens)
-            if block.hash is None and h not in self.cached:
-                block.hash, block.token_ids = h, tokens
-                self.cached[h] = block.block_id
+            if block.hash is not None:
+                continue
+            if keys[i] in self.cached:           # another page holds these tokens: retry later
+                first_open = i if first_open is None else first_open
+                continue
+            block.hash, block.token_ids = keys[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            self.cached[keys[i]] = block.block_id
+        seq.num_registered_blocks = full if first_open is None else first_open
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s pages (its partial last page included:
@@ -202,6 +214,8 @@ class BlockManager:
             self.share_block(bid)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes[:child.num_computed_tokens // self.block_size])
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release ``seq``'s pages, last page first (so a chain's tail is evicted before
@@ -209,7 +223,7 @@ class BlockManager:
         for bid in reversed(seq.block_table):
             self.release_block(bid)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
 
     # -- views ------------------------------------------------------------------------------
     def hit_rate(self) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import runtime
@@ -99,7 +100,7 @@ class ModelRunner:
     # -- plan -------------------------------------------------------------------------------
     def plan(self, items: list[tuple[Sequence, int]]) -> StepPlan:
         """Flatten one step's (sequence, new tokens) into tensors, decodes first."""
-        bs, w = self.block_size, self.max_blocks
+        bs = self.block_size
         order = [it for it in items if it[1] == 1] + [it for it in items if it[1] > 1]
         ids, pos, slots, tables, lens, indptr, rows, sample_seqs = [], [], [], [], [], [0], [], []
         num_decode = sum(1 for _, n in items if n == 1)
@@ -109,7 +110,7 @@ class ModelRunner:
             ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
             slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
-            tables.append(bt + [0] * (w - len(bt)))
+            tables.append(bt)
             lens.append(start + n)
             if n > 1:
                 indptr.append(indptr[-1] + n)
@@ -122,13 +123,16 @@ class ModelRunner:
             k = shared_prefix_pages(dec_tables, dec_lens, bs)
             if k:
                 prefix = (self._ints(dec_tables[0][:k]), k * bs)
-                dec_tables = [t[k:] + [0] * k for t in dec_tables]
+                dec_tables = [t[k:] for t in dec_tables]
                 dec_lens = [n - k * bs for n in dec_lens]
+        # one table width for the step: its longest table, not the context's (a table as
+        # wide as max_seq_len would cost the host more than the decode step's kernels)
+        w = max((len(t) for t in tables), default=1) or 1
         long = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         plan = StepPlan(
             input_ids=long(ids), positions=long(pos), slot_mapping=long(slots), num_decode=num_decode,
-            decode_table=self._ints(dec_tables, (0, w)), decode_lens=self._ints(dec_lens),
-            prefix=prefix, append_indptr=self._ints(indptr), append_table=self._ints(tables[num_decode:], (0, w)),
+            decode_table=self._table(dec_tables, w), decode_lens=self._ints(dec_lens),
+            prefix=prefix, append_indptr=self._ints(indptr), append_table=self._table(tables[num_decode:], w),
             append_lens=self._ints(lens[num_decode:]), sample_rows=long(rows), sample_seqs=sample_seqs,
             use_graph=(num_decode == len(items) and prefix is None and 0 < num_decode <= self.max_num_seqs
                        and bool(self.graphs)))
@@ -148,9 +152,16 @@ class ModelRunner:
                                  num_splits=1 if runtime.interpreting() else None)
         plan.decode_planned = True
 
-    def _ints(self, v, empty_shape=(0,)):
-        t = torch.tensor(v, dtype=torch.int32, device=self.device)
-        return t if t.numel() else t.reshape(empty_shape)
+    def _ints(self, v):
+        return torch.tensor(v, dtype=torch.int32, device=self.device)
+
+    def _table(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        """int32 [len(rows), width] block tables, zero-padded (entries past a sequence's
+        pages are never read), built in NumPy and copied to the device once."""
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, row in enumerate(rows):
+            table[i, :len(row)] = row
+        return torch.from_numpy(table).to(self.device)
 
     # -- run --------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -237,7 +248,7 @@ class ModelRunner:
         buf["pos"][:n] = plan.positions
         buf["slots"][:n] = plan.slot_mapping
         buf["slots"][n:b] = self.scratch_slot
-        buf["table"][:n] = plan.decode_table
+        buf["table"][:n, :plan.decode_table.shape[1]] = plan.decode_table
         buf["lens"][:n] = plan.decode_lens
         buf["lens"][n:b] = 0
         graph, out, _ = self.graphs[b]
