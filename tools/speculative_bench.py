@@ -146,13 +146,19 @@ def main(argv=None) -> int:
     print(f"trained the transformer draft in {time.perf_counter() - t0:.0f} s", flush=True)
     drafts = {"mlgru": lambda: spec.MLGRUDrafter(draft_lm), "transformer": lambda: spec.TransformerDrafter(small)}
     ks = (2, 4) if args.quick else (2, 4, 6)
-    rows = bench_speculation(target, drafts, 1, args.max_tokens, ks)
-    rows += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], repeats=1)
     result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
-                  max_tokens=args.max_tokens, rows=rows)
+                  max_tokens=args.max_tokens, rows=[])
+
+    def save():   # after every stage: a run cut short keeps what it measured
+        (out / "speculative.json").write_text(json.dumps(result, indent=1))
+
+    result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks)
+    save()
+    result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], repeats=1)
+    save()
     result["server"] = bench_server(target, 64, args.max_tokens // 2)
+    save()
     print(spec.format_results(result))
-    (out / "speculative.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
