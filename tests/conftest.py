@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 
 import pytest
@@ -19,3 +20,29 @@ os.environ["GPULAB_HOME"] = tempfile.mkdtemp(prefix="gpulab-home-")
 # Two xdist workers on two cores: one torch thread each, or they fight for the cores.
 if not gpulab.runtime._cuda_available():
     torch.set_num_threads(1)
+
+
+# A device-side assert (an out-of-range index in a PyTorch op, say) leaves the process's
+# CUDA context unusable, so every later test on the same pytest worker would fail with
+# it too. Stop that worker instead: pytest-xdist reports the test as the one it crashed
+# on and goes on with a fresh worker (without xdist, the session stops there).
+_poisoned_by = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    global _poisoned_by
+    yield
+    if call.excinfo is not None and _poisoned_by is None and "device-side assert" in str(call.excinfo.value):
+        _poisoned_by = item.nodeid
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _poisoned_by is None:
+        return
+    msg = f"{_poisoned_by} triggered a CUDA device-side assert; this process cannot use the GPU any more"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(f"\n{msg}: restarting the worker\n")
+        sys.stderr.flush()
+        os._exit(70)
+    pytest.exit(msg, returncode=1)
