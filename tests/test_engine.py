@@ -1,5 +1,6 @@
 """The serving engine against the reference decoder: same tokens under every schedule."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,12 @@ def test_timeline_records_every_step(model):
     assert len(frames) == len(llm.metrics.steps) and llm.idle()
     assert all(len(f.pages) == 20 for f in frames) and any(f.preempted for f in frames)
     timeline.draw(frames, len(frames) // 2)
+
+
+def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys):
+    """tools/engine_host_overhead.py (the host's share of an engine step) runs on a CPU."""
+    import runpy
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "engine_host_overhead.py"))
+    assert tool["main"](["--batch", "4", "--ctx", "512", "--prompt", "40", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "batch    4, context 512: host part of a decode step" in out and "µs per sequence" in out

@@ -34,9 +34,8 @@ import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
 from gpulab.engine.model import model_sizes  # noqa: E402
-from gpulab.engine.sequence import SamplingParams  # noqa: E402
-from gpulab.engine.serve_bench import (Workload, build_model, compare, format_comparison,  # noqa: E402
-                                       plot_comparison)
+from gpulab.engine.serve_bench import (Workload, build_model, compare, decoding_engine,  # noqa: E402
+                                       format_comparison, plot_comparison)
 
 BIG = "random:2048,16,16,4,128,5632,4096"
 H200_PEAK_BW = 4.8e12
@@ -55,19 +54,6 @@ def copy_bandwidth() -> float:
     e1.record()
     torch.cuda.synchronize()
     return 2 * x.numel() * 20 / (e0.elapsed_time(e1) * 1e-3)
-
-
-def decoding_engine(model, batch: int, ctx: int, cuda_graphs: bool = True) -> LLM:
-    """An engine with ``batch`` sequences of ``ctx`` tokens, all past their prefill."""
-    cfg = EngineConfig(num_blocks=batch * (-(-(ctx + 256) // 16)) + 16, block_size=16, max_num_seqs=batch,
-                       max_num_batched_tokens=8192, cuda_graphs=cuda_graphs)
-    llm = LLM(model, cfg)
-    for i in range(batch):
-        llm.add_request([256] + [(i * 7 + j) % 250 for j in range(ctx - 1)],
-                        SamplingParams(max_tokens=200, stop_at_eos=False))
-    while llm.scheduler.waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
-        llm.step()
-    return llm
 
 
 def time_decode_steps(llm: LLM, steps: int) -> float:
@@ -159,7 +145,7 @@ def main(argv=None) -> int:
     save()
 
     # 3. decode step at batch 64: graph vs eager vs the sum of its kernels
-    llm = decoding_engine(model, 64, 512)
+    llm = decoding_engine(model, 64, 512, cuda_graphs=True)
     g, k = time_forward(llm, True)
     e, _ = time_forward(llm, False)
     res["decode_step_b64"] = {"ctx": 512, "graph_s": g, "eager_s": e, "kernel_sum_s": k,

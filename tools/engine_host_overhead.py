@@ -17,23 +17,8 @@ import time
 import torch
 
 import gpulab
-from gpulab.engine.engine import LLM, EngineConfig
-from gpulab.engine.serve_bench import build_model
-from gpulab.engine.sequence import SamplingParams
-
-
-def decoding(model, batch: int, prompt: int) -> LLM:
-    """An engine with ``batch`` sequences past their prefill (run on the PyTorch path)."""
-    pages = -(-(prompt + 256) // 16)
-    llm = LLM(model, EngineConfig(num_blocks=batch * pages + 16, block_size=16, max_num_seqs=batch,
-                                  max_num_batched_tokens=max(8192, prompt + 1), cuda_graphs=False,
-                                  attention="torch", linear="torch"))
-    for i in range(batch):
-        llm.add_request([256] + [(i * 7 + j) % 250 for j in range(prompt - 1)],
-                        SamplingParams(max_tokens=250, stop_at_eos=False))
-    while llm.scheduler.waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
-        llm.step()
-    return llm
+from gpulab.engine.engine import LLM
+from gpulab.engine.serve_bench import build_model, decoding_engine
 
 
 def host_step(llm: LLM) -> None:
@@ -58,7 +43,8 @@ def main(argv=None) -> int:
     gpulab.setup()
     model = build_model(f"random:64,1,4,2,16,128,{a.ctx}", device="cpu", dtype=torch.float32)
     for b in a.batch:
-        llm = decoding(model, b, a.prompt)
+        # the PyTorch path, no graphs: the forward is not what this measures
+        llm = decoding_engine(model, b, a.prompt, max_tokens=250, cuda_graphs=False, attention="torch", linear="torch")
         for _ in range(3):
             host_step(llm)
         times = []                       # the median step: a shared CPU's stalls and GC left out
