@@ -187,3 +187,16 @@ def test_registration_resumes_retries_a_held_key_and_restarts_after_preemption()
     b.num_computed_tokens = 5
     bm.commit_full_blocks(b)
     assert all(bm.blocks[x].hash is not None for x in b.block_table[:2])
+
+
+@pytest.mark.parametrize("reserve, admitted", [(0, 4), (2, 3)])
+def test_admission_leaves_pages_for_the_running_sequences_to_grow(reserve, admitted):
+    """decode_reserve pages per running sequence stay free when a new one is admitted
+    (each preemption recomputes a whole sequence; the engine's default keeps one)."""
+    bm = BlockManager(10, 4, prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, decode_reserve=reserve)
+    for i in range(4):
+        sch.add(seq(range(10 * i, 10 * i + 8)))       # two pages each
+    batch = sch.schedule()
+    assert len(batch.items) == admitted
+    assert len(bm.free) == 10 - 2 * admitted

@@ -5,7 +5,7 @@ runs it (a CPU is enough: no kernel runs).
     PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--profile]
 
 On the H200 an engine step at batch 256 took 20.6 ms while its forward (graph replay) took
-4.6 ms (gpulab/results/engine_bench.json): the rest is host work, which this isolates.
+4.6 ms (gpulab/results/engine/engine_bench.json): the rest is host work, which this isolates.
 """
 from __future__ import annotations
 

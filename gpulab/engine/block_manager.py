@@ -125,13 +125,13 @@ class BlockManager:
                 self.free.move_to_end(bid, last=False)   # blank: hand out before cached pages
 
     # -- admission and growth ---------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+    def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int, keep_free: int = 0) -> bool:
         """Can ``seq`` (holding no pages) get pages for its first ``num_tokens`` tokens,
-        reusing the cached pages ``hits``? Reused pages that sit in the free pool count
-        against it too."""
+        reusing the cached pages ``hits``, and leave ``keep_free`` pages free? Reused
+        pages that sit in the free pool count against it too."""
         fresh = max(0, self.blocks_for(num_tokens) - len(hits))
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return fresh + revived <= len(self.free)
+        return fresh + revived + keep_free <= len(self.free)
 
     def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         """Give ``seq`` the cached pages ``hits`` and fresh pages up to ``num_tokens``

@@ -52,6 +52,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 256   # the token budget of one step
     chunked_prefill: bool = True
     prefix_caching: bool = True
+    decode_reserve: int = 1             # pages kept free per running sequence when admitting:
+                                        # fewer preemptions (each one recomputes a sequence)
     cascade: bool = False               # shared-prefix decode batches through cascade attention
     cuda_graphs: bool = True            # compiled mode only
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
@@ -102,7 +104,7 @@ class LLM:
         self.max_model_len = model.cfg.max_seq_len
         self.block_manager = block_manager_cls(config.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.chunked_prefill, self.max_model_len)
+                                       config.chunked_prefill, self.max_model_len, config.decode_reserve)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
         self.metrics = EngineMetrics(config.num_blocks)

@@ -51,7 +51,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, chunked_prefill: bool = True,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, decode_reserve: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, "
                              f"got {max_num_seqs}, {max_num_batched_tokens}")
@@ -62,6 +62,9 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        # pages left free per running sequence when admitting a new one, so the running
+        # ones can grow a while before anyone is preempted (and recomputed)
+        self.decode_reserve = decode_reserve
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -110,7 +113,8 @@ class Scheduler:
             if todo > budget and not self.chunked_prefill:
                 break
             n = min(todo, budget)
-            if not self.bm.can_allocate(seq, hits, seq.num_tokens - todo + n):
+            if not self.bm.can_allocate(seq, hits, seq.num_tokens - todo + n,
+                                        keep_free=self.decode_reserve * len(self.running)):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, hits, seq.num_tokens - todo + n)

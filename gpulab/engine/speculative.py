@@ -45,7 +45,7 @@ from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
 
 DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draft.pt"
-RESULTS = Path(__file__).resolve().parent.parent / "results" / "speculative.json"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "engine" / "speculative.json"
 ACCEPT_SALT = 0x5EC0DE      # random streams of acceptance tests and draft samples are
 DRAFT_SALT = 0xD4AF7        # apart from the sampler's
 
