@@ -155,10 +155,11 @@ def ternary_layout(w_packed: torch.Tensor, k: int) -> str:
         raise TypeError(f"w_packed must be uint8 (layout uint8x4, from pack_ternary) or int32 "
                         f"(layout int32x16, from pack_ternary_x16), got {w_packed.dtype}")
     require_tensor("w_packed", w_packed, ndim=2, dtype=w_packed.dtype)
-    if w_packed.shape[1] != triton.cdiv(k, per):
+    words = -(-k // per)          # ceil(k / per), in plain Python: this runs on every call
+    if w_packed.shape[1] != words:
         raise ValueError(f"w_packed ({layout}) has rows of {w_packed.shape[1]} "
                          f"{'bytes' if per == 4 else 'int32 words'} but K={k} needs ceil(K/{per}) = "
-                         f"{triton.cdiv(k, per)}: was it packed from a [N, {k}] matrix?")
+                         f"{words}: was it packed from a [N, {k}] matrix?")
     return layout
 
 

@@ -10,6 +10,7 @@ must run before any kernel is defined: ``import gpulab`` does it first.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -17,7 +18,10 @@ import sys
 _USER_CHOSE = "TRITON_INTERPRET" in os.environ
 
 
+@functools.cache
 def _cuda_available() -> bool:
+    # cached: whether this process has a GPU does not change, and every public function's
+    # checks ask (torch.cuda.is_available() costs microseconds per call)
     try:
         import torch
         return bool(torch.cuda.is_available())
