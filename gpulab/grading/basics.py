@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..basics import ADD_BLOCK, ROW_SUM_BLOCK_M, ROW_SUM_BLOCK_N, add_into, row_sum_into, safe_softmax_unfused, softmax_into
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
 
@@ -119,6 +120,35 @@ def _row_sum_inputs(p, dtype, device, gen):
     return {"x": x.to(dtype)}
 
 
+# Column tile widths a learner may pick (the notebook uses 64, gpulab 128).
+_ROW_SUM_TILES = (16, 32, 64, 128, 256)
+
+
+def _first_tile_only(inp):
+    x = inp["x"].double()
+    for t in _ROW_SUM_TILES:
+        if t < x.shape[1]:
+            yield {"y": x[:, :t].sum(-1)}
+
+
+def _first_tile_repeated(inp):
+    x = inp["x"].double()
+    for t in _ROW_SUM_TILES:
+        if t < x.shape[1]:
+            yield {"y": x[:, :t].sum(-1) * -(-x.shape[1] // t)}
+
+
+ROW_SUM_HINT = hypotheses_hint(
+    Hypothesis("y is the row mean (the sum divided by N): a row sum is not divided by anything.",
+               lambda inp: {"y": inp["x"].double().mean(-1)} if inp["x"].shape[1] > 1 else None),
+    Hypothesis("only the first column tile of each row is summed: loop over the columns in steps of "
+               "BLOCK_N (n0 = 0, BLOCK_N, 2·BLOCK_N, ... < N) and add every tile to the accumulator.",
+               _first_tile_only),
+    Hypothesis("every column tile reads the first BLOCK_N columns again: the column offsets must start at "
+               "the loop's n0 (cols = n0 + tl.arange(0, BLOCK_N)).", _first_tile_repeated),
+)
+
+
 ROW_SUM = KernelSpec(
     name="row_sum",
     summary="y[m] = sum over n of x[m, n], [BLOCK_M, BLOCK_N] tiles masked on both axes",
@@ -143,6 +173,7 @@ ROW_SUM = KernelSpec(
     read_inputs=("x",),
     strided=("x",),
     axes={"y": ("row",)},
+    hint=ROW_SUM_HINT,
     fresh_case=lambda gen: Case("random size", dict(M=int(torch.randint(1, 40, (1,), generator=gen)),
                                                     N=int(torch.randint(1, 300, (1,), generator=gen)))),
 )

@@ -155,3 +155,64 @@ MISTAKES = [
     Mistake("00/check-softmax-kernel", "softmax", "torch.softmax in a launcher",
             lambda x, y: y.copy_(torch.softmax(x.float(), -1)), ("no Triton kernel at all",)),
 ]
+
+
+# -- ex2: row sums over 2-D tiles ---------------------------------------------------------
+@triton.jit
+def _row_sum(x_ptr, y_ptr, M, N, stride_m, stride_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             MUT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(0, N if MUT != 4 else 1, BLOCK_N):  # 4: the first column tile only
+        if MUT == 5:                                   # cols not offset by n0
+            cols = tl.arange(0, BLOCK_N)
+        else:
+            cols = n0 + tl.arange(0, BLOCK_N)
+        if MUT == 1:                                   # row mask only: columns past N read
+            mask = row_mask[:, None] & (cols < BLOCK_N)[None, :]
+        else:
+            mask = row_mask[:, None] & (cols < N)[None, :]
+        if MUT == 2:                                   # N as the row stride (assumes contiguous rows)
+            offs = rows[:, None] * N + cols[None, :] * stride_n
+        elif MUT == 6:                                 # strides swapped
+            offs = rows[:, None] * stride_n + cols[None, :] * stride_m
+        else:
+            offs = rows[:, None] * stride_m + cols[None, :] * stride_n
+        tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=1)
+    if MUT == 3:                                       # a mean, not a sum
+        acc = acc / N
+    if MUT == 7:                                       # store without the row mask
+        tl.store(y_ptr + rows, acc)
+    else:
+        tl.store(y_ptr + rows, acc, mask=row_mask)
+
+
+def _row_sum_launcher(mut=0, grid=None):
+    def row_sum(x, y):
+        M, N = x.shape
+        g = grid(M) if grid else triton.cdiv(M, 16)
+        _row_sum[(g,)](x, y, M, N, x.stride(0), x.stride(1), BLOCK_M=16, BLOCK_N=64, MUT=mut)
+    return row_sum
+
+
+MISTAKES += [
+    Mistake("00/check-row-sum", "row_sum", "no column mask on the tile", _row_sum_launcher(1),
+            ("a load past the end of input `x`",)),
+    Mistake("00/check-row-sum", "row_sum", "N as the row stride", _row_sum_launcher(2),
+            ("between the rows",)),
+    Mistake("00/check-row-sum", "row_sum", "a mean, not a sum", _row_sum_launcher(3),
+            ("row mean",)),
+    Mistake("00/check-row-sum", "row_sum", "first column tile only", _row_sum_launcher(4),
+            ("only the first column tile",)),
+    Mistake("00/check-row-sum", "row_sum", "column offsets forget n0", _row_sum_launcher(5),
+            ("column offsets must start at the loop's n0",)),
+    Mistake("00/check-row-sum", "row_sum", "row and column strides swapped", _row_sum_launcher(6),
+            ("stride",), weak="the read past the end of x is named, not which offset term is wrong: "
+                               "the load watcher sees offsets, not which stride made them"),
+    Mistake("00/check-row-sum", "row_sum", "store without the row mask", _row_sum_launcher(7),
+            ("past the end of output `y`",)),
+    Mistake("00/check-row-sum", "row_sum", "grid M // BLOCK_M", _row_sum_launcher(grid=lambda m: m // 16),
+            ("never written",)),
+]
