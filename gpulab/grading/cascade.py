@@ -12,10 +12,11 @@ import torch
 
 from ..attention_state import lse_to_base2, merge_state_reference, merge_states_reference
 from ..cascade import (CascadeDecodeWrapper, cascade_decode_attention, cascade_decode_into, cascade_reference,
-                       merge_state, merge_state_into, merge_states_into, shared_prefix_into,
+                       merge_state, merge_state_into, merge_states_into, prefix_kv, shared_prefix_into,
                        shared_prefix_reference)
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
-from ..paged import paged_decode_attention, to_flashinfer
+from ..paged import paged_decode_attention, paged_decode_reference, to_flashinfer
 from .attention import merge_hint
 from .paged import (DECODE_TOLERANCES, FLASHINFER_INSTALLED, GRAPH_ROW, LSE_TOLERANCES, PEER_NOTE,
                     cuda_graph_replay, decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
@@ -248,6 +249,123 @@ _CASCADE_GPU = [
                                             hq=32, hkv=8, d=128)),
 ]
 
+# =========================================================================================
+# Diagnoses: the references recomputed under plausible mistakes
+# =========================================================================================
+_KEY_TILES = (16, 32, 64, 128)
+
+
+def prefix_variant(inp, *, pages=None, head_map="group", prefix_len=None, zero_keys=0, score_factor=1.0,
+                   stale_tile=0):
+    """shared_prefix_reference with one mistake: other cache ``pages`` for the prefix, every
+    query head reading kv head 0 (``head_map="zero"``), another ``prefix_len``, ``zero_keys``
+    extra keys of score 0 and value 0 (masked loads, unmasked scores), scores times
+    ``score_factor``, or the output accumulator not rescaled when the running max moves
+    (``stale_tile`` keys per step). None for an empty prefix."""
+    q, kc, vc = inp["q"].double(), inp["k_cache"], inp["v_cache"]
+    P = int(inp["prefix_len"]) if prefix_len is None else prefix_len
+    if P == 0:
+        return None
+    B, hq, d = q.shape
+    hkv = kc.shape[2]
+    k, v = prefix_kv(kc, vc, inp["prefix_pages"] if pages is None else pages, P)
+    heads = torch.arange(hq) // (hq // hkv) if head_map == "group" else torch.zeros(hq, dtype=torch.long)
+    k, v = k.double()[:, heads], v.double()[:, heads]                      # [P, Hq, D]
+    s = torch.einsum("bhd,nhd->bhn", q, k) * d ** -0.5 * score_factor      # [B, Hq, P]
+    if zero_keys:
+        s = torch.cat([s, s.new_zeros(B, hq, zero_keys)], dim=-1)
+        v = torch.cat([v, v.new_zeros(zero_keys, hq, d)])
+    lse = torch.logsumexp(s, dim=-1)
+    if not stale_tile:
+        return {"o": torch.einsum("bhn,nhd->bhd", torch.exp(s - lse[..., None]), v), "lse": lse}
+    acc = torch.zeros(B, hq, d, dtype=torch.float64)
+    m = torch.full((B, hq), -math.inf, dtype=torch.float64)
+    for t0 in range(0, s.shape[-1], stale_tile):
+        st = s[..., t0:t0 + stale_tile]
+        m = torch.maximum(m, st.max(-1).values)
+        acc = acc + torch.einsum("bhn,nhd->bhd", torch.exp(st - m[..., None]), v[t0:t0 + stale_tile])
+    return {"o": acc / torch.exp(lse - m)[..., None], "lse": lse}
+
+
+def _prefix_tiles(**kw):
+    def answer(inp):
+        P = int(inp["prefix_len"])
+        for t in _KEY_TILES:
+            if "stale_tile" in kw and t < P:
+                yield prefix_variant(inp, stale_tile=t)
+            elif "zero_keys" in kw and P % t:
+                yield prefix_variant(inp, zero_keys=t - P % t)
+    return answer
+
+
+def _prefix_pages_skipped(inp):
+    pages = torch.arange(inp["prefix_pages"].numel(), dtype=torch.int32)
+    return None if torch.equal(pages, inp["prefix_pages"].cpu()) else prefix_variant(inp, pages=pages)
+
+
+PREFIX_HYPOTHESES = (
+    Hypothesis("the page table is skipped: prefix token t lies in cache page prefix_pages[t // page_size], "
+               "slot t % page_size, not in cache page t // page_size.", _prefix_pages_skipped),
+    Hypothesis("every query head reads KV head 0: the KV head of a program is its program_id(1) (kvh), "
+               "so the K/V offsets need + kvh · stride_kh.",
+               lambda inp: prefix_variant(inp, head_map="zero") if inp["k_cache"].shape[2] > 1 else None),
+    Hypothesis("the keys past the prefix (t ≥ prefix_len) in the last tile count with score 0: their loads "
+               "are masked, but their scores must be set to -inf too (tl.where(t < prefix_len, s, -inf)).",
+               _prefix_tiles(zero_keys=True), outputs=("o",)),
+    Hypothesis("the scores carry log2(e) (qk_scale = scale · log2 e) but are exponentiated with exp: use exp2 "
+               "(2^(s · log2 e) = e^s), or leave log2(e) out of the scale.",
+               lambda inp: prefix_variant(inp, score_factor=1 / math.log(2.0)), outputs=("o",)),
+    Hypothesis("the output accumulator is not rescaled when the running max moves: acc = acc · alpha + p·v, "
+               "with alpha = 2^(m_old - m_new), like l.", _prefix_tiles(stale_tile=True), outputs=("o",)),
+)
+PREFIX_HINT = hypotheses_hint(*PREFIX_HYPOTHESES)
+
+
+def _suffix_state(inp):
+    return paged_decode_reference(inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["seq_lens"])
+
+
+def _cascade_merged(inp, prefix=None, how="merge"):
+    p = shared_prefix_reference(**inp) if prefix is None else prefix
+    s = _suffix_state(inp)
+    if how == "lse swapped":
+        return merge_state_reference(p["o"], s["lse"], s["o"], p["lse"])
+    if how == "average":
+        return {"o": (p["o"] + s["o"]) / 2}
+    return merge_state_reference(p["o"], p["lse"], s["o"], s["lse"])
+
+
+def _prefix_whole_pages(inp):
+    P, ps = int(inp["prefix_len"]), inp["k_cache"].shape[1]
+    if P % ps == 0:
+        return None
+    return _cascade_merged(inp, prefix=prefix_variant(inp, prefix_len=-(-P // ps) * ps))
+
+
+CASCADE_HINT = hypotheses_hint(
+    Hypothesis("the result is the suffix's state alone: the prefix state (o_p, lse_p) is never merged in; "
+               "merge it with the suffix state (o_s, lse_s).",
+               lambda inp: _suffix_state(inp) if int(inp["prefix_len"]) else None),
+    Hypothesis("the result is the prefix's state alone: the suffix state (paged decode over block_table, "
+               "seq_lens) is never merged in.",
+               lambda inp: shared_prefix_reference(**inp) if bool((inp["seq_lens"] > 0).any()) else None,
+               outputs=("o",)),
+    Hypothesis("the merge takes the prefix's o with the suffix's lse (lse_p and lse_s swapped): each state "
+               "is weighted by its own LSE.",
+               # (an empty prefix gives o = 0, as the prefix's state alone would)
+               lambda inp: _cascade_merged(inp, how="lse swapped") if int(inp["prefix_len"]) else None),
+    Hypothesis("o is the plain average of the prefix and suffix outputs: each state counts with its weight "
+               "exp(lse - max lse) / Σ exp(lse - max lse).", lambda inp: _cascade_merged(inp, how="average"),
+               outputs=("o",)),
+    Hypothesis("the prefix is read as whole pages: tokens past prefix_len in its last page are attended; "
+               "pass prefix_len itself (the last page is partial).", _prefix_whole_pages),
+    Hypothesis("lse is the prefix's LSE alone: the suffix's lse_s is never merged in; the merged LSE is "
+               "log(exp(lse_p) + exp(lse_s)), the merge's own lse output.",
+               lambda inp: {"lse": shared_prefix_reference(**inp)["lse"]} if bool((inp["seq_lens"] > 0).any())
+               else None, outputs=("lse",)),
+)
+
+
 CASCADE_DECODE_ATTENTION = KernelSpec(
     name="cascade_decode_attention",
     expected_fp_warnings=("divide",),   # a learner's log(0) in tl.where (interpreter)
@@ -257,6 +375,7 @@ CASCADE_DECODE_ATTENTION = KernelSpec(
     reference=cascade_reference,
     outputs=decode_outputs,
     implementation=cascade_decode_into,
+    hint=CASCADE_HINT,
     cases={
         "cpu": _CASCADE_CPU,
         "gpu": _CASCADE_GPU,
@@ -293,6 +412,7 @@ SHARED_PREFIX_ATTENTION = KernelSpec(
     reference=shared_prefix_reference,
     outputs=decode_outputs,
     implementation=shared_prefix_into,
+    hint=PREFIX_HINT,
     cases={"cpu": _CASCADE_CPU[:3], "gpu": _CASCADE_GPU[1:3] + _CASCADE_GPU[4:]},
     dtypes={"cpu": [torch.float32, torch.float16], "gpu": [torch.float32, torch.bfloat16]},
     tolerances=DECODE_TOLERANCES,

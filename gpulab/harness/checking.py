@@ -670,8 +670,15 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
         atol, rtol = spec.tolerance(dtype, name)
         return not bool(torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=True).all())
 
+    named = []   # the spec's own diagnosis named a cause (it says more than a generic hint)
+
+    def spec_hint(k, exp):
+        cause = spec.hint(k, got[k], exp, inputs)
+        named.append(bool(cause))
+        return cause
+
     for k, exp in expected.items():
-        custom = (lambda k=k, exp=exp: spec.hint(k, got[k], exp, inputs)) if spec.hint else None
+        custom = (lambda k=k, exp=exp: spec_hint(k, exp)) if spec.hint else None
         msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k),
                             unread=_unread_inputs(spec, inputs, k, got[k]), custom_hint=custom,
                             axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k),
@@ -681,7 +688,8 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
             # Which failure explains best: a hint on an output of a few elements says less
             # than one on a real tensor.
             big = isinstance(got[k], torch.Tensor) and got[k].numel() > 2
-            failure.telling = (2 if big else 1) if "Hint:" in msg else 0
+            # and a cause the spec's own diagnosis names beats a generic hint on the same size.
+            failure.telling = ((2 if big else 1) + (0.5 if any(named) else 0)) if "Hint:" in msg else 0
             raise failure
         worst = max(worst, err)
     return worst, watch.launched
