@@ -14,7 +14,8 @@ import torch
 from ..attention import (ONLINE_SOFTMAX_BLOCK, attention_reference, exp2_poly3_into, flash_attention,
                          flash_attention_fa4_into, flash_attention_into, merge_state_torch,
                          online_softmax_into, repeat_kv)
-from ..attention_state import LOG2E, merge_state_reference
+from ..attention_state import LOG2E, POLY3, merge_state_reference
+from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
 
@@ -373,6 +374,65 @@ def make_exp2_inputs(p, dtype, device, gen):
     return {"x": x.to(dtype)}
 
 
+# Taylor's coefficients of 2^f at f = 0: (ln 2)^k / k!
+EXP2_TAYLOR3 = (1.0, math.log(2.0), math.log(2.0) ** 2 / 2, math.log(2.0) ** 3 / 6)
+
+
+def exp2_poly3_variant(x, *, clamp=True, trunc=False, shift=23):
+    """exp2_poly3_torch with one mistake: no clamp at -127, the integer part by truncation
+    toward zero, the integer part added ``shift`` bits up (0: not shifted; None: never
+    added, the polynomial of the fraction alone)."""
+    x = x.float()
+    if clamp:
+        x = x.clamp(min=-127.0)
+    j = torch.trunc(x) if trunc else torch.floor(x)
+    f = x - j
+    p = POLY3[0] + f * (POLY3[1] + f * (POLY3[2] + f * POLY3[3]))
+    if shift is None:
+        return p
+    return (p.view(torch.int32) + (j.to(torch.int32) << shift)).view(torch.float32)
+
+
+def _exp2_polynomial_hint(output, got, expected, inputs):
+    """The integer part right and the cubic of the fraction wrong: y / 2^floor(x) is then a
+    cubic in f = x - floor(x); fit it and compare its coefficients with FA4's."""
+    x = inputs["x"].double().cpu()
+    keep = (x > -100) & (x < 100)
+    if int(keep.sum()) < 8:
+        return None
+    j = torch.floor(x[keep])
+    f = x[keep] - j
+    r = got.detach().double().cpu()[keep] / torch.exp2(j)
+    a = torch.stack([f ** k for k in range(4)], dim=1)
+    c = torch.linalg.lstsq(a, r[:, None]).solution[:, 0]
+    if not bool(torch.isfinite(c).all()) or float((a @ c - r).abs().max()) > 1e-5 * float(r.abs().max()):
+        return None
+    fit = ", ".join(f"{float(v):.6g}" for v in c)
+    if all(abs(float(v) - t) < 1e-4 for v, t in zip(c, EXP2_TAYLOR3)):
+        return (f"your polynomial of the fraction has Taylor's coefficients ({fit}), exact only at f = 0: FA4's "
+                f"cubic is fitted over [0, 1) (1, 0.695146143, 0.227564394, 0.0771190897), with a far smaller "
+                f"largest error.")
+    return (f"the integer part is right, the cubic of the fraction is not: its coefficients are ≈ ({fit}), "
+            f"FA4's are (1, 0.695146143, 0.227564394, 0.0771190897): check each coefficient.")
+
+
+EXP2_HINT = hypotheses_hint(
+    Hypothesis("the integer part j comes from truncation toward zero (a plain int cast): for x < 0 that "
+               "leaves f = x - j in (-1, 0], outside the cubic's range; use j = floor(x).",
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], trunc=True)}),
+    Hypothesis("x is not clamped at -127: below that, j << 23 runs past the exponent bits (garbage, even "
+               "negative numbers); clamp x to ≥ -127 first (2^-127 is then 0 to float32's bits).",
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], clamp=False)}),
+    Hypothesis("the result is the cubic of the fraction alone (≈ 2^f in [1, 2)): the integer part never "
+               "scales it; add j to the exponent bits (bits of p + (j << 23)).",
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=None)}),
+    Hypothesis("the integer part is added to the bits without << 23: it must land in the exponent field "
+               "(bits 23..30), so add j << 23 to p's bits.",
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=0)}),
+    then=_exp2_polynomial_hint,
+)
+
+
 EXP2_POLY3 = KernelSpec(
     name="exp2_poly3",
     summary="2^x from a cubic polynomial and exponent-bit insertion (FA4)",
@@ -386,4 +446,5 @@ EXP2_POLY3 = KernelSpec(
     dtypes={"cpu": [torch.float32], "gpu": [torch.float32]},
     tolerances={torch.float32: (1e-37, 1e-4)},
     read_inputs=("x",),
+    hint=EXP2_HINT,
 )
