@@ -423,12 +423,13 @@ EXP2_HINT = hypotheses_hint(
     Hypothesis("x is not clamped at -127: below that, j << 23 runs past the exponent bits (garbage, even "
                "negative numbers); clamp x to ≥ -127 first (2^-127 is then 0 to float32's bits).",
                lambda inp: {"y": exp2_poly3_variant(inp["x"], clamp=False)}),
-    Hypothesis("the result is the cubic of the fraction alone (≈ 2^f in [1, 2)): the integer part never "
-               "scales it; add j to the exponent bits (bits of p + (j << 23)).",
-               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=None)}),
+    # (j added unshifted moves only p's last mantissa bits: the two are told apart to 1e-6)
     Hypothesis("the integer part is added to the bits without << 23: it must land in the exponent field "
                "(bits 23..30), so add j << 23 to p's bits.",
-               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=0)}),
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=0)}, atol=0, rtol=1e-6),
+    Hypothesis("the result is the cubic of the fraction alone (≈ 2^f in [1, 2)): the integer part never "
+               "scales it; add j to the exponent bits (bits of p + (j << 23)).",
+               lambda inp: {"y": exp2_poly3_variant(inp["x"], shift=None)}, atol=0, rtol=1e-6),
     then=_exp2_polynomial_hint,
 )
 

@@ -313,12 +313,12 @@ MISTAKES += [
     Mistake("04/check-attention", "flash_attention", "causal loop end without S_kv - S_q", _attn_launcher(6),
             ("loop",)),
 
-    Mistake("04/check-exp2-poly3", "exp2_poly3", "no clamp at -127", _exp2_launcher(1), ("-127",)),
-    Mistake("04/check-exp2-poly3", "exp2_poly3", "truncation instead of floor", _exp2_launcher(2), ("floor",)),
-    Mistake("04/check-exp2-poly3", "exp2_poly3", "Taylor coefficients", _exp2_launcher(3), ("Taylor",)),
-    Mistake("04/check-exp2-poly3", "exp2_poly3", "a coefficient typo", _exp2_launcher(4), ("coefficient",)),
+    Mistake("04/check-exp2-poly3", "exp2_poly3", "no clamp at -127", _exp2_launcher(1), ("not clamped at -127",)),
+    Mistake("04/check-exp2-poly3", "exp2_poly3", "truncation instead of floor", _exp2_launcher(2), ("truncation toward zero",)),
+    Mistake("04/check-exp2-poly3", "exp2_poly3", "Taylor coefficients", _exp2_launcher(3), ("Taylor's coefficients",)),
+    Mistake("04/check-exp2-poly3", "exp2_poly3", "a coefficient typo", _exp2_launcher(4), ("check each coefficient",)),
     Mistake("04/check-exp2-poly3", "exp2_poly3", "integer part never applied", _exp2_launcher(5),
-            ("integer part",)),
+            ("cubic of the fraction alone",)),
     Mistake("04/check-exp2-poly3", "exp2_poly3", "integer part added without << 23", _exp2_launcher(6),
-            ("<< 23",)),
+            ("added to the bits without << 23",)),
 ]
