@@ -257,6 +257,72 @@ def _gqa_modulo(inp):
     return attention_reference(q, k[:, idx], v[:, idx], inp["causal"])
 
 
+def attention_variant(inp, keep=None, zero_keys=0, scale_factor=1.0):
+    """attention_reference with one mistake: query i sees key j where ``keep(i, j)`` (index
+    tensors [S_q, 1] and [1, S_kv]; None: the spec's own mask), ``zero_keys`` extra keys of
+    score 0 and value 0 after the last (a key tile's padding with unmasked scores), scores
+    times ``scale_factor``. Also returns the scores: {"o", "lse", "s"}."""
+    q, k, v = inp["q"].double(), inp["k"].double(), inp["v"].double()
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    s = (q @ k.transpose(-1, -2)) * scale_factor / math.sqrt(q.shape[-1])
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    if keep is not None:
+        s = s.masked_fill(~keep(i, j), -math.inf)
+    elif inp["causal"]:
+        s = s.masked_fill(j > i + (k.shape[2] - q.shape[2]), -math.inf)
+    if zero_keys:
+        s = torch.cat([s, s.new_zeros(*s.shape[:-1], zero_keys)], dim=-1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], zero_keys, v.shape[-1])], dim=2)
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return {"o": torch.exp(s - safe[..., None]) @ v, "lse": lse, "s": s}
+
+
+_KEY_TILES = (16, 32, 64, 128)
+
+
+def _unmasked_key_padding(inp):
+    """The last key tile's padding counted with score 0 (K/V loads masked, scores not)."""
+    s_kv = inp["k"].shape[2]
+    for t in _KEY_TILES:
+        if s_kv % t and not inp["causal"]:
+            yield attention_variant(inp, zero_keys=t - s_kv % t)
+
+
+def _diagonal_excluded(inp):
+    if not inp["causal"]:
+        return None
+    off = inp["k"].shape[2] - inp["q"].shape[2]
+    return attention_variant(inp, keep=lambda i, j: j < i + off)
+
+
+def _causal_loop_unshifted(inp):
+    """The causal key loop ends at (pid_m + 1)·BLOCK_M, without + S_kv - S_q."""
+    s_q, s_kv = inp["q"].shape[2], inp["k"].shape[2]
+    if not inp["causal"] or s_kv <= s_q:
+        return
+    for t in _KEY_TILES:
+        yield attention_variant(inp, keep=lambda i, j, t=t: (j <= i + (s_kv - s_q)) & (j < (i // t + 1) * t))
+
+
+def _exp_of_log2e_scores(inp):
+    """Scores × scale × log2(e) through exp, and a base-2 epilogue (m + log2 l)·ln 2 on that
+    natural-base state: lse = lse' - (1 - ln 2)·max s'."""
+    alt = attention_variant(inp, scale_factor=LOG2E)
+    m = alt["s"].max(-1).values
+    lse = torch.where(torch.isneginf(m), m, alt["lse"] - (1 - math.log(2.0)) * m)
+    return {"o": alt["o"], "lse": lse}
+
+
+def _never_divided_by_l(inp):
+    """o = acc: the unnormalised sum, acc = o · l with l = Σ exp(s - max s)."""
+    alt = attention_variant(inp)
+    m = alt["s"].max(-1).values
+    l = torch.where(torch.isneginf(m), torch.zeros_like(m), torch.exp(alt["lse"] - m))
+    return {"o": alt["o"] * l[..., None], "lse": alt["lse"]}
+
+
 ATTENTION_MISTAKES = [
     ("the output equals attention with the scale × ln 2: exp2 needs the scores multiplied by "
      "scale · log2(e) (qk_scale), not just scale.", _with_scale(1 / LOG2E)),
@@ -270,6 +336,20 @@ ATTENTION_MISTAKES = [
      "j ≤ i + S_kv - S_q.", _causal_top_left),
     ("the output equals GQA with kv head = h % Hkv: query head h uses kv head h // (Hq // Hkv).",
      _gqa_modulo),
+    ("the output equals attention with scores × scale × log2(e) fed to exp (natural), with a base-2 "
+     "epilogue: use exp2 with qk_scale, or exp with scale, not a mix.", _exp_of_log2e_scores),
+    ("the output equals attention where the keys past S_kv in the last key tile count with score 0: "
+     "masking their K/V loads is not enough, set their scores to -inf (tl.where(cols < S_kv, s, -inf)).",
+     _unmasked_key_padding),
+    ("the output equals a causal mask that excludes the diagonal (j < i + S_kv - S_q): query i sees "
+     "key j ≤ i + S_kv - S_q, its own position included.", _diagonal_excluded),
+    ("the output equals a causal key loop that stops too early: with S_q < S_kv the last key a query "
+     "block needs is (pid_m + 1)·BLOCK_M + S_kv - S_q (bottom-right alignment), not (pid_m + 1)·BLOCK_M.",
+     _causal_loop_unshifted),
+    ("the LSE is in base 2 (m + log2 l, the running state's units): gpulab's LSE is the natural log, "
+     "multiply by ln 2.", lambda inp: {"lse": attention_variant(inp)["lse"] / math.log(2.0)}),
+    ("o is the unnormalised sum acc: divide it by the running sum l at the end (o = acc / l).",
+     _never_divided_by_l),
 ]
 ONLINE_UPDATE_ROWS = ("some rows are right and others wrong: that is the signature of the online "
                       "update. Rows whose max moved after their first key block need acc and l "
@@ -286,9 +366,12 @@ def attention_hint(output, got, expected, inputs):
     if bool((~torch.isfinite(g) & torch.isfinite(e)).any()):
         return None                     # NaN where the answer is finite: the generic hint says why
     for text, mistake in ATTENTION_MISTAKES:
-        alt = mistake(inputs)
-        if alt is not None and torch.allclose(g, alt[output].double().cpu(), atol=5e-3, rtol=5e-3):
-            return text
+        alts = mistake(inputs)
+        # one answer, or several (a mistake with a free parameter, e.g. the key tile)
+        for alt in [alts] if alts is None or isinstance(alts, dict) else alts:
+            if alt is not None and output in alt and alt[output].shape == g.shape and \
+                    torch.allclose(g, alt[output].double().cpu(), atol=5e-3, rtol=5e-3):
+                return text
     if output == "o":
         return LSE_RIGHT_O_WRONG        # reached only when the LSE passed
     for name in ("q", "k"):             # an input never loaded: the generic hint names it
