@@ -166,7 +166,8 @@ def _bm_eviction(cls) -> None:
     order = [bm.blocks[x].hash is None for x in bm.free]    # True: blank
     _expect(order == sorted(order, reverse=True), part,
             f"after freeing a and b, the free list (front first) holds "
-            f"{['blank' if x else 'cached' for x in order]}: a cached page is ahead of a blank one",
+            f"{['blank' if x else 'cached' for x in order]}: a cached page is ahead of a blank one, so a new "
+            f"sequence would take a cached page while blank pages were free",
             "release blank pages to the front of the free list (handed out first) and cached pages to "
             "the back (evicted last, least recently freed first)")
     c = _seq([20, 21, 22])                           # 2 pages: the 2 blank ones must go first
@@ -341,7 +342,7 @@ def _sched_budget(cls) -> None:
 
 def _budget_kept(got, budget: int, part: str, step: int) -> None:
     total = sum(n for _, n in got)
-    _expect(total <= budget, part, f"step {step} scheduled {got}: {total} tokens with a budget of {budget}",
+    _expect(total <= budget, part, f"step {step} with a budget of {budget} tokens scheduled {got}: {total} tokens",
             "the budget counts tokens, not sequences: subtract each item's number of tokens from it")
 
 
