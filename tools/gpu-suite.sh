@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Run gpulab's suite compiled on a GPU host that has torch + triton but no internet.
-# usage: tools/gpu-suite.sh OUTDIR [pytest args...]
-# Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and,
-# for peer baselines, .peers/ (../shared/gpu/peers.sh .peers). BENCH="name ..." also
-# benchmarks those specs and copies the JSON to OUTDIR.
+# Run gpulab's suite compiled on a GPU host that has torch + triton but no internet:
+# tests load-balanced over pytest-xdist workers and the solution notebooks (one worker
+# per notebook) side by side, each under a time limit, so that one call of at most
+# 10 minutes reports as much as it can.
+#
+# usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]          (default: tests)
+# environment: TN=10 test workers, TT=505 s for the tests; NBN=4 notebook workers,
+#   NBT=500 s, NBS="solutions" notebooks to run (NBS= none); BENCH="name ..." also
+#   benchmarks those specs afterwards. A test whose CUDA context breaks (device-side
+#   assert) stops its worker; xdist restarts it (tests/conftest.py).
+# Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
+# peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
+# Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
+# time limit stopped the run), notebooks.txt and bench.txt.
 set -uo pipefail
-out=${1:?usage: tools/gpu-suite.sh OUTDIR [pytest args...]}; shift
+out=${1:?usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]}; shift
 mkdir -p "$out"
 for d in .whl .peers; do
   if ls $d/*.whl >/dev/null 2>&1; then
@@ -16,13 +25,22 @@ done
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m gpulab env | tee "$out/env.txt"
+t0=$(date +%s)
+python3 -m gpulab env > "$out/env.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
-if [ $# -gt 0 ]; then
-  python3 -m pytest -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.txt"
-  echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/pytest.txt"
+nbs=${NBS-solutions}
+if [ -n "$nbs" ]; then
+  ( timeout -s INT "${NBT:-500}" python3 -m pytest -p no:cacheprovider -n "${NBN:-4}" --dist loadfile \
+      -rfE --tb=short --durations=30 $nbs > "$out/notebooks.txt" 2>&1
+    echo "exit $?" >> "$out/notebooks.txt" ) &
 fi
+timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist load -rfEs \
+    --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
+echo "exit $?" >> "$out/tests.txt"
+wait
 if [ -n "${BENCH:-}" ]; then
-  python3 -m gpulab bench $BENCH --save 2>&1 | tee "$out/bench.txt"
+  python3 -m gpulab bench $BENCH --save > "$out/bench.txt" 2>&1
   cp gpulab/results/*.json "$out/" 2>/dev/null
 fi
+echo "wall $(( $(date +%s) - t0 )) s" >> "$out/env.txt"
+tail -n 3 "$out"/tests.txt "$out"/notebooks.txt 2>/dev/null

@@ -23,7 +23,7 @@ from ..engine.engine import LLM, EngineConfig
 from ..engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
 from ..engine.sequence import SamplingParams, Sequence
 from ..harness.checking import CheckFailure, scenario_check
-from ..paged import OutOfPages
+from ..paged import OutOfPages, paged_decode_reference
 
 _ids = itertools.count()
 # The block manager and scheduler checks test logic, not kernels: the model runs as the
@@ -67,13 +67,19 @@ def _bm_hashing(cls) -> None:
     _expect(all(b.hash is not None for b in full) and bm.blocks[a.block_table[3]].hash is None, part,
             "after commit_full_blocks, each full page must carry a hash and the partial last page none",
             "hash only pages whose block_size tokens have all been computed")
+    _expect(full[0].hash == chain_hash(None, range(10, 14)), part,
+            "page 0's hash is not chain_hash(None, page 0's tokens)",
+            "the first page has no parent: start the chain from None")
     _expect(full[1].hash == chain_hash(full[0].hash, range(14, 18)), part,
             "page 1's hash is not chain_hash(page 0's hash, page 1's tokens)",
             "chain each page's hash with its predecessor's, starting from None")
     b = _seq(list(range(10, 22)) + [99, 98, 97])    # shares 3 full pages with a
     hits = bm.match_prefix(b)
     _expect(hits == a.block_table[:3], part, f"a prompt sharing a's first 3 full pages matched {hits}, "
-            f"expected {a.block_table[:3]}")
+            f"expected {a.block_table[:3]}",
+            "commit_full_blocks stored the right keys (checked above), so match_prefix must compute the "
+            "same keys: chain_hash(parent, page tokens) page by page, starting from None, and look them up "
+            "in self.cached" if len(hits) < 3 else "")
     c = _seq([0, 0, 0, 0] + list(range(14, 18)) + [1, 2])  # a's page 1 tokens after another page 0
     hits = bm.match_prefix(c)
     _expect(hits == [], part, f"a prompt whose page 1 equals a's page 1 but whose page 0 differs matched {hits}",
@@ -117,9 +123,14 @@ def _bm_refcounts(cls) -> None:
     b.num_computed_tokens = b.num_tokens
     bm.commit_full_blocks(b)
     bm.free_sequence(a)
-    _expect(_refs(bm, b.block_table) == [1, 1, 1] and bm.num_free == 7, part,
+    refs = _refs(bm, b.block_table)
+    _expect(refs == [1, 1, 1] and bm.num_free == 7, part,
             f"after freeing a, b's pages should have ref counts [1, 1, 1] and 7 pages be free; got "
-            f"{_refs(bm, b.block_table)}, {bm.num_free} free", "a page returns to the free pool only at ref_count 0")
+            f"{refs}, {bm.num_free} free",
+            "release_block must drop one reference (ref_count -= 1): b still holds the shared pages"
+            if refs != [1, 1, 1] else
+            "a page whose ref_count drops to 0 must go back to the free pool (self.free)" if bm.num_free < 7 else
+            "a page returns to the free pool only at ref_count 0")
     bm.free_sequence(b)
     _expect(bm.num_free == 10 and all(x.ref_count == 0 for x in bm.blocks), part,
             f"with no sequence left every page must be free with ref_count 0; {bm.num_free} of 10 free")
@@ -152,18 +163,27 @@ def _bm_eviction(cls) -> None:
     _expect(len(bm.match_prefix(_seq([1, 2, 3, 4, 5]))) == 2 and len(bm.match_prefix(_seq([6, 7, 8, 9, 10]))) == 2,
             part, "freed full pages must stay in the prefix cache until their page is needed again",
             "release_block must keep the page's hash; only take_free_block forgets it")
+    order = [bm.blocks[x].hash is None for x in bm.free]    # True: blank
+    _expect(order == sorted(order, reverse=True), part,
+            f"after freeing a and b, the free list (front first) holds "
+            f"{['blank' if x else 'cached' for x in order]}: a cached page is ahead of a blank one, so a new "
+            f"sequence would take a cached page while blank pages were free",
+            "release blank pages to the front of the free list (handed out first) and cached pages to "
+            "the back (evicted last, least recently freed first)")
     c = _seq([20, 21, 22])                           # 2 pages: the 2 blank ones must go first
     _prefill(bm, c)
     _expect(len(bm.match_prefix(_seq([1, 2, 3, 4, 5]))) == 2 and len(bm.match_prefix(_seq([6, 7, 8, 9, 10]))) == 2,
-            part, "a new sequence took a cached page while blank pages were free",
-            "release blank pages to the front of the free list: they are handed out before cached ones")
+            part, "a new sequence took a cached page while blank pages were free at the front of the free list",
+            "take_free_block must hand out the page at the FRONT of self.free (popitem(last=False)): "
+            "blank pages first, then the least recently freed cached one")
     d = _seq([30, 31, 32, 33, 34, 35])               # 3 pages: all must be evicted cached ones
     _prefill(bm, d)
     a_hits, b_hits = len(bm.match_prefix(_seq([1, 2, 3, 4, 5]))), len(bm.match_prefix(_seq([6, 7, 8, 9, 10])))
     _expect(a_hits == 0 and b_hits == 1, part,
             f"evicting 3 cached pages should take a's two (freed first) and b's last page (freed last "
             f"sequence, last page first) and keep b's first; a keeps {a_hits}, b keeps {b_hits} pages",
-            "hand out free pages least recently freed first, and free a sequence's pages last page first")
+            "take_free_block hands out the FRONT of self.free (least recently freed first); release_block "
+            "appends cached pages at the back")
     for x in (c, d):
         bm.free_sequence(x)
     e = _seq([6, 7, 8])
@@ -184,13 +204,18 @@ def _bm_cow(cls) -> None:
     shared = parent.block_table[1]
     _expect(bm.can_append(child, 1), part, "can_append must allow a copy when one page is free")
     copies = bm.append_slots(child, 1)
+    _expect(not (len(copies) == 1 and copies[0][0] != shared), part,
+            f"append_slots copied page {copies[0][0] if copies else None}, but the next token (position "
+            f"{child.num_computed_tokens}) goes to page {shared}",
+            "copy the page block_table[num_computed_tokens // block_size], the one being written")
     _expect(len(copies) == 1 and copies[0][0] == shared, part,
             f"writing into the shared partial page {shared} must first copy it: append_slots returned {copies}",
             "if the page the next token goes to has ref_count > 1, take a fresh page, "
             "return (old, new) and put the new page in the block table")
     new = copies[0][1]
     _expect(child.block_table == [parent.block_table[0], new] and new != shared, part,
-            f"the child's block table should now be [{parent.block_table[0]}, {new}], got {child.block_table}")
+            f"the child's block table should now be [{parent.block_table[0]}, {new}], got {child.block_table}",
+            "put the new page in the block table in place of the shared one it copies")
     _expect(bm.blocks[shared].ref_count == 1 and bm.blocks[new].ref_count == 1, part,
             f"after the copy the old page is the parent's alone (ref 1) and the copy the child's (ref 1); got "
             f"{bm.blocks[shared].ref_count} and {bm.blocks[new].ref_count}", "release the old page once")
@@ -202,6 +227,9 @@ def _bm_cow(cls) -> None:
     twin = _seq(range(8))
     bm.fork(full, twin)
     copies = bm.append_slots(twin, 1)
+    _expect(copies != [] or len(twin.block_table) == 3, part,
+            f"8 computed tokens plus 1 need 3 pages of 4; after append_slots(twin, 1) the table has "
+            f"{len(twin.block_table)}", "add pages until the table covers num_computed_tokens + num_tokens tokens")
     _expect(copies == [] and len(twin.block_table) == 3 and twin.block_table[:2] == full.block_table, part,
             "a token after two full shared pages goes to a new page: no copy, the full pages stay shared")
     tight = cls(3, 4)
@@ -277,8 +305,13 @@ def _sched_budget(cls) -> None:
              "than the budget is chunked", "a running sequence continues its prompt where it stopped",
              "running sequences first, then waiting ones in arrival order while budget remains"]
     for step, (want, hint) in enumerate(zip(expected, hints), 1):
+        running = {names[id(s)] for s in sch.running}
         batch = sch.schedule()
         got = _items(batch, names)
+        _budget_kept(got, 10, part, step)
+        if running and got and got[0][0] not in running and got != want:
+            hint = ("running sequences first (oldest first), then admit waiting ones in arrival order "
+                    "with the budget left")
         _expect(got == want, part, f"step {step} with a budget of 10 tokens scheduled {got}, expected {want}", hint)
         sch.postprocess(batch)
     for s in (a, b, c):
@@ -287,6 +320,7 @@ def _sched_budget(cls) -> None:
     names[id(d)] = "d"
     sch.add(d)
     got = _items(sch.schedule(), names)
+    _budget_kept(got, 10, part, 4)
     want = [("a", 1), ("b", 1), ("c", 1), ("d", 7)]
     _expect(got == want, part, f"with three decodes and a waiting 20-token prompt, budget 10, got {got}, "
             f"expected {want}", "decodes cost one token each; the rest of the budget goes to the next prompt")
@@ -304,6 +338,12 @@ def _sched_budget(cls) -> None:
     _expect(got == [("e", 40)], part, f"without chunked prefill a prompt that does not fit the budget left "
             f"waits for a later step; got {got}, expected [('e', 40)]",
             "if not self.chunked_prefill and the prompt's tokens exceed the budget left: stop admitting")
+
+
+def _budget_kept(got, budget: int, part: str, step: int) -> None:
+    total = sum(n for _, n in got)
+    _expect(total <= budget, part, f"step {step} with a budget of {budget} tokens scheduled {got}: {total} tokens",
+            "the budget counts tokens, not sequences: subtract each item's number of tokens from it")
 
 
 def _sched_fcfs(cls) -> None:
@@ -343,6 +383,9 @@ def _sched_preempt(cls) -> None:
     sch.add(d)
     batch = sch.schedule()                # a takes the last free page; b needs one too
     pre, got = [names[id(s)] for s in batch.preempted], _items(batch, names)
+    _expect(not batch.preempted or batch.preempted[0].block_table == [], part,
+            f"preempted {pre}, but {pre[0] if pre else ''} still holds pages {batch.preempted[0].block_table if pre else ''}",
+            "a preempted sequence must release its pages and restart (self.preempt(victim) does both)")
     _expect(pre == ["c"], part, f"out of pages, only the newest running sequence (c) should be preempted: "
             f"it frees 2 pages, enough for b; preempted {pre}",
             "preempt the victim popped from the END of the running list, and only while the current one does not fit")
@@ -409,9 +452,57 @@ def check_scheduler(cls, parts=tuple(SCHEDULER_PARTS)) -> None:
 
 
 # -- decode hook --------------------------------------------------------------------------------
+def _hook_direct(hook) -> None:
+    """Call the hook once on a small paged cache (scattered pages, sequences of 1, 2 and 3
+    pages) and name what is wrong with its output, before serving with it."""
+    part, ps = "decode hook", 4
+    g = torch.Generator().manual_seed(11)
+    dev, hq, hkv, d = runtime.device(), TINY.n_heads, TINY.n_kv_heads, TINY.head_dim
+    k_cache = torch.randn(9, ps, hkv, d, generator=g).to(dev)
+    v_cache = torch.randn(9, ps, hkv, d, generator=g).to(dev)
+    q = torch.randn(3, hq, d, generator=g).to(dev)
+    block_table = torch.tensor([[6, 2, 8], [3, 0, 0], [1, 7, 4]], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([11, 3, 9], dtype=torch.int32, device=dev)
+    args = (q.clone(), k_cache.clone(), v_cache.clone(), block_table.clone(), seq_lens.clone())
+    o = hook(*args)
+    sig = "decode_hook(q, k_cache, v_cache, block_table, seq_lens)"
+    _expect(o is not None, part, f"{sig} returned None", "return o (the attention output), not only fill it")
+    _expect(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(q.shape), part,
+            f"{sig} returned {f'a tensor of shape {tuple(o.shape)}' if isinstance(o, torch.Tensor) else type(o).__name__}, "
+            f"not q's shape {tuple(q.shape)}", "return o [B, Hq, D] (not lse [B, Hq], not a tuple)")
+
+    def ref(kc, vc, lens):
+        return paged_decode_reference(q.double(), kc.double(), vc.double(), block_table, lens)["o"]
+
+    def close(a, b):   # per sequence
+        return [bool(torch.allclose(a[i].double().cpu(), b[i].cpu(), atol=2e-3, rtol=2e-3)) for i in range(a.shape[0])]
+
+    ok = close(o, ref(k_cache, v_cache, seq_lens))
+    if all(ok):
+        return
+    what = f"on a paged cache of {ps}-token pages (seq_lens {seq_lens.tolist()}), o is wrong for sequence(s) " \
+           f"{[i for i, x in enumerate(ok) if not x]}"
+    if all(close(o, ref(k_cache, v_cache, seq_lens - 1))):
+        _fail(part, what + ": it is attention over one token short of each sequence",
+              "pass seq_lens as given: it counts the token this step just wrote into the cache")
+    if all(close(o, ref(v_cache, k_cache, seq_lens))):
+        _fail(part, what + ": it is attention with the key and value caches swapped",
+              "the launcher takes (q, k_cache, v_cache, ...) in that order")
+    long = [int(x) > ps for x in seq_lens]
+    if any(ok) and all(x == (not lg) for x, lg in zip(ok, long)):
+        _fail(part, what + ": right for the sequence that fits one page, wrong for longer ones",
+              "pass the whole block_table: the kernel must read every page of each sequence")
+    if not any(ok):
+        _fail(part, what + ": no sequence's output is attention's (nor one token short, nor with k and v "
+              "swapped)", "check that the launcher writes the o you return (same tensor, same dtype and shape)")
+    _fail(part, what, "compare your output with gpulab.paged.paged_decode_reference on small inputs")
+
+
 @scenario_check("decode-hook")
 def check_decode_hook(hook) -> None:
-    """The engine with ``hook`` as its decode attention generates the reference's tokens."""
+    """The hook on a small paged cache equals paged attention; the engine with ``hook`` as
+    its decode attention generates the reference's tokens."""
+    _hook_direct(hook)
     model = _check_model()
     prompts = ["Tyger Tyger, burning bright", "Shall I"]
     want = [reference_generate(model, encode_prompt(p), 4) for p in prompts]

@@ -383,6 +383,11 @@ def _check_shard_structure(shard, gen) -> None:
                     f"shard, {where}: the w_down shard has shape {tuple(dn.shape)}, expected {(d, share)}.\n"
                     f"  Hint: w_down is [d_model, hidden] and the row-parallel layer splits its *input* "
                     f"features: take columns (w_down[:, a:b]), not rows; rows would split the output.")
+            if gu.dim() == 2 and gu.shape[0] == 2 * hidden and gu.shape[1] < d:
+                raise CheckFailure(
+                    f"shard, {where}: the w_gate_up shard has shape {tuple(gu.shape)}, expected {(2 * share, d)}.\n"
+                    f"  Hint: w_gate_up is [2·hidden, d_model] and the column-parallel layer splits its "
+                    f"*output* features: take rows (dim 0) of each half, not columns (dim 1, the input).")
             if tuple(gu.shape) != (2 * share, d) or tuple(dn.shape) != (d, share):
                 raise CheckFailure(
                     f"shard, {where}: got shapes {tuple(gu.shape)} and {tuple(dn.shape)}, expected "
@@ -497,8 +502,15 @@ def _tp_check(shard, matmul, world_size, rows, dtypes, timeout_s, seed, quiet, s
                 else:
                     ratio = (y.double() / tp1.double())[tp1.abs() > 1e-3 * float(tp1.abs().max())]
                     med = float(ratio.median()) if ratio.numel() else 0.0
-                    if ratio.numel() and abs(med - 1) > 0.05 and \
-                            float(((ratio - med).abs() < 0.03 * abs(med)).double().mean()) >= 0.9:
+                    constant = ratio.numel() and abs(med - 1) > 0.05 and \
+                        float(((ratio - med).abs() < 0.03 * abs(med)).double().mean()) >= 0.9
+                    if constant and abs(med * world_size - 1) < 0.01:
+                        hint = (f"the outputs are TP=1's times {med:.3g} = 1/{world_size}: the reduction "
+                                f"averages (ReduceOp.AVG, or a division by the rank count) instead of summing.")
+                    elif bool((y.float() == y.float().round()).all()) and not bool((tp1 == tp1.round()).all()):
+                        hint = ("the outputs are whole numbers: the int32 partial sums were never scaled. "
+                                "After the all-reduce, apply the scales once (scale_partial_sums).")
+                    elif constant:
                         hint = (f"the outputs are off by a factor ≈ {med:.3g}: a scale is "
                                 f"applied twice, or missing, or the reduction averages (ReduceOp.AVG) "
                                 f"instead of summing.")

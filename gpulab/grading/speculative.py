@@ -84,6 +84,26 @@ def distributions(vocab: int = 6, length: int = 3, seed: int = 1):
     return p, q / q.sum(-1, keepdim=True)
 
 
+def _accept_if(test):
+    """A correct rule except for its acceptance ``test(u, p(x), q(x))``."""
+    def rule(draft, q, p, gen):
+        for i, x in enumerate(draft):
+            u = torch.rand((), generator=gen, dtype=torch.float64)
+            if test(u, p[i, x], q[i, x]):
+                continue
+            residual = (p[i] - q[i]).clamp_min(0)
+            return list(draft[:i]) + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
+        return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+    return rule
+
+
+_WRONG_TESTS = {"q over p": _accept_if(lambda u, px, qx: px > 0 and u * px <= qx),
+                "accepting with probability p(x)": _accept_if(lambda u, px, qx: u <= px)}
+_WRONG_TEST_HINTS = {"q over p": "the ratio is upside down: accept when u <= p(x) / q(x) (p over q, not q over p)",
+                     "accepting with probability p(x)": "the test ignores the draft's q(x): accept with "
+                     "probability min(1, p(x) / q(x)), i.e. when u · q(x) <= p(x)"}
+
+
 # -- the acceptance rule --------------------------------------------------------------------------------
 @scenario_check("speculative-acceptance")
 def check_acceptance_rule(rule, trials: int = 3000) -> None:
@@ -103,8 +123,10 @@ def check_acceptance_rule(rule, trials: int = 3000) -> None:
     q1 = torch.tensor([[0, .5, 0, .5]], dtype=torch.float64)
     out = list(rule([1], q1, eye[[2, 3]], gen))
     if len(out) == 2 and out[0] == 1:
-        _fail(part, "a draft the target gives probability 0 was accepted",
-              "accept with probability min(1, p(x) / q(x)): p(x) = 0 means never")
+        _fail(part, f"a draft the target gives probability 0 was kept: drafts [1] gave {out}",
+              "either the test accepted it (accept with probability min(1, p(x) / q(x)): p(x) = 0 means "
+              "never), or the rule went on after rejecting it: stop at the first rejection and return "
+              "the accepted drafts plus the replacement")
     if len(out) == 2:
         _fail(part, f"the only draft was rejected, yet {out} came back (two tokens)",
               "stop at the first rejection: emit the replacement token and nothing after it")
@@ -125,7 +147,12 @@ def check_acceptance_rule(rule, trials: int = 3000) -> None:
                 f"(χ² p-value {pv:.1e}, {trials} runs)")
         if abs(rate - want_rate) > 0.05:
             hint = (f"drafts were accepted {rate:.0%} of the time; the rule min(1, p/q) accepts "
-                    f"Σ min(p, q) = {want_rate:.0%}: check the acceptance test (p over q, not q over p)")
+                    f"Σ min(p, q) = {want_rate:.0%}: check the acceptance test")
+            # name the test whose acceptance rate the learner's is closest to
+            rates = {name: simulate_rounds(r, p, q, k=2, trials=trials)[1] for name, r in _WRONG_TESTS.items()}
+            name = min(rates, key=lambda n: abs(rates[n] - rate))
+            if abs(rates[name] - rate) < 0.03:
+                hint += f" ({rate:.0%} is what {name} gives): {_WRONG_TEST_HINTS[name]}"
         elif counts[t, 0] == 0:
             hint = ("token 0 (which the draft never proposes) was never emitted: on rejection, sample from "
                     "norm(max(0, p - q)), which holds the mass the draft under-proposes")
@@ -158,7 +185,7 @@ def check_rollback(rollback, block_size: int = 4) -> None:
     for committed, drafts, accepted in [(6, 4, 0), (6, 4, 2), (6, 4, 4), (3, 5, 1), (8, 1, 0), (7, 6, 5)]:
         bm = BlockManager(16, block_size)
         seq = _drafted_sequence(bm, committed, drafts)
-        free_before, held_before = bm.num_free, len(seq.block_table)
+        free_before, held_before, table_before = bm.num_free, len(seq.block_table), list(seq.block_table)
         tokens = list(seq.token_ids)
         rollback(seq, bm, drafts, accepted)
         want_tokens = tokens[:committed + accepted]
@@ -179,6 +206,10 @@ def check_rollback(rollback, block_size: int = 4) -> None:
             _fail(part, f"{case}: {held_before - len(seq.block_table)} pages left the sequence but "
                   f"{bm.num_free - free_before} became free", "give each page back with release_block, "
                   "which also keeps its reference count right")
+        if seq.block_table != table_before[:need]:
+            _fail(part, f"{case}: the block table went from {table_before} to {seq.block_table}",
+                  "the first pages hold the kept tokens: release the pages at the end of the table, "
+                  "last page first")
         if any(b in bm.free for b in seq.block_table):
             _fail(part, f"{case}: a page the sequence still uses is on the free list")
     # served end to end: greedy output equals the target alone

@@ -7,10 +7,17 @@ contain. ``needs`` names spec fields the check needs to catch it that the exerci
 spec does not set yet (the catalogue then runs it against ``spec.variant(**needs)``
 and the report counts it apart). ``python -m tests.mistakes.report`` prints the catch
 rate and the hint accuracy; tests/test_mistakes.py asserts every entry.
+
+Scenario checks (registered with ``checking.scenario_check``: the serving engine's
+block manager and scheduler, speculative decoding, collectives) have no KernelSpec:
+there ``spec`` is the check's name and ``args`` its positional arguments, as in the
+grade cell ``gpulab.check(name, learner_object, *args)``.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +25,7 @@ from gpulab import runtime
 from gpulab.harness import checking
 from gpulab.harness.spec import get
 
-MODULES = ("nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06")
+MODULES = ("nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb10")
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Mistake:
     kw: dict = field(default_factory=dict)      # extra check arguments, as in the grade cell
     needs: dict = field(default_factory=dict)   # spec fields not set yet that catch it
     weak: str = ""    # why the generic diagnosis cannot name this cause (it counts as a miss)
+    args: tuple = ()  # a scenario check's positional arguments, as in the grade cell
 
     @property
     def id(self) -> str:
@@ -45,6 +53,8 @@ class Outcome:
 
 
 def run(m: Mistake, with_needs: bool = True) -> Outcome:
+    if m.spec in checking.SCENARIO_CHECKS:
+        return _run_scenario(m)
     spec = get(m.spec)
     if m.needs and with_needs:
         spec = spec.variant(**m.needs)
@@ -54,6 +64,16 @@ def run(m: Mistake, with_needs: bool = True) -> Outcome:
     except Exception as e:   # a CheckFailure, or the learner's own error
         text = f"{type(e).__name__}: {e}"
         return Outcome(True, any(x in text for x in expected_phrases(m)), text)
+    return Outcome(False, False, "")
+
+
+def _run_scenario(m: Mistake) -> Outcome:
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):     # a passing check prints one line
+            checking.check(m.spec, m.fn, *m.args, **m.kw)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        return Outcome(True, any(x in text for x in m.expect), text)
     return Outcome(False, False, "")
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of this round, one at a time (each alone on the GPU), each under its
+# own time limit, packed after every job into OUTDIR/bench.tgz (one file to bring back).
+#
+# usage: tools/gpu-bench.sh OUTDIR [JOB ...]
+# jobs (default: engine attention speculative): engine (tools/engine_bench.py),
+#   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
+#   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh).
+#   Limits in seconds: ET AT ST GT RT PT LT PRT (see below). Carry .whl/ and .peers/
+#   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
+set -uo pipefail
+out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
+mkdir -p "$out"
+for d in .whl .peers; do
+  if ls $d/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site $d/*.whl
+  fi
+done
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+b=$(mktemp -d)/bench; mkdir -p "$b"
+t0=$(date +%s)
+python3 -m gpulab env > "$b/env.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$b/env.txt" 2>&1
+pack() { tar czf "$out/bench.tgz" -C "$(dirname "$b")" bench; }
+run() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name at $(( $(date +%s) - t0 )) s" >> "$b/log.txt"
+  timeout "$limit" "$@" > "$b/$name.txt" 2>&1
+  echo "exit $? after $(( $(date +%s) - t0 )) s" >> "$b/$name.txt"
+  pack
+}
+for job in "${@:-engine attention speculative}"; do
+  for j in $job; do
+    case $j in
+      engine) run engine "${ET:-200}" python3 tools/engine_bench.py "$b/engine" ;;
+      attention) run attention "${AT:-300}" python3 tools/attention_bench.py "$b/attention" ${ANAMES:-} ;;
+      speculative) run speculative "${ST:-240}" python3 tools/speculative_bench.py "$b/speculative" --quick ;;
+      ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ;;
+      rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
+      prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
+      lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ;;
+      profile) run profile "${PRT:-240}" bash tools/profile-all.sh "$b/profile" ;;
+      *) echo "unknown job $j" >> "$b/log.txt" ;;
+    esac
+  done
+done
+tail -n 3 "$b"/*.txt
