@@ -82,11 +82,11 @@ def test_row_sum_check_rejects_unmasked_store():
 
 
 def test_row_sum_check_rejects_a_mean():
-    assert "factor" in rejects("row_sum", _mutant(2), cases=[Case("3 x 40", dict(M=3, N=40))])
+    assert "row mean" in rejects("row_sum", _mutant(2), cases=[Case("3 x 40", dict(M=3, N=40))])
 
 
 def test_row_sum_check_rejects_a_single_column_tile():
-    assert "wrong" in rejects("row_sum", _mutant(3), cases=[Case("2 tiles", dict(M=2, N=2 * BN + 3))])
+    assert "only the first column tile" in rejects("row_sum", _mutant(3), cases=[Case("2 tiles", dict(M=2, N=2 * BN + 3))])
 
 
 def test_row_sum_check_rejects_assumed_contiguous_rows():
