@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..harness.checking import CheckFailure, check
+from ..harness.checking import CheckFailure, check, scenario_check
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..lab import candidate as cand
 from ..lab import inprocess
@@ -327,6 +327,7 @@ def _contained(launch):
     return contained
 
 
+@scenario_check("lab-verifier")
 def check_verifier(verify) -> None:
     """Exercise: ``verify(task, launch) -> None | str`` must accept the correct softmax
     kernel (return None) and reject every planted wrong or cheating one (return why)."""
@@ -371,6 +372,7 @@ def check_verifier(verify) -> None:
 MUTATION_TASKS = ("softmax", "rmsnorm_quant", "matmul_bias_relu")
 
 
+@scenario_check("lab-mutation")
 def check_mutation(mutate, calls: int = 300) -> None:
     """Exercise: ``mutate(genes, space, rng) -> new genes``: a new dict (the parent left
     as it was), with every gene of the space, every value allowed, one or two genes

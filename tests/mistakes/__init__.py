@@ -25,7 +25,7 @@ from gpulab import runtime
 from gpulab.harness import checking
 from gpulab.harness.spec import get
 
-MODULES = ("nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb10")
+MODULES = ("nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb09", "nb10")
 
 
 @dataclass
