@@ -1,8 +1,14 @@
-"""Notebook 09: the mutation operator of the kernel laboratory's search.
+"""Notebook 09: the kernel laboratory's verifier and mutation operator.
 
-Each wrong ``mutate`` is the notebook's solution with one step changed the way a learner
-gets it wrong."""
+Each wrong ``verify``/``mutate`` is the notebook's solution with one step changed the way a
+learner gets it wrong."""
+import os
+
+import torch
+
+import gpulab
 from gpulab.grading import lab  # noqa: F401  (registers the checks)
+from gpulab.harness.checking import Guarded
 
 from . import Mistake
 
@@ -50,4 +56,63 @@ MISTAKES = [
     _ex("neighbour step not clamped to the list", "no clamp", ("list index out of range",)),
     _ex("only numeric genes mutated", "numeric only", ("never changed: every gene must be reachable",)),
     _ex("value + 1 instead of the next allowed value", "value + 1", ("is not one of",)),
+]
+
+
+# -- the verifier ------------------------------------------------------------------------------
+def _verifier(kind):
+    def verify(task, launch):
+        spec = task.spec
+        dtype, device = torch.float32, gpulab.device()
+        for case in spec.cases["cpu"]:
+            for _ in range(1 if kind == "one trial" else 2):
+                seed = 0 if kind == "fixed seed" else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+                inputs = spec.inputs(case, dtype, device=device, seed=seed)
+                if kind == "plain randn":
+                    inputs = {k: torch.randn(v.shape, dtype=v.dtype, device=device) for k, v in inputs.items()}
+                kept = {k: v.clone() for k, v in inputs.items()}
+                if kind == "reference first":
+                    expected = spec.reference(**kept)
+                g_in = {k: Guarded.wrap(v.shape, v.dtype, device, like=v) for k, v in inputs.items()}
+                g_out = {k: Guarded.wrap(s, d, device) for k, (s, d) in spec.outputs(inputs, dtype).items()}
+                handed = {k: g.inner for k, g in g_out.items()}
+                spec.call(launch, {k: g.inner for k, g in g_in.items()}, handed)
+                if gpulab.mode() == "compiled":
+                    torch.cuda.synchronize()
+                where = f"{case}, seed {seed}"
+                if kind != "no guards":
+                    for k, g in {**g_in, **g_out}.items():
+                        if any(g.guard_damage()):
+                            return f"wrote outside `{k}` ({where})"
+                if kind != "inputs not compared":
+                    for k, g in g_in.items():
+                        if not torch.equal(g.buf[g.guard:g.guard + g.inner.numel()].view(kept[k].shape), kept[k]):
+                            return f"changed input `{k}` ({where})"
+                if kind != "reference first":
+                    expected = spec.reference(**kept)           # only after the kernel returned
+                for k, exp in expected.items():
+                    g = g_out[k]
+                    if kind == "reads the handed tensor":
+                        got = handed[k]
+                    else:
+                        got = g.buf[g.guard:g.guard + exp.numel()].view(exp.shape)
+                    atol, rtol = spec.tolerance(dtype, k)
+                    if not bool(torch.isclose(got.double(), exp, atol=atol, rtol=rtol).all()):
+                        return f"output `{k}` is wrong ({where})"
+        return None
+    return verify
+
+
+def _vx(name, kind, plant):
+    return Mistake("09/check-verifier", "lab-verifier", name, _verifier(kind), (f"it accepted `{plant}`",))
+
+
+MISTAKES += [
+    _vx("one trial per shape", "one trial", "cached-output"),
+    _vx("a fixed seed", "fixed seed", "seed-dependent"),
+    _vx("plain torch.randn inputs", "plain randn", "no-max"),
+    _vx("reference computed before the call", "reference first", "reads-reference"),
+    _vx("no guard check", "no guards", "missing-store-mask"),
+    _vx("inputs not compared after the call", "inputs not compared", "input-modified"),
+    _vx("result read from the tensor handed to the kernel", "reads the handed tensor", "aliased-output"),
 ]
