@@ -314,7 +314,8 @@ MISTAKES += [
             ("causal key loop that stops too early",)),
 
     Mistake("04/check-exp2-poly3", "exp2_poly3", "no clamp at -127", _exp2_launcher(1), ("not clamped at -127",)),
-    Mistake("04/check-exp2-poly3", "exp2_poly3", "truncation instead of floor", _exp2_launcher(2), ("truncation toward zero",)),
+    Mistake("04/check-exp2-poly3", "exp2_poly3", "truncation instead of floor", _exp2_launcher(2),
+            ("truncation toward zero",)),
     Mistake("04/check-exp2-poly3", "exp2_poly3", "Taylor coefficients", _exp2_launcher(3), ("Taylor's coefficients",)),
     Mistake("04/check-exp2-poly3", "exp2_poly3", "a coefficient typo", _exp2_launcher(4), ("check each coefficient",)),
     Mistake("04/check-exp2-poly3", "exp2_poly3", "integer part never applied", _exp2_launcher(5),

@@ -204,9 +204,11 @@ MISTAKES += [
     Mistake("06/check-prefix", "shared_prefix_attention", "acc not rescaled when the max moves", _prefix_launcher(6),
             ("not rescaled when the running max moves",)),
 
-    Mistake("06/check-cascade", "cascade_decode_attention", "suffix only (prefix state dropped)", _cascade("suffix only"),
+    Mistake("06/check-cascade", "cascade_decode_attention", "suffix only (prefix state dropped)",
+            _cascade("suffix only"),
             ("suffix's state alone",)),
-    Mistake("06/check-cascade", "cascade_decode_attention", "prefix only (suffix state dropped)", _cascade("prefix only"),
+    Mistake("06/check-cascade", "cascade_decode_attention", "prefix only (suffix state dropped)",
+            _cascade("prefix only"),
             ("prefix's state alone", "prefix's LSE alone")),
     Mistake("06/check-cascade", "cascade_decode_attention", "lse of prefix and suffix swapped", _cascade("lse swapped"),
             ("lse_p and lse_s swapped",)),
