@@ -12,16 +12,8 @@
 set -uo pipefail
 out=${1:?usage: tools/attention-bench.sh OUTDIR [--save] [NAME ...]}; shift
 mkdir -p "$out"
-for d in .whl .peers; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site $d/*.whl
-  fi
-done
+source tools/gpu-env.sh
 ls .peers/*.whl >/dev/null 2>&1 || echo "no wheels in .peers/: FlashInfer rows are skipped (../shared/gpu/peers.sh .peers)"
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m gpulab env | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
 python3 tools/attention_bench.py "$out" "$@" 2>&1 | tee "$out/bench.txt"

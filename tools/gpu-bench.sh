@@ -11,15 +11,7 @@
 set -uo pipefail
 out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
 mkdir -p "$out"
-for d in .whl .peers; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site $d/*.whl
-  fi
-done
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source tools/gpu-env.sh
 b=$(mktemp -d)/bench; mkdir -p "$b"
 t0=$(date +%s)
 python3 -m gpulab env > "$b/env.txt" 2>&1

@@ -16,15 +16,7 @@
 set -uo pipefail
 out=${1:?usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]}; shift
 mkdir -p "$out"
-for d in .whl .peers; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site $d/*.whl
-  fi
-done
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source tools/gpu-env.sh
 t0=$(date +%s)
 python3 -m gpulab env > "$out/env.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
