@@ -131,6 +131,7 @@ def check_device(name: str, t) -> None:
         raise ValueError(f"{name} is on {t.device}; in interpreter mode use CPU tensors")
 
 
+@functools.cache
 def num_sms() -> int:
     """Streaming multiprocessors of the current GPU (132 on an H100/H200 when there is
     none, so compile-only runs pick the same launch configurations as the H200)."""
