@@ -250,3 +250,20 @@ def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys):
     assert tool["main"](["--batch", "4", "--ctx", "512", "--prompt", "40", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "batch    4, context 512: host part of a decode step" in out and "µs per sequence" in out
+
+
+def test_step_block_tables_are_as_wide_as_the_longest_sequence(model):
+    """A table as wide as the context would cost the host more than the step's kernels:
+    the plan's tables hold the step's longest table, zero-padded, and nothing is lost."""
+    bm = BlockManager(64, 4)
+    runner = ModelRunner(model, 64, 4, attention="torch", linear="torch", cuda_graphs=False)
+    seqs = []
+    for i, n in enumerate((3, 9, 14)):
+        s = Sequence(i, str(i), list(range(1, n + 1)), n, SamplingParams(), 0)
+        bm.allocate(s, [], n)
+        seqs.append(s)
+    plan = runner.plan([(s, s.num_tokens) for s in seqs])
+    widths = [len(s.block_table) for s in seqs]
+    assert runner.max_blocks > max(widths) and tuple(plan.append_table.shape) == (3, max(widths))
+    for row, s in zip(plan.append_table.tolist(), seqs):
+        assert row == s.block_table + [0] * (max(widths) - len(s.block_table))
