@@ -47,6 +47,11 @@ def views_notebook(path: Path) -> None:
     cells = [setup, nbformat.v4.new_code_cell("from gpulab import paged"), scores]
     for name in ("04_flash_attention", "05_paged_attention", "00_triton_basics"):
         cells += cells_tagged(sol / f"{name}.ipynb", "gpulab-view")
+    # notebook 07's scheduler timeline: its setup and model cells, then the view
+    nb07 = nbformat.read(sol / "07_serving.ipynb", as_version=4)
+    cells += [next(c for c in nb07.cells if c.cell_type == "code" and "gpulab.setup()" in c.source),
+              next(c for c in nb07.cells if c.cell_type == "code" and "model = load_checkpoint(" in c.source)]
+    cells += cells_tagged(sol / "07_serving.ipynb", "gpulab-view")
     cells += cells_tagged(sol / "00_triton_basics.ipynb", "gpulab-progress")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -175,7 +180,7 @@ def test_learner_notebook_stops_at_the_first_exercise_with_a_short_message(lab):
 def test_solution_views_render_as_widgets_and_respond_to_keys(lab):
     url, browser, work = lab
     page, errors = open_and_run(browser, url, "views.ipynb")
-    page.wait_for_function("document.querySelectorAll('.gpulab-view img').length >= 3", timeout=TIMEOUT_MS)
+    page.wait_for_function("document.querySelectorAll('.gpulab-view img').length >= 4", timeout=TIMEOUT_MS)
     wait_idle(page)
     assert "gpulab mode: interpreter" in page.locator(".jp-OutputArea-output").first.text_content()
     # a matplotlib figure (the score shapes of notebook 04) rendered as an image
@@ -183,8 +188,8 @@ def test_solution_views_render_as_widgets_and_respond_to_keys(lab):
     assert "Course:" in page.locator(".jp-OutputArea-output").last.text_content()     # the progress cell
     shots = Path(os.environ.get("GPULAB_SCREENSHOTS") or work)
     views = page.locator(".gpulab-view")
-    assert views.count() == 3
-    for i, name in enumerate(("view-running-max", "view-page-pool", "view-roofline")):
+    assert views.count() == 4
+    for i, name in enumerate(("view-running-max", "view-page-pool", "view-roofline", "view-timeline")):
         view = views.nth(i)
         view.scroll_into_view_if_needed()
         view.screenshot(path=str(shots / f"{name}.png"))

@@ -241,6 +241,10 @@ def test_timeline_records_every_step(model):
     assert len(frames) == len(llm.metrics.steps) and llm.idle()
     assert all(len(f.pages) == 20 for f in frames) and any(f.preempted for f in frames)
     timeline.draw(frames, len(frames) // 2)
+    view = timeline.explore(frames)              # the notebook's view: a step slider over the figure
+    before = view.png
+    view.controls["step"].value = 0
+    assert view.redraws == 1 and view.png != before
 
 
 def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys):

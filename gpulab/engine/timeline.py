@@ -4,18 +4,18 @@
 sequences (prefill chunk or decode, tokens), the preemptions and the state of every
 page: held by one sequence, shared, free but still cached (findable by its hash), or
 blank. :func:`draw` renders one step (the timeline up to it and the page pool then);
-:func:`explore` adds a slider (ipywidgets) and always draws a static figure first, so
-the view makes sense without a widget frontend too (nbval, a rendered notebook).
+:func:`explore` puts a step slider in front of it (ipywidgets); without a widget
+frontend (nbval, a rendered notebook) the same output is a static image of one step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
-from IPython.display import display
+from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..harness.views import interactive_view, slider
 from .engine import LLM
 
 
@@ -91,28 +91,10 @@ def draw(frames: list[Frame], step: int, fig=None, columns: int | None = None):
     return fig
 
 
-def _show(frames, step):
-    fig = draw(frames, step)
-    display(fig)
-    plt.close(fig)
-
-
 def explore(frames: list[Frame]):
-    """A static figure (the middle step), then a slider over all steps (ipywidgets)."""
+    """A step slider in front of the figure (:func:`gpulab.harness.views.interactive_view`:
+    where no widget frontend runs, a static image of the middle step)."""
     mid = len(frames) // 2
-    _show(frames, mid)
-    slider = widgets.IntSlider(value=mid, min=0, max=len(frames) - 1, description="step",
-                               continuous_update=False)
-    out = widgets.Output()
-
-    def show(change=None):
-        with out:
-            out.clear_output(wait=True)
-            _show(frames, slider.value)
-
-    slider.observe(show, names="value")
-    box = widgets.VBox([slider, out])
-    display(box)
-    show()
-    return box
-
+    return interactive_view(lambda step: draw(frames, step, fig=Figure(figsize=(11, 4.2))), {"step": mid},
+                            lambda: {"step": slider("step", mid, 0, max(len(frames) - 1, 0))},
+                            caption="what the scheduler ran up to this step, and the page pool after it")
