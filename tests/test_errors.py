@@ -68,8 +68,7 @@ def test_unfinished_kernel_is_one_short_message(shell, capsys):
     raised = "InterpreterError" if gpulab.mode() == "interpreter" else "CompileTimeAssertionFailure"
     assert type(result.error_in_exec).__name__ == raised
     assert "Exercise ex1-add-kernel is not finished: `add_kernel` still has its placeholder" in flat(text)
-    # compiled, Triton names the kernel but not the cell's line
-    assert ("(Cell In[1], line 4)" if gpulab.mode() == "interpreter" else "(its cell)") in flat(text)
+    assert "(Cell In[1], line 4)" in flat(text)
     assert "It computes (vector_add): " + gpulab.get_spec("vector_add").summary in flat(text)
     assert "interpreter.py" not in text and "checking.py" not in text and "Traceback" not in text
     assert len(text.strip().splitlines()) <= 6
@@ -114,3 +113,25 @@ def test_verbose_switch_and_environment_variable_show_everything(shell, capsys, 
     monkeypatch.setenv(errors.VERBOSE_ENV, "1")
     _, text = run(shell, capsys, 'gpulab.check("vector_add", add)')
     assert "checking.py" in text
+
+
+# the interpreter is on in the tests (no GPU): the kernel is made a compilable JITFunction
+COMPILED_STUB = KERNEL_STUB.replace("@triton.jit", "@triton.runtime.jit.JITFunction").replace('''def add(x, y, out):
+    add_kernel[(triton.cdiv(out.numel(), 1024),)](x, y, out, out.numel(), BLOCK=1024)''', '''def add(x, y, out):
+    # what a launch does on a GPU: compile for the device, here sm_90, before anything runs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(add_kernel, signature=sig, constexprs={"BLOCK": 1024}),
+                   target=GPUTarget("cuda", 90, 32))''')
+
+
+def test_unfinished_kernel_compiled_for_a_gpu_names_the_placeholder_line(shell, capsys):
+    """Compiled, the placeholder never runs as Python: Triton's compiler reports it
+    relative to the kernel, and the message still points at the cell's line."""
+    assert COMPILED_STUB != KERNEL_STUB
+    result, text = run(shell, capsys, COMPILED_STUB, 'gpulab.check("vector_add", add)')
+    assert type(result.error_in_exec).__name__ == "CompileTimeAssertionFailure"
+    assert "Exercise ex1-add-kernel is not finished: `add_kernel` still has its placeholder" in flat(text)
+    assert "(Cell In[1], line 4)" in flat(text)
+    assert "Traceback" not in text and len(text.strip().splitlines()) <= 6

@@ -93,6 +93,29 @@ def place(fs: traceback.FrameSummary) -> str:
     return f"{where}, line {fs.lineno}"
 
 
+def compiled_stub_line(exc: BaseException, function: str) -> traceback.FrameSummary | None:
+    """Where, in the learner's cell, the line is that Triton's compiler stopped at.
+    Triton reports it relative to the kernel's ``def`` line (``node.lineno`` of its
+    CompilationError); the kernel itself is found in the frames' globals by name."""
+    errors = chain(exc)
+    node = next((e.node for e in errors if getattr(getattr(e, "node", None), "lineno", None)), None)
+    if node is None:
+        return None
+    for e in errors:
+        tb = e.__traceback__
+        while tb is not None:
+            kernel = tb.tb_frame.f_globals.get(function)
+            code = getattr(getattr(kernel, "fn", None), "__code__", None)
+            if code is not None and is_learner_file(code.co_filename):
+                lines = linecache.getlines(code.co_filename)
+                first = code.co_firstlineno                 # the first decorator's line
+                def_line = next((i + 1 for i in range(first - 1, len(lines))
+                                 if lines[i].lstrip().startswith("def ")), first)
+                return traceback.FrameSummary(code.co_filename, def_line + node.lineno - 1, function)
+            tb = tb.tb_next
+    return None
+
+
 def check_in_progress(exc: BaseException):
     """The spec a check was running when ``exc`` was raised (None outside a check)."""
     for e in chain(exc):
@@ -121,7 +144,9 @@ def unfinished_exercise(exc: BaseException) -> str | None:
         function, where = stub.name, place(stub)
     else:                     # compiled on a GPU: Triton reports the kernel in its message
         m = re.search(r"def (\w+)\(", "\n".join(str(e) for e in errors))
-        function, where = (m.group(1) if m else "your kernel"), "its cell"
+        function = m.group(1) if m else "your kernel"
+        line = compiled_stub_line(exc, function)
+        where = place(line) if line is not None else "its cell"
     exercise = f"Exercise {todo.group(1)}" if todo else "This exercise"
     text = (f"{exercise} is not finished: `{function}` still has its placeholder ({where}). "
             "Write your code in place of `# YOUR CODE HERE` and the line after it, run that "
