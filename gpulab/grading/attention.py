@@ -279,13 +279,14 @@ def attention_variant(inp, keep=None, zero_keys=0, scale_factor=1.0):
     return {"o": torch.exp(s - safe[..., None]) @ v, "lse": lse, "s": s}
 
 
-_KEY_TILES = (16, 32, 64, 128)
+# Key-tile widths a learner's kernel may use (mistakes that depend on the tile try each).
+KEY_TILES = (16, 32, 64, 128)
 
 
 def _unmasked_key_padding(inp):
     """The last key tile's padding counted with score 0 (K/V loads masked, scores not)."""
     s_kv = inp["k"].shape[2]
-    for t in _KEY_TILES:
+    for t in KEY_TILES:
         if s_kv % t and not inp["causal"]:
             yield attention_variant(inp, zero_keys=t - s_kv % t)
 
@@ -302,7 +303,7 @@ def _causal_loop_unshifted(inp):
     s_q, s_kv = inp["q"].shape[2], inp["k"].shape[2]
     if not inp["causal"] or s_kv <= s_q:
         return
-    for t in _KEY_TILES:
+    for t in KEY_TILES:
         yield attention_variant(inp, keep=lambda i, j, t=t: (j <= i + (s_kv - s_q)) & (j < (i // t + 1) * t))
 
 
@@ -457,6 +458,7 @@ def make_exp2_inputs(p, dtype, device, gen):
     return {"x": x.to(dtype)}
 
 
+FA4_COEFFICIENTS = ", ".join(f"{c:.9g}" for c in POLY3)
 # Taylor's coefficients of 2^f at f = 0: (ln 2)^k / k!
 EXP2_TAYLOR3 = (1.0, math.log(2.0), math.log(2.0) ** 2 / 2, math.log(2.0) ** 3 / 6)
 
@@ -493,10 +495,9 @@ def _exp2_polynomial_hint(output, got, expected, inputs):
     fit = ", ".join(f"{float(v):.6g}" for v in c)
     if all(abs(float(v) - t) < 1e-4 for v, t in zip(c, EXP2_TAYLOR3)):
         return (f"your polynomial of the fraction has Taylor's coefficients ({fit}), exact only at f = 0: FA4's "
-                f"cubic is fitted over [0, 1) (1, 0.695146143, 0.227564394, 0.0771190897), with a far smaller "
-                f"largest error.")
+                f"cubic is fitted over [0, 1) ({FA4_COEFFICIENTS}), with a far smaller largest error.")
     return (f"the integer part is right, the cubic of the fraction is not: its coefficients are ≈ ({fit}), "
-            f"FA4's are (1, 0.695146143, 0.227564394, 0.0771190897): check each coefficient.")
+            f"FA4's are ({FA4_COEFFICIENTS}): check each coefficient.")
 
 
 EXP2_HINT = hypotheses_hint(

@@ -17,7 +17,7 @@ from ..cascade import (CascadeDecodeWrapper, cascade_decode_attention, cascade_d
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import paged_decode_attention, paged_decode_reference, to_flashinfer
-from .attention import merge_hint
+from .attention import KEY_TILES, merge_hint
 from .paged import (DECODE_TOLERANCES, FLASHINFER_INSTALLED, GRAPH_ROW, LSE_TOLERANCES, PEER_NOTE,
                     cuda_graph_replay, decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
 
@@ -252,7 +252,6 @@ _CASCADE_GPU = [
 # =========================================================================================
 # Diagnoses: the references recomputed under plausible mistakes
 # =========================================================================================
-_KEY_TILES = (16, 32, 64, 128)
 
 
 def prefix_variant(inp, *, pages=None, head_map="group", prefix_len=None, zero_keys=0, score_factor=1.0,
@@ -290,7 +289,7 @@ def prefix_variant(inp, *, pages=None, head_map="group", prefix_len=None, zero_k
 def _prefix_tiles(**kw):
     def answer(inp):
         P = int(inp["prefix_len"])
-        for t in _KEY_TILES:
+        for t in KEY_TILES:
             if "stale_tile" in kw and t < P:
                 yield prefix_variant(inp, stale_tile=t)
             elif "zero_keys" in kw and P % t:
