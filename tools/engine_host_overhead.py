@@ -1,9 +1,18 @@
-"""The host's share of one engine decode step: schedule, plan, sampling and bookkeeping
-with the model's forward left out (random logits stand in), timed on whatever machine
-runs it (a CPU is enough: no kernel runs).
+"""The host's share of one engine decode step, phase by phase: schedule, plan (the step's
+index arrays and their copy to the device), forward, sample, postprocess + emit.
 
-    PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--profile]
+    PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--prompt 128]
+                                                      [--profile] [--json OUT.json] [--model SPEC]
 
+* On a CPU (or with ``--device cpu``) no kernel runs: the forward is left out (fixed
+  logits stand in) and the PyTorch paths are used, so every phase is host work.
+* On a GPU in compiled mode the engine runs as it serves (Triton kernels, CUDA graphs):
+  the phases are timed without extra synchronisation, so ``forward`` is the host's cost
+  of launching (replaying) it and ``sample`` includes waiting for the device (its one
+  device -> host copy). ``engine_step`` is a whole :meth:`LLM.step`, timed alone.
+
+The default model is a one-layer random model (host costs do not depend on its size);
+``--model random:2048,16,16,4,128,5632,4096`` is engine_bench's, to see the forward too.
 On the H200 an engine step at batch 256 took 20.6 ms while its forward (graph replay) took
 4.6 ms (gpulab/results/engine/engine_bench.json): the rest is host work, which this isolates.
 """
@@ -11,25 +20,93 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import platform
 import pstats
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import gpulab
-from gpulab.engine.engine import LLM
-from gpulab.engine.serve_bench import build_model, decoding_engine
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gpulab  # noqa: E402
+from gpulab import runtime  # noqa: E402
+from gpulab.engine.engine import LLM  # noqa: E402
+from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
+
+PHASES = ("schedule", "plan", "forward", "sample", "emit")
 
 
-def host_step(llm: LLM) -> None:
-    """One decode step without the forward: what the host does around it."""
+def host_step(llm: LLM, logits=None) -> dict[str, float]:
+    """One engine step, phase by phase (seconds): what :meth:`LLM.step` does, with the
+    forward replaced by ``logits`` rows when given (no kernel runs)."""
+    clock = time.perf_counter
+    t0 = clock()
     batch = llm.schedule()
     prefill = batch.prefill_flags
+    t1 = clock()
     llm.runner.copy_blocks(list(batch.copies))
     plan = llm.runner.plan(batch.items)
-    logits = torch.randn(len(plan.sample_seqs), llm.runner.cfg.vocab_size)
+    t2 = clock()
+    if logits is None:
+        with torch.no_grad():
+            out = llm.runner.replay(plan) if plan.use_graph else llm.runner.forward(plan)
+    else:
+        out = logits[:len(plan.sample_seqs)]
+    t3 = clock()
     llm.scheduler.postprocess(batch)
-    llm.emit(batch, prefill, llm.sample_tokens(logits, plan.sample_seqs), time.perf_counter(), plan)
+    tokens = llm.sample_tokens(out, plan.sample_seqs)
+    t4 = clock()
+    llm.emit(batch, prefill, tokens, t0, plan)
+    t5 = clock()
+    return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: bool) -> dict:
+    if on_gpu:    # as the engine serves: Triton kernels and CUDA graphs
+        llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=True)
+        logits = None
+    else:         # the PyTorch path, no graphs, no forward: only host work is timed
+        llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=False, attention="torch",
+                              linear="torch")
+        logits = torch.randn(batch, model.cfg.vocab_size)
+    for _ in range(3):
+        host_step(llm, logits)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync()
+    rec = [host_step(llm, logits) for _ in range(steps)]
+    sync()
+    totals = [sum(r.values()) for r in rec]
+    med = lambda v: statistics.median(v) * 1e3  # noqa: E731   (the median: a shared CPU's stalls and GC left out)
+    res = {"batch": batch, "prompt": prompt, "graph": bool(llm.runner.graphs),
+           "phases_ms": {p: med([r[p] for r in rec]) for p in PHASES},
+           "step_ms": med(totals), "step_mean_ms": statistics.fmean(totals) * 1e3}
+    res["host_ms"] = res["step_ms"] - (res["phases_ms"]["forward"] if not on_gpu else 0.0)
+    if on_gpu:    # whole engine steps, as serving runs them
+        walls = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            llm.step()
+            walls.append(time.perf_counter() - t)
+        res["engine_step_ms"] = med(walls)
+    if profile:
+        prof = cProfile.Profile()
+        prof.runctx("for _ in range(10): host_step(llm, logits)", globals(),
+                    {"host_step": host_step, "llm": llm, "logits": logits})
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return res
 
 
 def main(argv=None) -> int:
@@ -38,27 +115,37 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="the model's context (sets the block-table width)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--model", default=None, help="a build_model spec (default: one random layer, d_model 64)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: the GPU when kernels are compiled, else the CPU")
+    ap.add_argument("--profile", action="store_true", help="cProfile 10 steps per batch size")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
     gpulab.setup()
-    model = build_model(f"random:64,1,4,2,16,128,{a.ctx}", device="cpu", dtype=torch.float32)
+    on_gpu = a.device == "cuda" or (a.device == "auto" and runtime.mode() == "compiled")
+    if on_gpu and runtime.mode() != "compiled":
+        print("--device cuda needs a GPU with compiled kernels")
+        return 2
+    spec = a.model or f"random:64,1,4,2,16,128,{a.ctx}"
+    if on_gpu:
+        model = build_model(spec)
+    else:
+        model = build_model(spec, device="cpu", dtype=torch.float32)
+    out = {"device": runtime.gpu_name() if on_gpu else "cpu", "cpu": cpu_name(), "python": platform.python_version(),
+           "versions": runtime.versions(), "model": spec, "ctx": model.cfg.max_seq_len, "results": []}
+    print(f"{'GPU ' + out['device'] if on_gpu else 'CPU only (no forward)'}; host CPU: {out['cpu']}")
     for b in a.batch:
-        # the PyTorch path, no graphs: the forward is not what this measures
-        llm = decoding_engine(model, b, a.prompt, max_tokens=250, cuda_graphs=False, attention="torch", linear="torch")
-        for _ in range(3):
-            host_step(llm)
-        times = []                       # the median step: a shared CPU's stalls and GC left out
-        for _ in range(a.steps):
-            t = time.perf_counter()
-            host_step(llm)
-            times.append(time.perf_counter() - t)
-        ms, mean = sorted(times)[len(times) // 2] * 1e3, sum(times) / len(times) * 1e3
-        print(f"batch {b:4}, context {a.ctx}: host part of a decode step {ms:6.2f} ms median "
-              f"({ms / b * 1e3:5.1f} µs per sequence), {mean:6.2f} ms mean")
-        if a.profile:
-            cProfile.runctx("for _ in range(10): host_step(llm)", globals(), {"host_step": host_step, "llm": llm},
-                            "/tmp/engine_host.prof")
-            pstats.Stats("/tmp/engine_host.prof").sort_stats("tottime").print_stats(12)
+        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile)
+        out["results"].append(r)
+        ms = r["host_ms"]
+        print(f"batch {b:4}, context {model.cfg.max_seq_len}: host part of a decode step {ms:6.2f} ms median "
+              f"({ms / b * 1e3:5.1f} µs per sequence), {r['step_mean_ms']:6.2f} ms mean")
+        print("    " + ", ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items()) + " ms"
+              + (f"; whole engine step {r['engine_step_ms']:.3f} ms" if on_gpu else ""), flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {a.json}")
     return 0
 
 

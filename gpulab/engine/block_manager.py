@@ -57,6 +57,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}        # hash -> block id
+        self.cached_free = 0                    # free pages that still carry a hash (kept up to date)
         self.queried_tokens = 0                 # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0                     # ... and found there
 
@@ -72,7 +73,8 @@ class BlockManager:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self.free if self.blocks[b].hash is not None)
+        """Free pages still findable in the prefix cache (a counter: read every step)."""
+        return self.cached_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -102,6 +104,7 @@ class BlockManager:
         bid, _ = self.free.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:
+            self.cached_free -= 1
             if self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
@@ -112,6 +115,7 @@ class BlockManager:
         block = self.blocks[bid]
         if block.ref_count == 0:
             del self.free[bid]               # a cached free page comes back into use
+            self.cached_free -= block.hash is not None
         block.ref_count += 1
 
     def release_block(self, bid: int) -> None:
@@ -123,6 +127,8 @@ class BlockManager:
             self.free[bid] = None            # most recently used: evicted last
             if block.hash is None:
                 self.free.move_to_end(bid, last=False)   # blank: hand out before cached pages
+            else:
+                self.cached_free += 1
 
     # -- admission and growth ---------------------------------------------------------------
     def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int, keep_free: int = 0) -> bool:
@@ -159,12 +165,21 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Can ``seq`` write ``num_tokens`` more tokens (new pages + a copy on write)?"""
-        need = self.blocks_for(seq.num_computed_tokens + num_tokens) - len(seq.block_table)
-        return max(0, need) + self.needs_copy(seq) <= len(self.free)
+        # called for every running sequence every step: the arithmetic of blocks_for and
+        # needs_copy inline (most decode steps need neither a page nor a copy)
+        bs, pos, table = self.block_size, seq.num_computed_tokens, seq.block_table
+        need = (pos + num_tokens + bs - 1) // bs - len(table)
+        i = pos // bs
+        copy = i < len(table) and self.blocks[table[i]].ref_count > 1
+        return (need <= 0 and not copy) or max(0, need) + copy <= len(self.free)
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Make room for ``num_tokens`` more tokens of ``seq``; returns the page copies
         ``(src, dst)`` the runner must do before writing (copy-on-write)."""
+        bs, pos, table = self.block_size, seq.num_computed_tokens, seq.block_table
+        i = pos // bs
+        if (pos + num_tokens + bs - 1) // bs <= len(table) and (i >= len(table) or self.blocks[table[i]].ref_count <= 1):
+            return []                        # room in its own pages already: nothing to do
         if not self.can_append(seq, num_tokens):
             raise OutOfPages(f"out of KV pages: sequence {seq.seq_id} cannot grow by {num_tokens} tokens "
                              f"({len(self.free)} pages free)")
@@ -186,6 +201,8 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs, full = self.block_size, seq.num_computed_tokens // self.block_size
+        if full == seq.num_registered_blocks:
+            return                           # no page filled since the last call (most steps)
         # Called for every running sequence every step, so it resumes where it stopped:
         # a full, computed page's tokens never change, so its key is computed once
         # (seq.block_hashes), and pages registered before are not looked at again.

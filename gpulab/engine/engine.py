@@ -73,6 +73,9 @@ class Completion:
 
 @dataclass
 class RequestOutput:
+    """What one step (or ``generate``) reports for a request. ``prompt_token_ids`` is one
+    list shared by all of the request's outputs (read it, do not modify it);
+    each completion's ``token_ids`` is a copy of the tokens generated so far."""
     request_id: str
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
@@ -109,6 +112,8 @@ class LLM:
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
         self.metrics = EngineMetrics(config.num_blocks)
         self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
+        self.pending_forks: set[str] = set()            # requests with n > 1 not forked yet
+        self.prompt_ids: dict[str, list[int]] = {}      # request id -> its prompt, shared by its outputs
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
 
@@ -137,6 +142,8 @@ class LLM:
         seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), params,
                        draw_seed() if params.seed is None else params.seed, arrival_time=now)
         self.groups[request_id] = [seq]
+        if params.n > 1:
+            self.pending_forks.add(request_id)
         self.metrics.requests[request_id] = RequestMetrics(request_id, now, len(ids))
         self.scheduler.add(seq)
         return request_id
@@ -145,6 +152,7 @@ class LLM:
         for seq in self.groups.get(request_id, []):
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
+        self.pending_forks.discard(request_id)
         self._maybe_close(request_id, time.perf_counter())
 
     def has_unfinished(self) -> bool:
@@ -182,39 +190,43 @@ class LLM:
         """Append each sequence's new tokens (a speculative step may bring several),
         retire those that hit EOS, max_tokens or the context, record the step
         (``prefill``: which of the batch's items were prompt chunks)."""
-        n_prefill = sum(n for (_, n), p in zip(batch.items, prefill) if p)
+        items = batch.items
+        if True in prefill:
+            n_prefill = sum(n for (_, n), p in zip(items, prefill) if p)
+            n_decode = batch.num_tokens - n_prefill
+        else:                                  # a decode-only step: one token per item
+            n_prefill, n_decode = 0, len(items)
         now = time.perf_counter()
+        max_len = self.max_model_len
         touched = {}
         for seq, tokens in new_tokens.items():
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            ids, params = seq.token_ids, seq.params
             for tok in tokens:
-                seq.token_ids.append(tok)
-                reason = ("eos" if seq.params.stop_at_eos and tok == EOS else
-                          "length" if seq.num_output_tokens >= seq.params.max_tokens
-                          or seq.num_tokens >= self.max_model_len else None)
-                if reason:
-                    self.scheduler.finish(seq, reason)
+                ids.append(tok)
+                if ((tok == EOS and params.stop_at_eos) or len(ids) - seq.num_prompt_tokens >= params.max_tokens
+                        or len(ids) >= max_len):
+                    self.scheduler.finish(seq, "eos" if tok == EOS and params.stop_at_eos else "length")
                     break
             touched[seq.request_id] = None
+        bm = self.block_manager
         self.metrics.steps.append(StepRecord(
-            t0, now, len(batch.items), n_prefill, batch.num_tokens - n_prefill,
-            self.block_manager.num_used, self.block_manager.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph, plan.prefix is not None,
-            [(s.seq_id, n, prefill) for (s, n), prefill in zip(batch.items, prefill)],
-            [s.seq_id for s in batch.preempted]))
+            t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
+            len(batch.preempted), plan.use_graph, plan.prefix is not None, items, prefill, batch.preempted))
         return [self._maybe_close(rid, now) for rid in touched]
 
     def _fork_completions(self, seqs: list[Sequence]):
         """A request with n > 1 forks when its prompt is done: the other n - 1 completions
         share its pages and sample their first token from the same logits."""
-        if all(s.params.n == 1 or s.num_output_tokens > 0 or s.index > 0 for s in seqs):
+        if not self.pending_forks or all(s.params.n == 1 or s.num_output_tokens > 0 or s.index > 0 for s in seqs):
             return seqs, None
         out, rows = [], []
         for r, seq in enumerate(seqs):
             out.append(seq)
             rows.append(r)
             if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+                self.pending_forks.discard(seq.request_id)
                 for i in range(1, seq.params.n):
                     child = Sequence(next(self._seq_ids), seq.request_id, list(seq.token_ids),
                                      seq.num_prompt_tokens, seq.params, seq.seed, index=i,
@@ -228,19 +240,32 @@ class LLM:
 
     def _maybe_close(self, request_id: str, now: float) -> RequestOutput:
         group = self.groups[request_id]
-        done = all(s.finished for s in group)
         m = self.metrics.requests[request_id]
-        m.first_token = min((s.first_token_time for s in group if s.first_token_time is not None), default=None)
-        m.num_output_tokens = sum(s.num_output_tokens for s in group)
-        m.num_cached_tokens = group[0].num_cached_tokens
-        m.num_preemptions = sum(s.num_preemptions for s in group)
+        if len(group) == 1:                    # n = 1 (most requests): no sums over the group
+            s = group[0]
+            done = s.status is Status.FINISHED
+            m.first_token = s.first_token_time
+            m.num_output_tokens = len(s.token_ids) - s.num_prompt_tokens
+            m.num_preemptions = s.num_preemptions
+            completions = [Completion(s.index, s.token_ids[s.num_prompt_tokens:], s.finish_reason)]
+        else:
+            done = all(s.finished for s in group)
+            m.first_token = min((s.first_token_time for s in group if s.first_token_time is not None),
+                                default=None)
+            m.num_output_tokens = sum(s.num_output_tokens for s in group)
+            m.num_preemptions = sum(s.num_preemptions for s in group)
+            completions = [Completion(s.index, s.output_ids, s.finish_reason) for s in group]
+        first = group[0]
+        m.num_cached_tokens = first.num_cached_tokens
         if done and m.finish is None:
             m.finish = now
-        out = RequestOutput(request_id, group[0].token_ids[:group[0].num_prompt_tokens],
-                            [Completion(s.index, s.output_ids, s.finish_reason) for s in group],
-                            done, metrics=m)
+        prompt = self.prompt_ids.get(request_id)
+        if prompt is None:                     # copied once per request, not once per step
+            prompt = self.prompt_ids[request_id] = first.token_ids[:first.num_prompt_tokens]
+        out = RequestOutput(request_id, prompt, completions, done, metrics=m)
         if done:
             del self.groups[request_id]
+            del self.prompt_ids[request_id]
         return out
 
     # -- offline use ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ recorded (what ran, how many pages), for the timeline plots of ``gpulab serve-be
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -42,6 +42,8 @@ class RequestMetrics:
 
 @dataclass
 class StepRecord:
+    """One engine step. What ran is kept as the step's own lists (no per-item copies
+    while serving); :attr:`scheduled` and :attr:`preempted_ids` are built when read."""
     start: float
     end: float
     num_seqs: int
@@ -53,8 +55,22 @@ class StepRecord:
     preempted: int
     graph: bool
     cascade: bool = False
-    scheduled: list[tuple[int, int, bool]] = field(default_factory=list)   # (seq id, tokens, prefill?)
-    preempted_ids: list[int] = field(default_factory=list)
+    items: list = field(default_factory=list, repr=False)           # the batch's (sequence, tokens)
+    prefill: list[bool] = field(default_factory=list, repr=False)   # per item: a prompt chunk?
+    preempted_seqs: list = field(default_factory=list, repr=False)
+
+    @property
+    def scheduled(self) -> list[tuple[int, int, bool]]:
+        """(seq id, tokens, prefill?) per scheduled sequence."""
+        return [(s.seq_id, n, p) for (s, n), p in zip(self.items, self.prefill)]
+
+    @property
+    def preempted_ids(self) -> list[int]:
+        return [s.seq_id for s in self.preempted_seqs]
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        return out | {"scheduled": self.scheduled, "preempted_ids": self.preempted_ids}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -99,7 +115,7 @@ class EngineMetrics:
     def to_json(self) -> dict:
         return {"requests": [asdict(r) | {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}
                              for r in self.requests.values()],
-                "steps": [asdict(s) for s in self.steps]}
+                "steps": [s.to_json() for s in self.steps]}
 
 
 def format_summary(s: dict, title: str = "") -> str:

@@ -27,6 +27,7 @@ to nothing). Replaying removes the CPU cost of launching each kernel of each lay
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,73 @@ class StepPlan:
     sample_seqs: list[Sequence]
     use_graph: bool = False
     decode_planned: bool = False      # the runner's PagedDecodeWrapper holds this step's decode plan
+    graph_bucket: int = 0             # the CUDA graph whose static inputs hold this plan (use_graph)
+    sample_all: bool = False          # sample_rows is 0 .. num_decode-1 (a graph step reads out[:n])
+
+
+# The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
+def eager_input_fields(num_rows: int, num_sample: int, nd: int, na: int, width: int, prefix) -> list:
+    fields = [("rows", np.int64, (3, num_rows)),           # input ids, positions, slot mapping
+              ("sample", np.int64, (num_sample,)), ("lens", np.int32, (nd + na,)),
+              ("indptr", np.int32, (na + 1,)), ("table", np.int32, (nd + na, width))]
+    if prefix is not None:
+        fields += [("prefix", np.int32, (len(prefix[0]),)), ("dec_table", np.int32, (nd, width))]
+    return fields
+
+
+def graph_input_fields(bucket: int, max_blocks: int, table_rows: int | None = None) -> list:
+    """A decode graph's static inputs; the table comes last, so a step of n rows sends
+    only the first n rows of it (the padded rows have length 0 and read no page)."""
+    return [("rows", np.int64, (3, bucket)), ("sample", np.int64, (bucket,)), ("lens", np.int32, (bucket,)),
+            ("table", np.int32, (bucket if table_rows is None else table_rows, max_blocks))]
+
+
+_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+class HostBuffer:
+    """One step's index arrays in one host buffer (pinned for a GPU), each field at an
+    8-byte-aligned offset: filled through NumPy views, sent to the device with one copy."""
+
+    def __init__(self, fields: list, pin: bool):
+        self.layout, end = [], 0
+        for name, dtype, shape in fields:
+            dtype = np.dtype(dtype)
+            size = dtype.itemsize * int(np.prod(shape))
+            self.layout.append((name, end, end + size, dtype, shape))
+            end += -(-size // 8) * 8
+        self.nbytes = end
+        self.host = torch.empty(max(end, 8), dtype=torch.uint8, pin_memory=pin)
+        raw = self.host.numpy()
+        self.arrays = {name: raw[a:b].view(dt).reshape(shape) for name, a, b, dt, shape in self.layout}
+
+    def send(self, device: torch.device, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The fields on ``device`` (one non-blocking copy; into ``out``'s first bytes if given)."""
+        if device.type == "cpu" and out is None:
+            return {name: torch.from_numpy(v) for name, v in self.arrays.items()}
+        src = self.host[:self.nbytes]
+        if out is None:
+            out = src.to(device, non_blocking=True)
+        else:
+            out[:self.nbytes].copy_(src, non_blocking=True)
+        return tensor_fields(out, self.layout)
+
+
+def tensor_fields(buf: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """Typed views of a byte buffer laid out as :class:`HostBuffer` lays out its fields."""
+    return {name: buf[a:b].view(_TORCH_DTYPE[dt]).view(shape) for name, a, b, dt, shape in layout}
+
+
+def fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+    """``out[i, :len(tables[i])] = tables[i]``, zeros elsewhere: one conversion of all
+    the step's page ids, not one per row."""
+    out.fill(0)
+    if not tables:
+        return
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    w = int(lens.max())
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out[:, :w][np.arange(w) < lens[:, None]] = flat
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -89,7 +157,14 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scratch_slot = num_blocks * block_size
         self.graphs: dict[int, tuple] = {}
+        self.graph_inputs: dict[int, torch.Tensor] = {}      # bucket -> its static input bytes
+        self.graph_views: dict[int, dict] = {}               # bucket -> typed views of them
+        self.bucket_of: list[int] = []                       # decode rows -> graph bucket
         self.max_num_seqs = max_num_seqs
+        self.pin = self.device.type == "cuda"                # pinned host buffers: asynchronous copies
+        self.no_indptr = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.no_table = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        self.no_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
         # eager decode steps: planned (and checked) once per step, run by every layer
         self.decode_wrapper = PagedDecodeWrapper()
         # graphs replay gpulab's decode kernels; a hook or the PyTorch reference may sync the host
@@ -99,47 +174,113 @@ class ModelRunner:
 
     # -- plan -------------------------------------------------------------------------------
     def plan(self, items: list[tuple[Sequence, int]]) -> StepPlan:
-        """Flatten one step's (sequence, new tokens) into tensors, decodes first."""
+        """Flatten one step's (sequence, new tokens) into tensors, decodes first.
+
+        Every index array of the step is written in NumPy into one host buffer (pinned on
+        a GPU) and sent with one non-blocking copy. A decode-only step that a CUDA graph
+        can run is laid out as that graph's bucket reads it: the copy lands in the graph's
+        static input buffer and :meth:`replay` copies nothing (such a plan's tensors are
+        views of that buffer: valid until the next plan of the same bucket)."""
         bs = self.block_size
-        order = [it for it in items if it[1] == 1] + [it for it in items if it[1] > 1]
-        ids, pos, slots, tables, lens, indptr, rows, sample_seqs = [], [], [], [], [], [0], [], []
-        num_decode = sum(1 for _, n in items if n == 1)
-        for seq, n in order:
+        if all(n == 1 for _, n in items):
+            dec, app = [s for s, _ in items], []
+        else:
+            dec, app = [s for s, n in items if n == 1], [(s, n) for s, n in items if n > 1]
+        nd, na = len(dec), len(app)
+        # decode rows: one token each, the sequence's next uncomputed one
+        starts = [s.num_computed_tokens for s in dec]
+        ids = [s.token_ids[p] for s, p in zip(dec, starts)]
+        tables = [s.block_table for s in dec]
+        sample_seqs = [s for s, p in zip(dec, starts) if p + 1 == len(s.token_ids)]
+        sample_all = len(sample_seqs) == nd          # else a 1-token prompt chunk is not sampled
+        rows = list(range(nd)) if sample_all else [r for r, (s, p) in enumerate(zip(dec, starts))
+                                                   if p + 1 == len(s.token_ids)]
+        # append rows (prompt chunks, several tokens each)
+        a_starts, a_lens = [], []
+        for seq, n in app:
             start = seq.num_computed_tokens
-            bt = seq.block_table
             ids += seq.token_ids[start:start + n]
-            pos += range(start, start + n)
-            slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
-            tables.append(bt)
-            lens.append(start + n)
-            if n > 1:
-                indptr.append(indptr[-1] + n)
-            if start + n == seq.num_tokens:
+            tables.append(seq.block_table)
+            a_starts.append(start)
+            a_lens.append(n)
+            if start + n == len(seq.token_ids):
                 rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        num_rows = len(ids)
+        w = max(map(len, tables), default=1) or 1   # the step's longest table, not the context's
         prefix = None
-        dec_tables, dec_lens = tables[:num_decode], lens[:num_decode]
-        if self.cascade and self.attention == "triton" and num_decode > 1:
-            k = shared_prefix_pages(dec_tables, dec_lens, bs)
+        if self.cascade and self.attention == "triton" and nd > 1:
+            dec_lens = [p + 1 for p in starts]
+            k = shared_prefix_pages(tables[:nd], dec_lens, bs)
             if k:
-                prefix = (self._ints(dec_tables[0][:k]), k * bs)
-                dec_tables = [t[k:] for t in dec_tables]
-                dec_lens = [n - k * bs for n in dec_lens]
-        # one table width for the step: its longest table, not the context's (a table as
-        # wide as max_seq_len would cost the host more than the decode step's kernels)
-        w = max((len(t) for t in tables), default=1) or 1
-        long = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-        plan = StepPlan(
-            input_ids=long(ids), positions=long(pos), slot_mapping=long(slots), num_decode=num_decode,
-            decode_table=self._table(dec_tables, w), decode_lens=self._ints(dec_lens),
-            prefix=prefix, append_indptr=self._ints(indptr), append_table=self._table(tables[num_decode:], w),
-            append_lens=self._ints(lens[num_decode:]), sample_rows=long(rows), sample_seqs=sample_seqs,
-            use_graph=(num_decode == len(items) and prefix is None and 0 < num_decode <= self.max_num_seqs
-                       and bool(self.graphs)))
-        if num_decode and prefix is None and not plan.use_graph and self.attention == "triton" \
+                prefix = (tables[0][:k], k * bs)
+        use_graph = na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
+        if use_graph:
+            b = self.bucket_of[nd]
+            host = HostBuffer(graph_input_fields(b, self.max_blocks, nd), self.pin)
+            a = host.arrays
+            a["rows"][:, nd:] = 0
+            a["rows"][2, nd:] = self.scratch_slot      # padded rows write to the scratch page
+            a["lens"][nd:] = 0
+            a["sample"][len(rows):] = 0
+            table = a["table"]
+        else:
+            host = HostBuffer(eager_input_fields(num_rows, len(rows), nd, na, w, prefix), self.pin)
+            a = host.arrays
+            a["indptr"][0] = 0
+            table = a["table"]
+        r = a["rows"]                                  # int64 [3, rows]: ids, positions, slots
+        r[0, :num_rows] = ids
+        pos = r[1, :num_rows]
+        pos[:nd] = starts
+        fill_tables(table, tables)
+        lens = a["lens"]
+        lens[:nd] = pos[:nd]
+        lens[:nd] += 1
+        if na:
+            n_a = np.array(a_lens, dtype=np.int64)
+            first = np.cumsum(n_a) - n_a               # each chunk's first row among the append rows
+            pos[nd:] = np.repeat(np.array(a_starts, dtype=np.int64) - first, n_a) + np.arange(num_rows - nd)
+            row_of = np.concatenate([np.arange(nd), np.repeat(np.arange(nd, nd + na), n_a)])
+            np.cumsum(n_a, out=a["indptr"][1:])
+            lens[nd:] = np.array(a_starts, dtype=np.int64) + n_a
+        else:
+            row_of = np.arange(nd)
+        r[2, :num_rows] = table[row_of, pos // bs] * bs + pos % bs
+        a["sample"][:len(rows)] = rows
+        if prefix is not None:
+            k = len(prefix[0])
+            a["prefix"][:] = prefix[0]
+            dt = a["dec_table"]
+            dt[:, :w - k] = table[:nd, k:w]
+            dt[:, w - k:] = 0
+            lens[:nd] -= k * bs
+        if use_graph:
+            host.send(self.device, self.graph_inputs[b])
+            plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
+        else:
+            t = host.send(self.device)
+            rows_t = t["rows"]
+            plan = StepPlan(
+                input_ids=rows_t[0], positions=rows_t[1], slot_mapping=rows_t[2], num_decode=nd,
+                decode_table=t["dec_table"] if prefix is not None else t["table"][:nd],
+                decode_lens=t["lens"][:nd],
+                prefix=None if prefix is None else (t["prefix"], prefix[1]),
+                append_indptr=t["indptr"], append_table=t["table"][nd:], append_lens=t["lens"][nd:],
+                sample_rows=t["sample"], sample_seqs=sample_seqs)
+        if nd and prefix is None and not plan.use_graph and self.attention == "triton" \
                 and self.decode_hook is None:
             self.plan_decode(plan)
         return plan
+
+    def graph_plan(self, b: int, n: int, num_sample: int, sample_all: bool, sample_seqs) -> StepPlan:
+        """The plan of a decode-only step of ``n`` rows in bucket ``b``: views of the
+        bucket's static inputs (written by this step's one copy)."""
+        v = self.graph_views[b]
+        return StepPlan(v["ids"][:n], v["pos"][:n], v["slots"][:n], n, v["table"][:n], v["lens"][:n], None,
+                        self.no_indptr, self.no_table, self.no_lens,
+                        v["all"][:n] if sample_all else v["sample"][:num_sample], sample_seqs,
+                        use_graph=True, graph_bucket=b, sample_all=sample_all)
 
     def plan_decode(self, plan: StepPlan) -> None:
         """FlashInfer's plan/run for an eager step's decode rows: the layout is checked
@@ -151,17 +292,6 @@ class ModelRunner:
                                  # the interpreter pays per program: one partition per sequence
                                  num_splits=1 if runtime.interpreting() else None)
         plan.decode_planned = True
-
-    def _ints(self, v):
-        return torch.tensor(v, dtype=torch.int32, device=self.device)
-
-    def _table(self, rows: list[list[int]], width: int) -> torch.Tensor:
-        """int32 [len(rows), width] block tables, zero-padded (entries past a sequence's
-        pages are never read), built in NumPy and copied to the device once."""
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        for i, row in enumerate(rows):
-            table[i, :len(row)] = row
-        return torch.from_numpy(table).to(self.device)
 
     # -- run --------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -214,20 +344,22 @@ class ModelRunner:
     # -- CUDA graphs --------------------------------------------------------------------------
     def capture_graphs(self) -> None:
         """One graph per batch-size bucket for decode-only steps (largest first, sharing
-        one memory pool)."""
+        one memory pool). Each bucket has its own static input buffer, laid out as a
+        step's host buffer (:func:`graph_input_fields`), so a step's one copy fills it."""
         b_max = self.max_num_seqs
         dev = self.device
-        self.buf = dict(ids=torch.zeros(b_max, dtype=torch.long, device=dev),
-                        pos=torch.zeros(b_max, dtype=torch.long, device=dev),
-                        slots=torch.full((b_max,), self.scratch_slot, dtype=torch.long, device=dev),
-                        table=torch.zeros((b_max, self.max_blocks), dtype=torch.int32, device=dev),
-                        lens=torch.zeros(b_max, dtype=torch.int32, device=dev))
         pool = None
-        empty = torch.zeros(0, dtype=torch.int32, device=dev)
         for b in reversed(bucket_sizes(b_max)):
-            plan = StepPlan(self.buf["ids"][:b], self.buf["pos"][:b], self.buf["slots"][:b], b,
-                            self.buf["table"][:b], self.buf["lens"][:b], None, torch.zeros(1, dtype=torch.int32, device=dev),
-                            empty.reshape(0, self.max_blocks), empty, torch.arange(b, device=dev), [])
+            fields = graph_input_fields(b, self.max_blocks)
+            layout = HostBuffer(fields, False).layout
+            buf = torch.zeros(layout[-1][2], dtype=torch.uint8, device=dev)
+            v = tensor_fields(buf, layout)
+            v["rows"][2].fill_(self.scratch_slot)
+            views = dict(ids=v["rows"][0], pos=v["rows"][1], slots=v["rows"][2], lens=v["lens"],
+                         table=v["table"], sample=v["sample"], all=torch.arange(b, device=dev))
+            self.graph_inputs[b], self.graph_views[b] = buf, views
+            plan = StepPlan(views["ids"], views["pos"], views["slots"], b, views["table"], views["lens"], None,
+                            self.no_indptr, self.no_table, self.no_lens, views["all"], [])
             with torch.no_grad():
                 for _ in range(2):            # warm-up: autotuning and lazy init happen outside the graph
                     self.forward(plan)
@@ -239,18 +371,10 @@ class ModelRunner:
             # the graph reads the plan's tensors (sample_rows, the empty append ones) at
             # every replay: keep them alive, or their memory is reused and read as indices
             self.graphs[b] = (graph, out, plan)
+        self.bucket_of = [0] + [next(s for s in sorted(self.graphs) if s >= n) for n in range(1, b_max + 1)]
 
     def replay(self, plan: StepPlan) -> torch.Tensor:
-        n = plan.num_decode
-        b = next(s for s in sorted(self.graphs) if s >= n)
-        buf = self.buf
-        buf["ids"][:n] = plan.input_ids
-        buf["pos"][:n] = plan.positions
-        buf["slots"][:n] = plan.slot_mapping
-        buf["slots"][n:b] = self.scratch_slot
-        buf["table"][:n, :plan.decode_table.shape[1]] = plan.decode_table
-        buf["lens"][:n] = plan.decode_lens
-        buf["lens"][n:b] = 0
-        graph, out, _ = self.graphs[b]
+        """Run a decode-only step's graph: its inputs are in place already (the plan's copy)."""
+        graph, out, _ = self.graphs[plan.graph_bucket]
         graph.replay()
-        return out[plan.sample_rows]
+        return out[:plan.num_decode] if plan.sample_all else out[plan.sample_rows]

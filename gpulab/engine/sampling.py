@@ -16,11 +16,14 @@ or preemptions.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .sequence import Sequence
 
 _MASK64 = (1 << 63) - 1
+_temperature = operator.attrgetter("params.temperature")    # 0 = greedy
 
 
 def token_seed(seed: int, index: int, position: int) -> int:
@@ -57,7 +60,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if not seqs:
         return []
     best = logits.argmax(-1)
-    if all(s.params.greedy for s in seqs):       # decided on the host: no device sync
+    if not any(map(_temperature, seqs)):         # all greedy, decided on the host: no device sync
         return best.tolist()
     greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     p = [s.params for s in seqs]

@@ -88,19 +88,22 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.budget
         # 1. running sequences, oldest first; preempt the newest when pages run out
+        bm, running, items = self.bm, self.running, batch.items
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            while not self.bm.can_append(seq, n):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)     # seq.num_uncomputed
+            while not bm.can_append(seq, n):
+                victim = running.pop()
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                batch.copies += self.bm.append_slots(seq, n)
-                batch.items.append((seq, n))
+                copies = bm.append_slots(seq, n)
+                if copies:
+                    batch.copies += copies
+                items.append((seq, n))
                 budget -= n
                 i += 1
                 continue
@@ -126,9 +129,10 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch) -> None:
         """After the step ran: count the computed tokens and register full pages."""
+        commit = self.bm.commit_full_blocks
         for seq, n in batch.items:
             seq.num_computed_tokens += n
-            self.bm.commit_full_blocks(seq)
+            commit(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq``: release its pages (their hashes stay cached) and drop it."""

@@ -97,8 +97,7 @@ class StaticBatchLLM:
                 outputs.append(self._finish(seq, now))
         self.metrics.steps.append(StepRecord(
             t0, now, len(items), sum(n for _, n in items if n > 1), sum(n for _, n in items if n == 1),
-            len(self.batch), 0, len(self.waiting), 0, plan.use_graph, False,
-            [(s.seq_id, n, n > 1) for s, n in items]))
+            len(self.batch), 0, len(self.waiting), 0, plan.use_graph, False, items, [n > 1 for _, n in items]))
         if all(s.seq_id in self.done_len for s in self.batch) or not items:
             self.batch = []
         return outputs
