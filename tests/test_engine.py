@@ -271,3 +271,45 @@ def test_step_block_tables_are_as_wide_as_the_longest_sequence(model):
     assert runner.max_blocks > max(widths) and tuple(plan.append_table.shape) == (3, max(widths))
     for row, s in zip(plan.append_table.tolist(), seqs):
         assert row == s.block_table + [0] * (max(widths) - len(s.block_table))
+
+
+def test_a_graph_steps_inputs_are_one_copy_into_its_buckets_buffer(model):
+    """A decode step that a CUDA graph would run is written, padded rows and all, into the
+    bucket's static input buffer by the plan's one copy (replay copies nothing): its views
+    hold the same step as the eager plan, and the forward over them gives the same logits.
+    (Checked on any device: the buffers and the plan need no graph.)"""
+    bs = 4
+    bm = BlockManager(64, bs)
+    runner = ModelRunner(model, 64, bs, max_num_seqs=8, attention="torch", linear="torch", cuda_graphs=False)
+    seqs = []
+    for i, n in enumerate((3, 9, 14, 6, 1)):
+        s = Sequence(i, str(i), list(range(1, n + 1)), n, SamplingParams(), 0)
+        bm.allocate(s, [], n)
+        seqs.append(s)
+    runner.run([(s, s.num_tokens) for s in seqs])               # the prompts' K, V
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(7)
+        bm.append_slots(s, 1)
+    items = [(s, 1) for s in seqs]
+    eager = runner.plan(items)
+    want = runner.forward(eager)
+    runner.allocate_graph_inputs()
+    runner.graphs = {b: None for b in runner.graph_inputs}        # stand-ins: plan() only asks which exist
+    plan = runner.plan(items)
+    assert plan.use_graph and plan.graph_bucket == 8 and plan.sample_all
+    for name in ("input_ids", "positions", "slot_mapping", "decode_lens"):
+        assert torch.equal(getattr(plan, name), getattr(eager, name)), name
+    w = eager.decode_table.shape[1]
+    assert torch.equal(plan.decode_table[:, :w], eager.decode_table) and not plan.decode_table[:, w:].any()
+    v = runner.graph_views[8]
+    assert (v["slots"][5:] == runner.scratch_slot).all() and not v["lens"][5:].any()
+    torch.testing.assert_close(runner.forward(plan), want, rtol=0, atol=0)
+    # a 1-token prompt chunk in a decode step is not sampled: the rows come from the buffer
+    s = Sequence(9, "9", [1, 2, 3, 4, 5, 6], 6, SamplingParams(), 0)
+    bm.allocate(s, [], 4)
+    runner.run([(s, 4)])
+    s.num_computed_tokens = 4
+    bm.append_slots(s, 1)
+    plan = runner.plan(items[:2] + [(s, 1)])
+    assert plan.use_graph and not plan.sample_all and plan.sample_rows.tolist() == [0, 1]

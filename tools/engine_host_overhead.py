@@ -2,10 +2,13 @@
 index arrays and their copy to the device), forward, sample, postprocess + emit.
 
     PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--prompt 128]
-                                                      [--profile] [--json OUT.json] [--model SPEC]
+                                                      [--finished-only] [--profile] [--json OUT.json]
+                                                      [--model SPEC] [--device auto|cpu|cuda]
 
 * On a CPU (or with ``--device cpu``) no kernel runs: the forward is left out (fixed
   logits stand in) and the PyTorch paths are used, so every phase is host work.
+* ``emit`` builds an output per request per step (what a streaming server gets);
+  ``--finished-only`` reports finished requests only, as ``generate`` and serve_bench do.
 * On a GPU in compiled mode the engine runs as it serves (Triton kernels, CUDA graphs):
   the phases are timed without extra synchronisation, so ``forward`` is the host's cost
   of launching (replaying) it and ``sample`` includes waiting for the device (its one
@@ -39,7 +42,7 @@ from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
 PHASES = ("schedule", "plan", "forward", "sample", "emit")
 
 
-def host_step(llm: LLM, logits=None) -> dict[str, float]:
+def host_step(llm: LLM, logits=None, finished_only: bool = False) -> dict[str, float]:
     """One engine step, phase by phase (seconds): what :meth:`LLM.step` does, with the
     forward replaced by ``logits`` rows when given (no kernel runs)."""
     clock = time.perf_counter
@@ -59,7 +62,7 @@ def host_step(llm: LLM, logits=None) -> dict[str, float]:
     llm.scheduler.postprocess(batch)
     tokens = llm.sample_tokens(out, plan.sample_seqs)
     t4 = clock()
-    llm.emit(batch, prefill, tokens, t0, plan)
+    llm.emit(batch, prefill, tokens, t0, plan, finished_only)
     t5 = clock()
     return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
 
@@ -74,7 +77,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: bool) -> dict:
+def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: bool,
+            finished_only: bool = False) -> dict:
     if on_gpu:    # as the engine serves: Triton kernels and CUDA graphs
         llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=True)
         logits = None
@@ -83,10 +87,10 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
                               linear="torch")
         logits = torch.randn(batch, model.cfg.vocab_size)
     for _ in range(3):
-        host_step(llm, logits)
+        host_step(llm, logits, finished_only)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     sync()
-    rec = [host_step(llm, logits) for _ in range(steps)]
+    rec = [host_step(llm, logits, finished_only) for _ in range(steps)]
     sync()
     totals = [sum(r.values()) for r in rec]
     med = lambda v: statistics.median(v) * 1e3  # noqa: E731   (the median: a shared CPU's stalls and GC left out)
@@ -98,13 +102,13 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
         walls = []
         for _ in range(steps):
             t = time.perf_counter()
-            llm.step()
+            llm.step(finished_only)
             walls.append(time.perf_counter() - t)
         res["engine_step_ms"] = med(walls)
     if profile:
         prof = cProfile.Profile()
-        prof.runctx("for _ in range(10): host_step(llm, logits)", globals(),
-                    {"host_step": host_step, "llm": llm, "logits": logits})
+        prof.runctx("for _ in range(10): host_step(llm, logits, finished_only)", globals(),
+                    {"host_step": host_step, "llm": llm, "logits": logits, "finished_only": finished_only})
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     return res
 
@@ -118,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a build_model spec (default: one random layer, d_model 64)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: the GPU when kernels are compiled, else the CPU")
+    ap.add_argument("--finished-only", action="store_true",
+                    help="report finished requests only, as generate() and serve_bench do (default: an "
+                         "output per request per step, as a streaming server gets)")
     ap.add_argument("--profile", action="store_true", help="cProfile 10 steps per batch size")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
@@ -132,10 +139,11 @@ def main(argv=None) -> int:
     else:
         model = build_model(spec, device="cpu", dtype=torch.float32)
     out = {"device": runtime.gpu_name() if on_gpu else "cpu", "cpu": cpu_name(), "python": platform.python_version(),
-           "versions": runtime.versions(), "model": spec, "ctx": model.cfg.max_seq_len, "results": []}
+           "versions": runtime.versions(), "model": spec, "ctx": model.cfg.max_seq_len,
+           "finished_only": a.finished_only, "results": []}
     print(f"{'GPU ' + out['device'] if on_gpu else 'CPU only (no forward)'}; host CPU: {out['cpu']}")
     for b in a.batch:
-        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile)
+        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only)
         out["results"].append(r)
         ms = r["host_ms"]
         print(f"batch {b:4}, context {model.cfg.max_seq_len}: host part of a decode step {ms:6.2f} ms median "

@@ -159,8 +159,10 @@ class LLM:
         return self.scheduler.has_work()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching; returns the requests that got tokens."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One iteration of continuous batching; returns the requests that got tokens
+        (``finished_only``: only those that finished, as offline serving needs: no
+        output is built for the others)."""
         t0 = time.perf_counter()
         batch = self.schedule()
         if not batch.items:
@@ -168,7 +170,7 @@ class LLM:
         prefill = batch.prefill_flags          # before the step counts the tokens as computed
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
-        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan)
+        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan, finished_only)
 
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""
@@ -186,10 +188,12 @@ class LLM:
         return {seq: [tok] for seq, tok in zip(seqs, tokens)}
 
     def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
-             plan) -> list[RequestOutput]:
+             plan, finished_only: bool = False) -> list[RequestOutput]:
         """Append each sequence's new tokens (a speculative step may bring several),
         retire those that hit EOS, max_tokens or the context, record the step
-        (``prefill``: which of the batch's items were prompt chunks)."""
+        (``prefill``: which of the batch's items were prompt chunks). Returns an output
+        per request that got tokens, or with ``finished_only`` per request that finished
+        (a request's metrics are brought up to date when it reports)."""
         items = batch.items
         if True in prefill:
             n_prefill = sum(n for (_, n), p in zip(items, prefill) if p)
@@ -198,7 +202,7 @@ class LLM:
             n_prefill, n_decode = 0, len(items)
         now = time.perf_counter()
         max_len = self.max_model_len
-        touched = {}
+        touched, finished = {}, {}
         for seq, tokens in new_tokens.items():
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -208,8 +212,11 @@ class LLM:
                 if ((tok == EOS and params.stop_at_eos) or len(ids) - seq.num_prompt_tokens >= params.max_tokens
                         or len(ids) >= max_len):
                     self.scheduler.finish(seq, "eos" if tok == EOS and params.stop_at_eos else "length")
+                    finished[seq.request_id] = None
                     break
             touched[seq.request_id] = None
+        if finished_only:
+            touched = [rid for rid in finished if all(s.finished for s in self.groups[rid])]
         bm = self.block_manager
         self.metrics.steps.append(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
@@ -300,7 +307,7 @@ def generate_all(engine, prompts, params=None, progress: bool = False) -> list[R
             order.append(key)
     bar = tqdm(total=len(order) - len(results), desc="requests", mininterval=0.5) if progress else None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step(finished_only=True):
             if out.finished:
                 results[out.request_id] = out
                 if bar is not None:

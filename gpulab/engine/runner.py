@@ -85,13 +85,8 @@ class HostBuffer:
     8-byte-aligned offset: filled through NumPy views, sent to the device with one copy."""
 
     def __init__(self, fields: list, pin: bool):
-        self.layout, end = [], 0
-        for name, dtype, shape in fields:
-            dtype = np.dtype(dtype)
-            size = dtype.itemsize * int(np.prod(shape))
-            self.layout.append((name, end, end + size, dtype, shape))
-            end += -(-size // 8) * 8
-        self.nbytes = end
+        self.layout = field_layout(fields)
+        self.nbytes = end = self.layout[-1][2]
         self.host = torch.empty(max(end, 8), dtype=torch.uint8, pin_memory=pin)
         raw = self.host.numpy()
         self.arrays = {name: raw[a:b].view(dt).reshape(shape) for name, a, b, dt, shape in self.layout}
@@ -106,6 +101,18 @@ class HostBuffer:
         else:
             out[:self.nbytes].copy_(src, non_blocking=True)
         return tensor_fields(out, self.layout)
+
+
+def field_layout(fields: list) -> list:
+    """(name, first byte, end byte, dtype, shape) per field, each at an 8-byte-aligned
+    offset (so every field can be viewed as int64); the last end is the buffer's size."""
+    layout, start = [], 0
+    for name, dtype, shape in fields:
+        dtype = np.dtype(dtype)
+        end = start + dtype.itemsize * int(np.prod(shape))
+        layout.append((name, start, end, dtype, shape))
+        start = -(-end // 8) * 8
+    return layout
 
 
 def tensor_fields(buf: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
@@ -346,18 +353,10 @@ class ModelRunner:
         """One graph per batch-size bucket for decode-only steps (largest first, sharing
         one memory pool). Each bucket has its own static input buffer, laid out as a
         step's host buffer (:func:`graph_input_fields`), so a step's one copy fills it."""
-        b_max = self.max_num_seqs
-        dev = self.device
+        self.allocate_graph_inputs()
         pool = None
-        for b in reversed(bucket_sizes(b_max)):
-            fields = graph_input_fields(b, self.max_blocks)
-            layout = HostBuffer(fields, False).layout
-            buf = torch.zeros(layout[-1][2], dtype=torch.uint8, device=dev)
-            v = tensor_fields(buf, layout)
-            v["rows"][2].fill_(self.scratch_slot)
-            views = dict(ids=v["rows"][0], pos=v["rows"][1], slots=v["rows"][2], lens=v["lens"],
-                         table=v["table"], sample=v["sample"], all=torch.arange(b, device=dev))
-            self.graph_inputs[b], self.graph_views[b] = buf, views
+        for b in reversed(bucket_sizes(self.max_num_seqs)):
+            views = self.graph_views[b]
             plan = StepPlan(views["ids"], views["pos"], views["slots"], b, views["table"], views["lens"], None,
                             self.no_indptr, self.no_table, self.no_lens, views["all"], [])
             with torch.no_grad():
@@ -371,7 +370,21 @@ class ModelRunner:
             # the graph reads the plan's tensors (sample_rows, the empty append ones) at
             # every replay: keep them alive, or their memory is reused and read as indices
             self.graphs[b] = (graph, out, plan)
-        self.bucket_of = [0] + [next(s for s in sorted(self.graphs) if s >= n) for n in range(1, b_max + 1)]
+
+    def allocate_graph_inputs(self) -> None:
+        """Each bucket's static input buffer (padded rows: scratch slot, length 0) and its
+        typed views; ``bucket_of[n]``: the bucket of a decode step of n rows."""
+        dev = self.device
+        buckets = bucket_sizes(self.max_num_seqs)
+        for b in buckets:
+            layout = field_layout(graph_input_fields(b, self.max_blocks))
+            buf = torch.zeros(layout[-1][2], dtype=torch.uint8, device=dev)
+            v = tensor_fields(buf, layout)
+            v["rows"][2].fill_(self.scratch_slot)
+            self.graph_inputs[b] = buf
+            self.graph_views[b] = dict(ids=v["rows"][0], pos=v["rows"][1], slots=v["rows"][2], lens=v["lens"],
+                                       table=v["table"], sample=v["sample"], all=torch.arange(b, device=dev))
+        self.bucket_of = [0] + [next(b for b in buckets if b >= n) for n in range(1, self.max_num_seqs + 1)]
 
     def replay(self, plan: StepPlan) -> torch.Tensor:
         """Run a decode-only step's graph: its inputs are in place already (the plan's copy)."""

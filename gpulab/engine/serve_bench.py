@@ -78,7 +78,7 @@ def run_requests(engine, requests: list[dict], progress: bool = True, desc: str 
             r = pending.pop(0)
             engine.add_request(r["prompt"], r["params"], arrival_time=t0 + r["arrival"])
         if engine.has_unfinished():
-            bar.update(sum(1 for o in engine.step() if o.finished))
+            bar.update(len(engine.step(finished_only=True)))
         elif pending:
             time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - t0)))
     bar.close()

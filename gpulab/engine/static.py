@@ -66,7 +66,9 @@ class StaticBatchLLM:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.batch)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = True) -> list[RequestOutput]:
+        """One step of the batch; reports finished requests only (``finished_only`` is
+        accepted for :func:`generate_all`'s sake)."""
         t0 = time.perf_counter()
         if not self.batch:                       # a new batch: prefill every prompt at once
             now = time.perf_counter()
