@@ -36,8 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
-from gpulab.engine.engine import LLM  # noqa: E402
+from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
+from gpulab.engine.model import BOS  # noqa: E402
+from gpulab.engine.sequence import SamplingParams  # noqa: E402
 from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
+from gpulab.engine.static import StaticBatchLLM  # noqa: E402
 
 PHASES = ("schedule", "plan", "forward", "sample", "emit")
 
@@ -113,6 +116,30 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
     return res
 
 
+def static_step_ms(model, batch: int, prompt: int, steps: int, on_gpu: bool) -> float:
+    """Median decode step of the static-batching baseline holding ``batch`` requests (its
+    whole step: it shares the runner's plan and the sampler with the engine; on a CPU its
+    forward is left out too)."""
+    max_len = -(-(prompt + 256) // 16) * 16
+    kw = {} if on_gpu else dict(cuda_graphs=False, attention="torch", linear="torch")
+    st = StaticBatchLLM(model, EngineConfig(num_blocks=batch * max_len // 16, block_size=16, max_num_seqs=batch,
+                                            **kw), max_len=max_len)
+    assert st.batch_size == batch
+    for i in range(batch):
+        st.add_request([BOS] + [(i * 7 + j) % 250 for j in range(prompt - 1)],
+                       SamplingParams(max_tokens=250, stop_at_eos=False), arrival_time=0.0)
+    st.step()                                     # the batch's prefill
+    if not on_gpu:
+        logits = torch.randn(batch, model.cfg.vocab_size)
+        st.runner.forward = lambda plan: logits[:len(plan.sample_seqs)]
+    walls = []
+    for i in range(steps + 3):
+        t = time.perf_counter()
+        st.step()
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls[3:]) * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
@@ -125,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--finished-only", action="store_true",
                     help="report finished requests only, as generate() and serve_bench do (default: an "
                          "output per request per step, as a streaming server gets)")
+    ap.add_argument("--static", action="store_true", help="also time the static-batching baseline's decode step")
     ap.add_argument("--profile", action="store_true", help="cProfile 10 steps per batch size")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
@@ -138,6 +166,16 @@ def main(argv=None) -> int:
         model = build_model(spec)
     else:
         model = build_model(spec, device="cpu", dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if not on_gpu:  # one thread: the few CPU ops left (argmax) would wait on busy cores
+        torch.set_num_threads(1)
+    try:
+        return report(a, model, spec, on_gpu)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def report(a, model, spec: str, on_gpu: bool) -> int:
     out = {"device": runtime.gpu_name() if on_gpu else "cpu", "cpu": cpu_name(), "python": platform.python_version(),
            "versions": runtime.versions(), "model": spec, "ctx": model.cfg.max_seq_len,
            "finished_only": a.finished_only, "results": []}
@@ -146,10 +184,14 @@ def main(argv=None) -> int:
         r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only)
         out["results"].append(r)
         ms = r["host_ms"]
-        print(f"batch {b:4}, context {model.cfg.max_seq_len}: host part of a decode step {ms:6.2f} ms median "
+        what = "decode step (all phases, forward included)" if on_gpu else "host part of a decode step"
+        print(f"batch {b:4}, context {model.cfg.max_seq_len}: {what} {ms:6.2f} ms median "
               f"({ms / b * 1e3:5.1f} µs per sequence), {r['step_mean_ms']:6.2f} ms mean")
         print("    " + ", ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items()) + " ms"
               + (f"; whole engine step {r['engine_step_ms']:.3f} ms" if on_gpu else ""), flush=True)
+        if a.static:
+            r["static_step_ms"] = static_step_ms(model, b, a.prompt, a.steps, on_gpu)
+            print(f"    static batching, same batch: {r['static_step_ms']:.3f} ms per decode step", flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))

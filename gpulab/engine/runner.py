@@ -28,6 +28,8 @@ to nothing). Replaying removes the CPU cost of launching each kernel of each lay
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,12 +79,15 @@ def graph_input_fields(bucket: int, max_blocks: int, table_rows: int | None = No
             ("table", np.int32, (bucket if table_rows is None else table_rows, max_blocks))]
 
 
+_tokens_of = operator.itemgetter(1)         # of a (sequence, tokens) item
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 class HostBuffer:
-    """One step's index arrays in one host buffer (pinned for a GPU), each field at an
-    8-byte-aligned offset: filled through NumPy views, sent to the device with one copy."""
+    """One step's index arrays in one host buffer (pinned for a GPU), each field at a
+    16-byte-aligned offset: filled through NumPy views, sent to the device with one copy.
+    A pinned buffer comes from PyTorch's caching host allocator, which reuses it only
+    after the copy that reads it has run."""
 
     def __init__(self, fields: list, pin: bool):
         self.layout = field_layout(fields)
@@ -91,27 +96,27 @@ class HostBuffer:
         raw = self.host.numpy()
         self.arrays = {name: raw[a:b].view(dt).reshape(shape) for name, a, b, dt, shape in self.layout}
 
-    def send(self, device: torch.device, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The fields on ``device`` (one non-blocking copy; into ``out``'s first bytes if given)."""
-        if device.type == "cpu" and out is None:
+    def send(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The fields on ``device``: one non-blocking copy (none on the CPU)."""
+        if device.type == "cpu":
             return {name: torch.from_numpy(v) for name, v in self.arrays.items()}
-        src = self.host[:self.nbytes]
-        if out is None:
-            out = src.to(device, non_blocking=True)
-        else:
-            out[:self.nbytes].copy_(src, non_blocking=True)
-        return tensor_fields(out, self.layout)
+        return tensor_fields(self.host[:self.nbytes].to(device, non_blocking=True), self.layout)
+
+    def send_into(self, out: torch.Tensor) -> None:
+        """One non-blocking copy into the first bytes of ``out`` (a buffer of this layout)."""
+        out[:self.nbytes].copy_(self.host[:self.nbytes], non_blocking=True)
 
 
 def field_layout(fields: list) -> list:
-    """(name, first byte, end byte, dtype, shape) per field, each at an 8-byte-aligned
-    offset (so every field can be viewed as int64); the last end is the buffer's size."""
+    """(name, first byte, end byte, dtype, shape) per field, each at a 16-byte-aligned
+    offset (any field can be viewed as int64, and Triton sees the same pointer alignment
+    every step: no recompilation); the last end is the buffer's size."""
     layout, start = [], 0
     for name, dtype, shape in fields:
         dtype = np.dtype(dtype)
-        end = start + dtype.itemsize * int(np.prod(shape))
+        end = start + dtype.itemsize * math.prod(shape)
         layout.append((name, start, end, dtype, shape))
-        start = -(-end // 8) * 8
+        start = -(-end // 16) * 16
     return layout
 
 
@@ -189,7 +194,7 @@ class ModelRunner:
         static input buffer and :meth:`replay` copies nothing (such a plan's tensors are
         views of that buffer: valid until the next plan of the same bucket)."""
         bs = self.block_size
-        if all(n == 1 for _, n in items):
+        if max(map(_tokens_of, items), default=1) == 1:
             dec, app = [s for s, _ in items], []
         else:
             dec, app = [s for s, n in items if n == 1], [(s, n) for s, n in items if n > 1]
@@ -263,7 +268,7 @@ class ModelRunner:
             dt[:, w - k:] = 0
             lens[:nd] -= k * bs
         if use_graph:
-            host.send(self.device, self.graph_inputs[b])
+            host.send_into(self.graph_inputs[b])
             plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
         else:
             t = host.send(self.device)

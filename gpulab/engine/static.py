@@ -42,6 +42,7 @@ class StaticBatchLLM:
         self.metrics = EngineMetrics(self.batch_size)
         self.waiting: deque[Sequence] = deque()
         self.batch: list[Sequence] = []
+        self.batch_done = 0                         # sequences of the batch that finished
         self.done_len: dict[int, int] = {}          # seq id -> its length when it finished
         self._ids = itertools.count()
 
@@ -70,7 +71,8 @@ class StaticBatchLLM:
         """One step of the batch; reports finished requests only (``finished_only`` is
         accepted for :func:`generate_all`'s sake)."""
         t0 = time.perf_counter()
-        if not self.batch:                       # a new batch: prefill every prompt at once
+        decode = bool(self.batch)
+        if not decode:                           # a new batch: prefill every prompt at once
             now = time.perf_counter()
             while self.waiting and len(self.batch) < self.batch_size and self.waiting[0].arrival_time <= now:
                 seq = self.waiting.popleft()
@@ -96,12 +98,17 @@ class StaticBatchLLM:
             if (seq.params.stop_at_eos and tok == EOS) or seq.num_output_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "eos" if tok == EOS and seq.params.stop_at_eos else "length"
                 self.done_len[seq.seq_id] = seq.num_tokens
+                self.batch_done += 1
                 outputs.append(self._finish(seq, now))
-        self.metrics.steps.append(StepRecord(
-            t0, now, len(items), sum(n for _, n in items if n > 1), sum(n for _, n in items if n == 1),
-            len(self.batch), 0, len(self.waiting), 0, plan.use_graph, False, items, [n > 1 for _, n in items]))
-        if all(s.seq_id in self.done_len for s in self.batch) or not items:
-            self.batch = []
+        if decode:                               # one token per row
+            n_prefill, n_decode, flags = 0, len(items), [False] * len(items)
+        else:
+            n_prefill, n_decode = sum(n for _, n in items if n > 1), sum(n for _, n in items if n == 1)
+            flags = [n > 1 for _, n in items]
+        self.metrics.steps.append(StepRecord(t0, now, len(items), n_prefill, n_decode, len(self.batch), 0,
+                                             len(self.waiting), 0, plan.use_graph, False, items, flags))
+        if self.batch_done == len(self.batch) or not items:
+            self.batch, self.batch_done = [], 0
         return outputs
 
     def _finish(self, seq: Sequence, now: float) -> RequestOutput:
