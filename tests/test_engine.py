@@ -313,3 +313,16 @@ def test_a_graph_steps_inputs_are_one_copy_into_its_buckets_buffer(model):
     bm.append_slots(s, 1)
     plan = runner.plan(items[:2] + [(s, 1)])
     assert plan.use_graph and not plan.sample_all and plan.sample_rows.tolist() == [0, 1]
+
+
+def test_frozen_heap_keeps_the_start_up_heap_out_of_collections_and_nests():
+    import gc
+    from gpulab.engine.engine import frozen_heap
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() >= frozen       # the inner block left the outer's freeze alone
+    assert gc.get_freeze_count() == 0

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
-from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
+from gpulab.engine.engine import LLM, EngineConfig, frozen_heap  # noqa: E402
 from gpulab.engine.model import model_sizes  # noqa: E402
 from gpulab.engine.serve_bench import (Workload, build_model, compare, decoding_engine,  # noqa: E402
                                        format_comparison, plot_comparison)
@@ -57,15 +57,18 @@ def copy_bandwidth() -> float:
 
 
 def time_decode_steps(llm: LLM, steps: int) -> float:
-    """Seconds per engine step (schedule + plan + graph replay + sampling) when decoding."""
+    """Seconds per engine step (schedule + plan + graph replay + sampling) when decoding,
+    the start-up heap frozen as serving runs (else one full garbage collection of it,
+    a tenth of a second or more, lands among the timed steps)."""
     for _ in range(3):
         llm.step()
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps
+    with frozen_heap():
+        t = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / steps
 
 
 def time_forward(llm: LLM, use_graph: bool, reps: int = 50) -> tuple[float, float]:

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
-from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
+from gpulab.engine.engine import LLM, EngineConfig, frozen_heap  # noqa: E402
 from gpulab.engine.model import BOS  # noqa: E402
 from gpulab.engine.sequence import SamplingParams  # noqa: E402
 from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
@@ -93,8 +93,9 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
         host_step(llm, logits, finished_only)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     sync()
-    rec = [host_step(llm, logits, finished_only) for _ in range(steps)]
-    sync()
+    with frozen_heap():                  # as serving runs (serve_bench, gpulab serve)
+        rec = [host_step(llm, logits, finished_only) for _ in range(steps)]
+        sync()
     totals = [sum(r.values()) for r in rec]
     med = lambda v: statistics.median(v) * 1e3  # noqa: E731   (the median: a shared CPU's stalls and GC left out)
     res = {"batch": batch, "prompt": prompt, "graph": bool(llm.runner.graphs),
@@ -103,11 +104,13 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
     res["host_ms"] = res["step_ms"] - (res["phases_ms"]["forward"] if not on_gpu else 0.0)
     if on_gpu:    # whole engine steps, as serving runs them
         walls = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            llm.step(finished_only)
-            walls.append(time.perf_counter() - t)
+        with frozen_heap():
+            for _ in range(steps):
+                t = time.perf_counter()
+                llm.step(finished_only)
+                walls.append(time.perf_counter() - t)
         res["engine_step_ms"] = med(walls)
+        res["engine_step_mean_ms"] = statistics.fmean(walls) * 1e3
     if profile:
         prof = cProfile.Profile()
         prof.runctx("for _ in range(10): host_step(llm, logits, finished_only)", globals(),
@@ -133,10 +136,11 @@ def static_step_ms(model, batch: int, prompt: int, steps: int, on_gpu: bool) -> 
         logits = torch.randn(batch, model.cfg.vocab_size)
         st.runner.forward = lambda plan: logits[:len(plan.sample_seqs)]
     walls = []
-    for i in range(steps + 3):
-        t = time.perf_counter()
-        st.step()
-        walls.append(time.perf_counter() - t)
+    with frozen_heap():
+        for i in range(steps + 3):
+            t = time.perf_counter()
+            st.step()
+            walls.append(time.perf_counter() - t)
     return statistics.median(walls[3:]) * 1e3
 
 

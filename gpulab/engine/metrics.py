@@ -42,8 +42,9 @@ class RequestMetrics:
 
 @dataclass
 class StepRecord:
-    """One engine step. What ran is kept as the step's own lists (no per-item copies
-    while serving); :attr:`scheduled` and :attr:`preempted_ids` are built when read."""
+    """One engine step. What ran is kept as three flat lists of ints (a few objects per
+    step: thousands of tuples kept per step would make every full garbage collection
+    of a long run slower); :attr:`scheduled` pairs them up when read."""
     start: float
     end: float
     num_seqs: int
@@ -55,22 +56,18 @@ class StepRecord:
     preempted: int
     graph: bool
     cascade: bool = False
-    items: list = field(default_factory=list, repr=False)           # the batch's (sequence, tokens)
-    prefill: list[bool] = field(default_factory=list, repr=False)   # per item: a prompt chunk?
-    preempted_seqs: list = field(default_factory=list, repr=False)
+    seq_ids: list[int] = field(default_factory=list, repr=False)      # per scheduled sequence
+    tokens: list[int] = field(default_factory=list, repr=False)       # ... the tokens it ran
+    prefill: list[bool] = field(default_factory=list, repr=False)     # ... a prompt chunk?
+    preempted_ids: list[int] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[tuple[int, int, bool]]:
         """(seq id, tokens, prefill?) per scheduled sequence."""
-        return [(s.seq_id, n, p) for (s, n), p in zip(self.items, self.prefill)]
-
-    @property
-    def preempted_ids(self) -> list[int]:
-        return [s.seq_id for s in self.preempted_seqs]
+        return list(zip(self.seq_ids, self.tokens, self.prefill))
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
-        return out | {"scheduled": self.scheduled, "preempted_ids": self.preempted_ids}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr} | {"scheduled": self.scheduled}
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -21,9 +21,15 @@ Triton where kernels are compiled (a GPU) and PyTorch in the interpreter, which 
 about a thousand times slower than PyTorch on the CPU (it exists to check kernels).
 
 **CUDA graphs** (compiled mode only): a decode-only step of B sequences replays a graph
-captured for the smallest bucket ≥ B (1, 2, 4, ..., max_num_seqs), its inputs copied
-into static buffers and the spare rows padded (they write to a scratch page and attend
-to nothing). Replaying removes the CPU cost of launching each kernel of each layer.
+captured for the smallest bucket ≥ B (1, 2, 4, ..., max_num_seqs), the spare rows padded
+(they write to a scratch page and attend to nothing). Replaying removes the CPU cost of
+launching each kernel of each layer.
+
+**Host cost.** At batch 256 the forward of a decode step is a few milliseconds, so the
+host's share matters: the plan writes all of a step's index arrays with NumPy into one
+host buffer (pinned on a GPU) and sends it with a single non-blocking copy; a graph
+step's buffer has the bucket's static layout, so that copy *is* the graph's input update
+and replay copies nothing.
 """
 from __future__ import annotations
 

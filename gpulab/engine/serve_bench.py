@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import runtime
-from .engine import LLM, EngineConfig
+from .engine import LLM, EngineConfig, frozen_heap
 from .metrics import format_summary
 from .model import BOS, ModelConfig, TernaryTransformer, corpus_tokens, load_checkpoint, prepare_for_serving
 from .sequence import SamplingParams
@@ -69,19 +69,20 @@ def make_requests(w: Workload, max_model_len: int) -> list[dict]:
 def run_requests(engine, requests: list[dict], progress: bool = True, desc: str = "") -> dict:
     """Feed requests at their arrival times (relative to now), step until all are done;
     returns the engine's summary."""
-    t0 = time.perf_counter()
-    pending = list(requests)
-    bar = tqdm(total=len(requests), desc=desc or type(engine).__name__, mininterval=0.5, disable=not progress)
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while pending and pending[0]["arrival"] <= now:
-            r = pending.pop(0)
-            engine.add_request(r["prompt"], r["params"], arrival_time=t0 + r["arrival"])
-        if engine.has_unfinished():
-            bar.update(len(engine.step(finished_only=True)))
-        elif pending:
-            time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - t0)))
-    bar.close()
+    with frozen_heap():        # as a serving process runs: no full collection of the start-up heap
+        t0 = time.perf_counter()
+        pending = list(requests)
+        bar = tqdm(total=len(requests), desc=desc or type(engine).__name__, mininterval=0.5, disable=not progress)
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - t0
+            while pending and pending[0]["arrival"] <= now:
+                r = pending.pop(0)
+                engine.add_request(r["prompt"], r["params"], arrival_time=t0 + r["arrival"])
+            if engine.has_unfinished():
+                bar.update(len(engine.step(finished_only=True)))
+            elif pending:
+                time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - t0)))
+        bar.close()
     return engine.summary()
 
 

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from .engine import LLM, RequestOutput
+from .engine import LLM, RequestOutput, frozen_heap
 from .model import encode_prompt
 from .sequence import RequestError, SamplingParams
 
@@ -443,5 +443,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     llm = LLM(num_blocks=args.pages) if args.pages else LLM()
     print(f"serving {MODEL_NAME} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    uvicorn.run(create_app(llm), host=args.host, port=args.port, log_level="warning")
+    with frozen_heap():    # the start-up heap stays out of every garbage collection while serving
+        uvicorn.run(create_app(llm), host=args.host, port=args.port, log_level="warning")
     return 0
