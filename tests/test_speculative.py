@@ -239,6 +239,22 @@ def test_graph_path_greedy_output_equals_the_target_alone(target, name):
         assert spec.stats.acceptance_rate() == 1.0
 
 
+def test_graph_path_runs_the_append_kernel_it_captures_on_a_gpu(target):
+    """attention="triton": the verify graph's own launch of the append kernel (tiles for
+    k+1 tokens, one work list for all layers, padding requests), here in the interpreter."""
+    params = [SamplingParams(max_tokens=11), SamplingParams(max_tokens=8)]
+    want = serve_some(LLM(target, EngineConfig(**CONFIG)), params)
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG, attention="triton"), drafter=drafters(target)["self"],
+                          k=2, graphs="emulate")
+    assert serve_some(spec, params) == want and graph_steps(spec) > 0
+
+
+def serve_some(llm, params):
+    outs = llm.generate(PROMPTS[:len(params)], params)
+    assert llm.idle() and all(not o.error for o in outs)
+    return [o.token_ids for o in outs]
+
+
 def test_graph_path_sampled_output_equals_the_eager_path(target):
     """Drafts drawn on the device with the host's seeded noise, states rewound by picking
     a row of the pool: sampled text (mixed with greedy requests) is the eager path's."""

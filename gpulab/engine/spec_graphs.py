@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..prefill import append_attention_into
+from ..paged import fault_flag
+from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .batch_attention import append_attention_reference
 from .runner import ModelRunner, bucket_sizes
 from .sampling import filter_top_k_top_p
@@ -142,6 +143,11 @@ class VerifyGraphs:
         run, buf, rows = self.runner, self.buf, b * (self.k + 1)
         slots = buf["slots"][:rows]
         indptr, table, lens = buf["indptr"][:2 * b + 1], buf["table"][:2 * b], buf["lens"][:2 * b]
+        if run.attention == "triton":
+            # tiles sized for k+1 new tokens (not a prefill's 128 rows); the work list once for all layers
+            group = run.cfg.n_heads // run.cfg.n_kv_heads
+            tiles = append_tile_config(run.dtype, run.cfg.head_dim, group, max_new=self.k + 1)
+            work = append_schedule_device(indptr, rows, tiles["BLOCK_M"] // group)
 
         def attend(layer, q, k, v):
             kc, vc = run.k_cache[layer], run.v_cache[layer]
@@ -150,7 +156,8 @@ class VerifyGraphs:
             if run.attention == "torch":
                 return append_attention_reference(q, kc, vc, indptr, table, lens)
             o = torch.empty_like(q)
-            append_attention_into(q, kc, vc, indptr, table, lens, True, None, o, None)
+            launch_append_attention(q, kc, vc, indptr, table, lens, *work, o, None, fault_flag(q.device),
+                                    True, None, tiles)
             return o
 
         h = run.model.hidden_states(buf["ids"][:rows], buf["pos"][:rows], attend, reference=run.linear == "torch")
@@ -219,7 +226,7 @@ class MLGRUGraphDrafter:
             temp=torch.ones(max_num_seqs, device=dev),
             top_k=torch.zeros(max_num_seqs, dtype=torch.long, device=dev),
             top_p=torch.ones(max_num_seqs, device=dev),
-            noise=torch.zeros((k, max_num_seqs, vocab_size), device=dev))
+            noise=torch.zeros((max_num_seqs, k, vocab_size), device=dev))
         self.specials = torch.full((max_num_seqs, vocab_size - BYTES), -torch.inf, device=dev)
         self.cuda = cuda
         self.graphs: dict[tuple[int, bool], CapturedStep] = {}
@@ -252,7 +259,7 @@ class MLGRUGraphDrafter:
             if sampled:
                 scaled = filter_top_k_top_p(logits / buf["temp"][:b, None], buf["top_k"][:b], buf["top_p"][:b])
                 q = torch.softmax(scaled, dim=-1)
-                drawn = (q.log() + buf["noise"][i, :b]).argmax(-1)
+                drawn = (q.log() + buf["noise"][:b, i]).argmax(-1)
                 token = torch.where(buf["greedy"][:b], token, drawn)
                 qs.append(q)
             drafts.append(token)
@@ -291,14 +298,11 @@ class MLGRUGraphDrafter:
                 h["greedy"][j], h["temp"][j] = 0, seq.params.temperature
                 h["top_k"][j], h["top_p"][j] = seq.params.top_k, seq.params.top_p
                 for i in range(k):
-                    h["noise"][i, j] = self.noise(seq, seq.num_tokens + i, self.vocab_size).numpy()
+                    h["noise"][j, i] = self.noise(seq, seq.num_tokens + i, self.vocab_size).numpy()
         counts = dict(src=b, first=b, dst=b * k1, greedy=b)
         if sampled:
-            counts.update(temp=b, top_k=b, top_p=b)
-            self.buf.send(**counts)
-            self.buf["noise"][:, :b].copy_(self.buf.host["noise"][:, :b], non_blocking=True)
-        else:
-            self.buf.send(**counts)
+            counts.update(temp=b, top_k=b, top_p=b, noise=b)
+        self.buf.send(**counts)
         drafts, q = graph.replay()
         ids = drafts[:, :len(seqs)].t().tolist()                # the draft's one device -> host copy
         for seq, row in zip(seqs, ids):

@@ -573,10 +573,11 @@ def format_results(result: dict) -> str:
     acceptance, tokens per pass; then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
-    lines.append(f"{'batch':>5} {'draft':>12} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    lines.append(f"{'batch':>5} {'draft':>14} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
-        lines.append(f"{r['batch']:>5} {r['draft']:>12} {k:>4} {r['tokens_per_s']:>9.0f} "
+        draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
+        lines.append(f"{r['batch']:>5} {draft:>14} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
     if "server" in result:
         sv = result["server"]
