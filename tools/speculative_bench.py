@@ -73,6 +73,33 @@ def bench_one(llm, waves, params, repeats):
     return outs, best
 
 
+def replay_ms(replay, n=50) -> float:
+    """GPU time of one graph replay (CUDA events, mean of n back to back)."""
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def graph_times(llm, batch) -> dict:
+    """Replay times of the graphs one step of ``batch`` sequences uses: the draft's k
+    steps, the verify pass, and the target's plain decode step. Replays reuse the last
+    step's buffers (they write stale slots): call it on an engine about to be dropped."""
+    out = {}
+    if isinstance(llm.proposer, spec.MLGRUGraphDrafter):
+        out["draft_ms"] = replay_ms(llm.proposer.graph(llm.verify_graphs.bucket(batch), False).replay)
+    if llm.verify_graphs is not None:
+        out["verify_ms"] = replay_ms(llm.verify_graphs.graphs[llm.verify_graphs.bucket(batch)].replay)
+    if llm.runner.graphs:
+        bucket = next(b for b in sorted(llm.runner.graphs) if b >= batch)
+        out["target_decode_ms"] = replay_ms(llm.runner.graphs[bucket][0].replay)
+    return out
+
+
 def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None):
     """Rows for one batch size: the target alone, then each (draft, k, graphs)."""
     waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
@@ -102,10 +129,15 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps))))
+        if graphs == "auto" and not adaptive:
+            rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
               f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if "verify_ms" in rows[-1]:
+            print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
+                                          ("draft_ms", "verify_ms", "target_decode_ms") if key in rows[-1]), flush=True)
         del llm
         torch.cuda.empty_cache()
     return rows

@@ -254,9 +254,9 @@ class MLGRUGraphDrafter:
             hist.append(states)
             if i == k:                     # the last step only leaves hist[k] (all k accepted)
                 break
-            logits = torch.cat([out.float(), self.specials[:b]], dim=-1)
-            token = logits.argmax(-1)
+            token = out.argmax(-1)               # a byte: the specials' widened logits are -inf
             if sampled:
+                logits = torch.cat([out.float(), self.specials[:b]], dim=-1)
                 scaled = filter_top_k_top_p(logits / buf["temp"][:b, None], buf["top_k"][:b], buf["top_p"][:b])
                 q = torch.softmax(scaled, dim=-1)
                 drawn = (q.log() + buf["noise"][:b, i]).argmax(-1)
