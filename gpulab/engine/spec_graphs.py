@@ -296,7 +296,7 @@ class MLGRUGraphDrafter:
             h["dst"][j * k1:(j + 1) * k1] = slot * k1 + np.arange(k1)
             if not seq.params.greedy:
                 h["greedy"][j], h["temp"][j] = 0, seq.params.temperature
-                h["top_k"][j], h["top_p"][j] = seq.params.top_k, seq.params.top_p
+                h["top_k"][j], h["top_p"][j] = seq.params.top_k, float(seq.params.top_p)
                 for i in range(k):
                     h["noise"][j, i] = self.noise(seq, seq.num_tokens + i, self.vocab_size).numpy()
         counts = dict(src=b, first=b, dst=b * k1, greedy=b)
