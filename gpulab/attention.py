@@ -329,7 +329,7 @@ _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
 ]
 _attn_fwd_tuned = triton.autotune(
-    configs=_GPU_CONFIGS,
+    configs=runtime.tuning_configs(_GPU_CONFIGS),
     key=["S_q", "S_kv", "HEAD_DIM", "CAUSAL", "EXP2_POLY", "RESCALE_THRESHOLD"])(_attn_fwd_kernel)
 
 # The interpreter costs ~1 ms per program: one config with modest blocks (several key

@@ -217,7 +217,7 @@ def _gemv_configs():
                                   (32, 128, 4, 4), (64, 128, 8, 3))]
 
 
-_ternary_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(ternary_gemv_kernel)
+_ternary_gemv = triton.autotune(configs=runtime.tuning_configs(_gemv_configs()), key=["N", "K"])(ternary_gemv_kernel)
 
 
 # -- Triton kernels: the decode GEMV on the int32x16 layout, four weights per instruction --
@@ -428,7 +428,7 @@ def _mm_x16_configs():
                                       (128, 256, 32, 8, 2))]
 
 
-_ternary_mm_x16_tuned = triton.autotune(configs=_mm_x16_configs(), key=["M_BUCKET", "N", "G"])(
+_ternary_mm_x16_tuned = triton.autotune(configs=runtime.tuning_configs(_mm_x16_configs()), key=["M_BUCKET", "N", "G"])(
     ternary_mm_x16_kernel)
 
 
@@ -444,7 +444,7 @@ def _m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 256)
 
 
-_ternary_mm_tuned = triton.autotune(configs=_mm_configs(), key=["M_BUCKET", "N", "K"])(ternary_mm_kernel)
+_ternary_mm_tuned = triton.autotune(configs=runtime.tuning_configs(_mm_configs()), key=["M_BUCKET", "N", "K"])(ternary_mm_kernel)
 
 
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ---------

@@ -103,7 +103,7 @@ def scan_torch(f, i, h0=None):
 
 # -- Triton kernels -----------------------------------------------------------------------
 def _configs(interp: list, gpu: list):
-    return interp if runtime.interpreting() else gpu
+    return interp if runtime.interpreting() else runtime.tuning_configs(gpu)
 
 
 _REC_CONFIGS = _configs(

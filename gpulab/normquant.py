@@ -148,7 +148,7 @@ def rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr
 if runtime.interpreting():
     _fwd_tuned = rmsnorm_quant_fwd_kernel
 else:
-    _fwd_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+    _fwd_tuned = triton.autotune(configs=runtime.tuning_configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)]),
                                  key=["n_cols", "BLOCK_R", "FAKE_QUANT"])(rmsnorm_quant_fwd_kernel)
 
 

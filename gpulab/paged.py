@@ -416,7 +416,7 @@ def autotuned_variants(kernel, lists: dict, make, key, interp):
     if runtime.interpreting():
         one = triton.autotune(configs=[make(*interp)], key=key)(kernel)
         return {name: one for name in lists}
-    return {name: triton.autotune(configs=[make(*c) for c in cs], key=key)(kernel)
+    return {name: triton.autotune(configs=runtime.tuning_configs([make(*c) for c in cs]), key=key)(kernel)
             for name, cs in lists.items()}
 
 def config_list(dtype) -> str:

@@ -141,6 +141,20 @@ def num_sms() -> int:
     return 132
 
 
+def autotuning() -> bool:
+    """Whether a kernel with several launch configurations times them (Triton's autotune,
+    the default) or runs its first one. ``GPULAB_AUTOTUNE=0`` turns the timing off: the
+    test suite sets it on a GPU, where compiling and timing every configuration of every
+    shape a check tries dominated a compiled run. Tests check answers; benchmarks
+    (which keep autotuning on) pick configurations. Read once, when kernels are defined."""
+    return os.environ.get("GPULAB_AUTOTUNE", "1").lower() not in ("0", "false", "off")
+
+
+def tuning_configs(configs: list) -> list:
+    """``configs`` when :func:`autotuning` is on, else only the first (the default)."""
+    return list(configs) if autotuning() else list(configs[:1])
+
+
 def fast() -> bool:
     """True under CI (``CI`` set) or ``GPULAB_FAST=1``: notebooks shorten long demos
     such as training runs; checks and results are unchanged."""

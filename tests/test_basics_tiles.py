@@ -45,7 +45,7 @@ def _row_sum_mutant(x_ptr, y_ptr, M, N, stride_m, stride_n, BLOCK_M: tl.constexp
     for n0 in range(0, N if MODE != 3 else 1, BLOCK_N):    # MODE 3: the first column tile only
         cols = n0 + tl.arange(0, BLOCK_N)
         if MODE == 0:      # columns unmasked: reads past the end of each row
-            mask = row_mask[:, None] & (cols < BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols >= 0)[None, :]
         else:
             mask = row_mask[:, None] & (cols < N)[None, :]
         if MODE == 4:      # assumes contiguous rows: N instead of the row stride

@@ -7,8 +7,11 @@ import torch
 from gpulab.engine.engine import LLM, EngineConfig
 from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
+from gpulab.engine.sequence import Sequence
+from gpulab.engine.spec_graphs import MLGRUGraphDrafter
 from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
-                                       accept_greedy, best_k, expected_tokens_per_pass)
+                                       accept_greedy, best_k, draft_noise, expected_tokens_per_pass,
+                                       load_mlgru_draft)
 import gpulab
 from gpulab.model import MatMulFreeLM
 
@@ -216,11 +219,177 @@ def test_batched_draft_draws_follow_the_draft_distribution():
     assert chi2_pvalue(counts, torch.softmax(logits.double(), -1)) > 1e-3
 
 
+# -- the graph path (spec_graphs): its plumbing on the CPU ("emulate"), real graphs on a GPU ---------------
+def graph_steps(llm) -> int:
+    return sum(1 for st in llm.metrics.steps if st.graph)
+
+
+@pytest.mark.parametrize("name", ["self", "mlgru"])
+def test_graph_path_greedy_output_equals_the_target_alone(target, name):
+    """Verify (and, for the MLGRU draft, drafting) through the graph path's static
+    buffers, padded rows and buckets: the same tokens as the target alone."""
+    params = [SamplingParams(max_tokens=m) for m in (12, 7, 9, 5, 11)]
+    want = serve(LLM(target, EngineConfig(**CONFIG)), params)
+    for k, adaptive in ((1, False), (3, False), (4, True)):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)[name], k=k,
+                              adaptive=adaptive, graphs="emulate")
+        assert serve(spec, params) == want, (k, adaptive)
+        assert graph_steps(spec) > 0, "no step went through the verify graph"
+    if name == "self":
+        assert spec.stats.acceptance_rate() == 1.0
+
+
+def test_graph_path_runs_the_append_kernel_it_captures_on_a_gpu(target):
+    """attention="triton": the verify graph's own launch of the append kernel (tiles for
+    k+1 tokens, one work list for all layers, padding requests), here in the interpreter."""
+    params = [SamplingParams(max_tokens=11), SamplingParams(max_tokens=8)]
+    want = serve_some(LLM(target, EngineConfig(**CONFIG)), params)
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG, attention="triton"), drafter=drafters(target)["self"],
+                          k=2, graphs="emulate")
+    assert serve_some(spec, params) == want and graph_steps(spec) > 0
+
+
+def serve_some(llm, params):
+    outs = llm.generate(PROMPTS[:len(params)], params)
+    assert llm.idle() and all(not o.error for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def test_graph_path_sampled_output_equals_the_eager_path(target):
+    """Drafts drawn on the device with the host's seeded noise, states rewound by picking
+    a row of the pool: sampled text (mixed with greedy requests) is the eager path's."""
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i) if i % 2 else SamplingParams(max_tokens=9)
+              for i in range(5)]
+    got = {}
+    for graphs in ("off", "emulate"):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)["mlgru"], k=3, graphs=graphs)
+        got[graphs] = serve(spec, params)
+        assert 0 < spec.stats.acceptance_rate() < 1
+    assert got["off"] == got["emulate"]
+    assert graph_steps(spec) > 0 and isinstance(spec.proposer, MLGRUGraphDrafter)
+
+
+def test_graph_drafter_proposes_what_the_eager_drafter_does():
+    """Step by step with random acceptance (some drafts taken, then a correction, now and
+    then a special token or a step without drafts): the graph drafter's pool rows give
+    the eager drafter's proposals, token for token, with the same q."""
+    torch.manual_seed(5)
+    model = MatMulFreeLM(d_model=32, n_layers=2, scan="torch").pack()
+    eager = MLGRUDrafter(model)
+    k = 3
+    graph = MLGRUGraphDrafter(eager.model, eager.vocab_size, k, 4, draft_noise, cuda=False)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [Sequence(i, str(i), [256] + list(p.encode()) + [65], 1 + len(p),
+                     SamplingParams(temperature=0.7, seed=i) if i % 2 else SamplingParams(), i)
+            for i, p in enumerate(["Tyger", "a", "The moon"])]
+    checked = 0
+    for step in range(12):
+        ks = [int(torch.randint(0, k + 1, (), generator=gen)) for _ in seqs]
+        want, got = eager.propose(seqs, ks), graph.propose(seqs, ks)
+        for seq, kk, (tw, qw), (tg, qg) in zip(seqs, ks, want, got):
+            assert tg == tw, f"step {step}, sequence {seq.seq_id}: {tg} != eager {tw}"
+            if qw is not None:
+                torch.testing.assert_close(qg, qw)
+                checked += 1
+            if step == 6 and seq.seq_id == 0:      # a special token enters the sequence
+                seq.token_ids.append(257)
+                continue
+            accepted = int(torch.randint(0, len(tw) + 1, (), generator=gen))
+            seq.token_ids += tw[:accepted] + [int(torch.randint(0, 256, (), generator=gen))]
+        if step == 8:
+            graph.forget(2)
+            eager.forget(2)
+    assert checked > 0 and len(graph.slots) == 3
+
+
+def test_verify_graph_lays_out_rows_and_padding(target):
+    """Sequence i owns rows i(k+1) ..; its unused rows and whole padded sequences are
+    requests of their own with no history; padded rows write to the scratch page."""
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)["mlgru"], k=3,
+                          graphs="emulate")
+    for p in ("Tyger Tyger", "The moon"):
+        spec.add_request(p, SamplingParams(max_tokens=20))
+    while not any(st.graph for st in spec.metrics.steps):
+        spec.step()
+    vg = spec.verify_graphs
+    b = vg.bucket(2)
+    indptr = vg.buf["indptr"][:2 * b + 1].tolist()
+    lens = vg.buf["lens"][:2 * b].tolist()
+    assert b == 2 and indptr[0] == 0 and indptr[2] == 4 and indptr[4] == 8
+    assert all(lens[i] == 0 for i in range(1, 2 * b, 2)), "padding requests must have no history"
+    slots = vg.buf["slots"][:b * 4].tolist()
+    for i in range(2):
+        n = indptr[2 * i + 1] - 4 * i
+        assert 1 <= n <= 4 and all(s == spec.runner.scratch_slot for s in slots[4 * i + n:4 * i + 4])
+    assert spec.idle() is False
+    while spec.has_unfinished():
+        spec.step()
+    assert spec.idle() and not spec.proposer.slots, "draft slots left after the requests finished"
+
+
+gpu_only = pytest.mark.skipif(gpulab.mode() != "compiled",
+                              reason="CUDA graphs are captured in compiled mode on a GPU only")
+
+
+@gpu_only
+@pytest.mark.parametrize("sampled", [False, True])
+def test_cuda_graph_speculation_equals_the_eager_path(sampled):
+    """Real CUDA graphs (the shipped draft on the tiny target): greedy output equals the
+    target alone and the eager speculative path; sampled output is reproducible."""
+    torch.manual_seed(11)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    draft_lm = load_mlgru_draft(device="cuda")
+    if sampled:
+        params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i) for i in range(5)]
+    else:
+        params = [SamplingParams(max_tokens=m) for m in (30, 17, 25, 9, 31)]
+    want = serve(LLM(model, EngineConfig(**CONFIG)), params)
+    runs = []
+    for graphs in ("auto", "off", "auto"):
+        spec = SpeculativeLLM(model, EngineConfig(**CONFIG), drafter=MLGRUDrafter(draft_lm), k=3, graphs=graphs)
+        assert (spec.verify_graphs is not None) == (graphs == "auto")
+        runs.append(serve(spec, params))
+        if graphs == "auto":
+            assert graph_steps(spec) > 0
+            assert all(g.graph is not None for g in spec.verify_graphs.graphs.values())
+    assert runs[0] == runs[2], "graph speculation is not reproducible"
+    if not sampled:
+        assert runs[0] == want and runs[1] == want
+
+
+@gpu_only
+def test_cuda_graph_speculation_never_syncs_the_host_while_launching(monkeypatch):
+    """Filling the static buffers and replaying (draft and verify) run under
+    torch.cuda.set_sync_debug_mode("error"): only the read-backs sync."""
+    from gpulab.engine import spec_graphs
+
+    def strict(fn):
+        def wrapped(*args, **kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return wrapped
+
+    monkeypatch.setattr(spec_graphs.VerifyGraphs, "run", strict(spec_graphs.VerifyGraphs.run))
+    monkeypatch.setattr(spec_graphs.CapturedStep, "replay", strict(spec_graphs.CapturedStep.replay))
+    monkeypatch.setattr(spec_graphs.StagedBuffers, "send", strict(spec_graphs.StagedBuffers.send))
+    torch.manual_seed(11)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    spec = SpeculativeLLM(model, EngineConfig(**CONFIG), drafter=MLGRUDrafter(load_mlgru_draft(device="cuda")), k=3)
+    params = [SamplingParams(max_tokens=20, temperature=0.8 if i % 2 else 0, seed=i) for i in range(5)]
+    serve(spec, params)
+    assert graph_steps(spec) > 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="drafter"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG))
     with pytest.raises(ValueError, match="k"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), k=0)
+    with pytest.raises(ValueError, match="graphs"):
+        SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), graphs="on")
 
 
 # -- the notebook's checks reject wrong learner code -----------------------------------------------------

@@ -1,17 +1,21 @@
 """Speculative decoding and server overhead on a GPU (issue 15's targets).
 
-usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick]
+usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the same tokens, which is asserted):
 
-* tokens/s of the target alone and of speculative decoding with the MLGRU draft (the
-  shipped checkpoint) and a small ternary transformer draft (trained here for a few
-  hundred steps), for k in 2, 4, 6, at batch 1 and batch 64;
-* the server's overhead: 64 streaming HTTP clients against the same requests driven
-  in-process.
+* tokens/s of the target alone (its decode CUDA graphs) and of speculative decoding with
+  the shipped MLGRU draft, drafting and verifying in CUDA graphs (``graphs="auto"``), for
+  k in 2, 4, 6 and adaptive k, at batch 1 (the prompts one after another) and batch 64
+  (all at once); one eager row (``graphs="off"``, k=4, batch 1) for comparison;
+* with ``--transformer``: a small ternary transformer draft trained here (eager drafting,
+  graph verify);
+* unless ``--no-server``: the server's overhead, 64 streaming HTTP clients against the
+  same requests driven in-process.
 
-Writes OUTDIR/speculative.json (copy it to gpulab/results/ to ship it).
+Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
+ship it). About two minutes on an H200.
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ PROMPTS = ["Shall I compare thee to a summer's day?\n", "The sea is calm tonight
            "Once upon a midnight dreary,\n", "Hope is the thing with feathers\n"]
 
 
-def timed_generate(llm, prompts, params):
+def timed_generate(llm, waves, params):
+    """Serve each wave of prompts to completion, one wave after another: (outputs, tok/s)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [o for wave in waves for o in llm.generate(wave, params)]
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return outs, sum(len(o.token_ids) for o in outs) / dt
@@ -55,32 +60,86 @@ def engine_config(batch):
                         max_num_batched_tokens=max(512, batch * 8))
 
 
-def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2):
-    prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
+def bench_one(llm, waves, params, repeats):
+    """Best tok/s over ``repeats`` timed runs after a warm-up, and the last run's outputs."""
+    llm.generate(waves[0][:2], SamplingParams(max_tokens=8))          # warm-up (autotune, lazy init)
+    best, outs = 0.0, None
+    for _ in range(repeats):
+        if isinstance(llm, spec.SpeculativeLLM):
+            llm.stats = spec.SpeculationStats(llm.k)
+        llm.metrics.steps.clear()
+        outs, tps = timed_generate(llm, waves, params)
+        best = max(best, tps)
+    return outs, best
+
+
+def replay_ms(replay, n=50) -> float:
+    """GPU time of one graph replay (CUDA events, mean of n back to back)."""
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def graph_times(llm, batch) -> dict:
+    """Replay times of the graphs one step of ``batch`` sequences uses: the draft's k
+    steps, the verify pass, and the target's plain decode step. Replays reuse the last
+    step's buffers (they write stale slots): call it on an engine about to be dropped."""
+    out = {}
+    if isinstance(llm.proposer, spec.MLGRUGraphDrafter):
+        out["draft_ms"] = replay_ms(llm.proposer.graph(llm.verify_graphs.bucket(batch), False).replay)
+    if llm.verify_graphs is not None:
+        out["verify_ms"] = replay_ms(llm.verify_graphs.graphs[llm.verify_graphs.bucket(batch)].replay)
+    if llm.runner.graphs:
+        bucket = next(b for b in sorted(llm.runner.graphs) if b >= batch)
+        out["target_decode_ms"] = replay_ms(llm.runner.graphs[bucket][0].replay)
+    return out
+
+
+def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None):
+    """Rows for one batch size: the target alone, then each (draft, k, graphs)."""
+    waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
-    base = LLM(target, engine_config(batch))
-    base.generate(prompts[:2], SamplingParams(max_tokens=4))           # warm-up (autotune, graphs)
-    want, _ = timed_generate(base, prompts, params)
-    base_tps = max(timed_generate(base, prompts, params)[1] for _ in range(repeats))
-    rows = [dict(batch=batch, draft="none", k=0, tokens_per_s=base_tps, speedup=1.0, acceptance=float("nan"),
-                 tokens_per_pass=1.0)]
-    for name, drafter_factory in drafts.items():
-        for k, adaptive in [(k, False) for k in ks] + [(max(ks), True)]:
-            best, stats = 0.0, None
-            for _ in range(repeats):
-                llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafter_factory(), k=k,
-                                          adaptive=adaptive)
-                llm.generate(prompts[:2], SamplingParams(max_tokens=4))
-                llm.stats = spec.SpeculationStats(k)
-                outs, tps = timed_generate(llm, prompts, params)
-                assert [o.token_ids for o in outs] == [o.token_ids for o in want], f"{name} k={k} changed tokens"
-                if tps > best:
-                    best, stats = tps, llm.stats
-            rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, tokens_per_s=best, speedup=best / base_tps,
-                             acceptance=stats.acceptance_rate(), tokens_per_pass=stats.mean_tokens_per_pass(),
-                             acceptance_by_position=stats.acceptance_by_position()))
-            print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k}: {best:.0f} tok/s ({best / base_tps:.2f}x), "
-                  f"acceptance {stats.acceptance_rate():.0%}", flush=True)
+    t0 = time.perf_counter()
+    want, base_tps = bench_one(LLM(target, engine_config(batch)), waves, params, repeats)
+    rows = [dict(batch=batch, draft="none", k=0, graphs=True, tokens_per_s=base_tps, speedup=1.0,
+                 acceptance=float("nan"), tokens_per_pass=1.0)]
+    print(f"batch {batch} target alone: {base_tps:.0f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    configs = [(name, k, False, "auto") for name in drafts for k in ks]
+    configs += [(name, max(ks), True, "auto") for name in drafts]
+    if eager_k:
+        configs.append(("mlgru", eager_k, False, "off"))
+    for name, k, adaptive, graphs in configs:
+        t0 = time.perf_counter()
+        llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
+                                  graphs=graphs)
+        outs, tps = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want], f"{name} k={k} changed tokens"
+        steps = llm.metrics.steps
+        stats = llm.stats
+        rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
+                         tokens_per_s=tps, speedup=tps / base_tps, acceptance=stats.acceptance_rate(),
+                         tokens_per_pass=stats.mean_tokens_per_pass(),
+                         acceptance_by_position=stats.acceptance_by_position(),
+                         graph_verify=llm.verify_graphs is not None,
+                         graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
+                         graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
+                         mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps))))
+        if graphs == "auto" and not adaptive:
+            rows[-1].update(graph_times(llm, batch))
+        print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}: {tps:.0f} tok/s "
+              f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
+              f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if "verify_ms" in rows[-1]:
+            print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
+                                          ("draft_ms", "verify_ms", "target_decode_ms") if key in rows[-1]), flush=True)
+        del llm
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -131,34 +190,43 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="k in (2, 4) only, one timed run each")
+    ap.add_argument("--transformer", action="store_true", help="also the transformer draft (trained here)")
+    ap.add_argument("--no-server", action="store_true", help="skip the HTTP server's overhead")
     args = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
     dtype = torch.bfloat16
     target = load_checkpoint(device="cuda", dtype=dtype)
     draft_lm = spec.load_mlgru_draft(device="cuda", dtype=dtype)
-    t0 = time.perf_counter()
-    small, _ = train_model(TINY, steps=300 if not args.quick else 50, device="cuda", progress=False)
-    small = prepare_for_serving(small, "cuda", dtype)
-    print(f"trained the transformer draft in {time.perf_counter() - t0:.0f} s", flush=True)
-    drafts = {"mlgru": lambda: spec.MLGRUDrafter(draft_lm), "transformer": lambda: spec.TransformerDrafter(small)}
+    drafts = {"mlgru": lambda: spec.MLGRUDrafter(draft_lm)}
+    if args.transformer:
+        t0 = time.perf_counter()
+        small, _ = train_model(TINY, steps=300 if not args.quick else 50, device="cuda", progress=False)
+        small = prepare_for_serving(small, "cuda", dtype)
+        print(f"trained the transformer draft in {time.perf_counter() - t0:.0f} s", flush=True)
+        drafts["transformer"] = lambda: spec.TransformerDrafter(small)
     ks = (2, 4) if args.quick else (2, 4, 6)
+    repeats = 1 if args.quick else 2
     result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
                   max_tokens=args.max_tokens, rows=[])
 
     def save():   # after every stage: a run cut short keeps what it measured
+        result["seconds"] = time.perf_counter() - t_start
         (out / "speculative.json").write_text(json.dumps(result, indent=1))
 
-    result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks)
+    result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4)
     save()
-    result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], repeats=1)
+    result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1)
     save()
-    result["server"] = bench_server(target, 64, args.max_tokens // 2)
-    save()
+    if not args.no_server:
+        result["server"] = bench_server(target, 64, args.max_tokens // 2)
+        save()
     print(spec.format_results(result))
+    print(f"{time.perf_counter() - t_start:.0f} s in all")
     return 0
 
 

@@ -43,6 +43,7 @@ from .model import EOS, TernaryTransformer, attention_with_history, packed_bitli
 from .sampling import filter_top_k_top_p, sample, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
+from .spec_graphs import GraphStepPlan, MLGRUGraphDrafter, VerifyGraphs
 
 DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draft.pt"
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "engine" / "speculative.json"
@@ -124,6 +125,13 @@ def _stream(seq: Sequence, position: int, salt: int) -> torch.Generator:
     return gen
 
 
+def draft_noise(seq: Sequence, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise [vocab] (float64, on the CPU) of ``seq``'s draft token at ``position``,
+    from its own seeded stream: the same noise whether drafting runs eagerly or in a graph."""
+    u = torch.rand(vocab, generator=_stream(seq, position, DRAFT_SALT), dtype=torch.float64)
+    return -torch.log(-torch.log(u.clamp_(1e-12, 1 - 1e-12)))
+
+
 class Drafter:
     """A draft model for :class:`SpeculativeLLM`.
 
@@ -181,11 +189,7 @@ class Drafter:
             return best, None
         q = torch.stack([probabilities(row[None], s.params)[0] if not s.params.greedy else
                          torch.zeros_like(row) for s, row in zip(seqs, logits)])
-        noise = []
-        for s in seqs:
-            u = torch.rand(logits.shape[-1], generator=_stream(s, s.num_tokens + pos, DRAFT_SALT),
-                           dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
-            noise.append(-torch.log(-torch.log(u)))
+        noise = [draft_noise(s, s.num_tokens + pos, logits.shape[-1]) for s in seqs]
         drawn = (q.log() + torch.stack(noise).float().to(q.device)).argmax(-1)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         return torch.where(greedy, best, drawn), q
@@ -362,17 +366,27 @@ class SpeculativeLLM(LLM):
 
     >>> llm = SpeculativeLLM(drafter=MLGRUDrafter(draft_model), k=4)     # doctest: +SKIP
     >>> llm.generate(["Tyger Tyger"], SamplingParams(max_tokens=40))      # doctest: +SKIP
+
+    Where the runner captures CUDA graphs (compiled mode on a GPU, ``cuda_graphs`` on),
+    a step of decoding sequences verifies all drafts in one graph replay, and the MLGRU
+    draft proposes them in one more (:mod:`.spec_graphs`); other steps run eagerly.
     """
 
     def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
                  accept=accept_draft, rollback=rollback, adaptive: bool = False,
-                 draft_cost: float = 0.1, **overrides):
+                 draft_cost: float = 0.1, graphs: str = "auto", **overrides):
         """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
         other implementations with the same signatures (notebook 08 plugs in the learner's).
 
         ``adaptive``: each request drafts its own number of tokens, up to ``k``: the
         :func:`best_k` for its acceptance so far (counted per request, recent passes
-        weighing more) and ``draft_cost``, a draft step's time over a target pass's."""
+        weighing more) and ``draft_cost``, a draft step's time over a target pass's.
+
+        ``graphs``: "auto" (CUDA graphs for draft and verify where the runner captures its
+        decode graphs), "off" (always eager), or "emulate" (the graph path's buffers and
+        bookkeeping with every replay run eagerly: for tests on a CPU)."""
+        if graphs not in ("auto", "off", "emulate"):
+            raise ValueError(f"graphs must be 'auto', 'off' or 'emulate', got {graphs!r}")
         if drafter is None:
             raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -385,6 +399,13 @@ class SpeculativeLLM(LLM):
         self.adaptive, self.draft_cost = bool(adaptive), float(draft_cost)
         self.acceptance: dict[int, tuple[float, float]] = {}   # seq_id -> (accepted, rejections), decayed
         self.stats = SpeculationStats(k)
+        self.verify_graphs, self.proposer = None, drafter     # proposer: the drafter, or its graphs
+        if graphs == "emulate" or (graphs == "auto" and self.runner.graphs):
+            cuda = graphs == "auto"
+            n = self.config.max_num_seqs
+            self.verify_graphs = VerifyGraphs(self.runner, k, n, cuda)
+            if isinstance(drafter, MLGRUDrafter):
+                self.proposer = MLGRUGraphDrafter(drafter.model, drafter.vocab_size, k, n, draft_noise, cuda)
 
     def request_k(self, seq: Sequence) -> int:
         """Drafts this request proposes per step: ``k``, or its :func:`best_k` when adaptive
@@ -405,7 +426,7 @@ class SpeculativeLLM(LLM):
         ks = [self._draft_budget(s) for s in seqs]
         seqs, ks = [s for s, k in zip(seqs, ks) if k > 0], [k for k in ks if k > 0]
         drafts = {}
-        for seq, (tokens, q) in zip(seqs, self.drafter.propose(seqs, ks)):
+        for seq, (tokens, q) in zip(seqs, self.proposer.propose(seqs, ks)):
             if tokens:
                 seq.token_ids += tokens
                 drafts[seq] = (tokens, q)
@@ -443,20 +464,22 @@ class SpeculativeLLM(LLM):
                 self.block_manager.commit_full_blocks(seq)
         for seq in list(new_tokens) + batch.preempted:
             if seq.status is not Status.RUNNING:
-                self.drafter.forget(seq.seq_id)
+                self.proposer.forget(seq.seq_id)
                 if seq.status is Status.FINISHED:
                     self.acceptance.pop(seq.seq_id, None)
         return outputs
 
     def abort(self, request_id: str) -> None:
         for seq in self.groups.get(request_id, []):
-            self.drafter.forget(seq.seq_id)
+            self.proposer.forget(seq.seq_id)
             self.acceptance.pop(seq.seq_id, None)
         super().abort(request_id)
 
     def _verify_step(self, batch: ScheduledBatch, drafts: dict):
         """One target pass over the batch with logits for every row of the drafted
         sequences; returns (the plan, new tokens per sequence)."""
+        if self.verify_graphs is not None and self.verify_graphs.fits(batch.items, drafts):
+            return self._verify_in_graph(batch, drafts)
         self.runner.copy_blocks(batch.copies)
         plan = self.runner.plan(batch.items)
         rows, seqs, spans, r = [], [], {}, 0
@@ -474,15 +497,34 @@ class SpeculativeLLM(LLM):
         self.scheduler.postprocess(ScheduledBatch([it for it in batch.items if it[0] not in drafts]))
         in_span = {i for a, b in spans.values() for i in range(a, b)}
         new_tokens = self.sample_tokens(logits[[i for i in range(len(rows)) if i not in in_span]], seqs)
-        for seq, (tokens, q, p, best) in self._on_host(drafts, spans, logits).items():
+        for seq, (tokens, q, p, best) in self._on_host(drafts, spans, logits)[0].items():
             new_tokens[seq] = self._verify(seq, tokens, q, p, best)
         return plan, new_tokens
 
-    def _on_host(self, drafts: dict, spans: dict, logits: torch.Tensor) -> dict:
+    def _verify_in_graph(self, batch: ScheduledBatch, drafts: dict):
+        """:meth:`_verify_step` as one replay of the verify graph: sequence i of the batch
+        owns rows i·(k+1) onwards; a sequence without drafts takes its row's token."""
+        self.runner.copy_blocks(batch.copies)
+        logits, best = self.verify_graphs.run(batch.items)
+        k1 = self.k + 1
+        spans = {seq: (i * k1, i * k1 + n) for i, (seq, n) in enumerate(batch.items)}
+        plain = [seq for seq, _ in batch.items if seq not in drafts]
+        self.scheduler.postprocess(ScheduledBatch([it for it in batch.items if it[0] not in drafts]))
+        sampled = [seq for seq in plain if not seq.params.greedy]
+        # sampled sequences without drafts draw from the sampler's streams (their own copy)
+        drawn = self.sample_tokens(logits[[spans[s][0] for s in sampled]], sampled) if sampled else {}
+        on_host, best_ids = self._on_host(drafts, spans, logits, best)
+        new_tokens = {seq: drawn[seq] if seq in drawn else [best_ids[spans[seq][0]]] for seq in plain}
+        for seq, (tokens, q, p, best_row) in on_host.items():
+            new_tokens[seq] = self._verify(seq, tokens, q, p, best_row)
+        return GraphStepPlan(), new_tokens
+
+    def _on_host(self, drafts: dict, spans: dict, logits: torch.Tensor, best: torch.Tensor | None = None):
         """What acceptance needs, per drafted sequence, brought to the host in one copy:
         (tokens, q, p) for sampled sequences (p the target's distribution at the k+1
-        positions), the target's argmax per position for greedy ones."""
-        best = logits.argmax(-1)
+        positions), the target's argmax per position for greedy ones. Returns that dict
+        and the argmax of every row of ``logits`` (``best``, if already computed)."""
+        best = logits.argmax(-1) if best is None else best
         sampled = [seq for seq in drafts if not seq.params.greedy]
         parts = [best.double()]
         for seq in sampled:
@@ -501,7 +543,7 @@ class SpeculativeLLM(LLM):
                 q_host = flat[at:at + len(tokens) * vocab].view(len(tokens), vocab)
                 at += len(tokens) * vocab
             out[seq] = (tokens, q_host, p_host, best_ids[a:b])
-        return out
+        return out, best_ids
 
     def _verify(self, seq: Sequence, tokens: list[int], q, p, best: list[int]) -> list[int]:
         """Accept/reject one sequence's drafts, then roll it back to what was accepted."""
@@ -531,10 +573,11 @@ def format_results(result: dict) -> str:
     acceptance, tokens per pass; then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
-    lines.append(f"{'batch':>5} {'draft':>12} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    lines.append(f"{'batch':>5} {'draft':>14} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
-        lines.append(f"{r['batch']:>5} {r['draft']:>12} {k:>4} {r['tokens_per_s']:>9.0f} "
+        draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
+        lines.append(f"{r['batch']:>5} {draft:>14} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
     if "server" in result:
         sv = result["server"]

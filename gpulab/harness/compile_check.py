@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") != "0" or os.environ.get("GPULAB_COMPILE_ONLY") != "1":
         # gpulab is already imported in interpreter mode: start over in compile-only mode.
         import subprocess
-        env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1"}
+        # every config compiled, also under the test suite (which turns autotuning off)
+        env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1", "GPULAB_AUTOTUNE": "1"}
         return subprocess.call([sys.executable, "-m", "gpulab.harness.compile_check", *argv], env=env)
     archs = None
     if "--arch" in argv:        # e.g. --arch 75: one target only (CI runs the three in parallel)

@@ -39,6 +39,7 @@ class Mistake:
     needs: dict = field(default_factory=dict)   # spec fields not set yet that catch it
     weak: str = ""    # why the generic diagnosis cannot name this cause (it counts as a miss)
     args: tuple = ()  # a scenario check's positional arguments, as in the grade cell
+    interpreter_only: str = ""    # why a compiled run cannot see it (it leaves no trace in any output)
 
     @property
     def id(self) -> str:

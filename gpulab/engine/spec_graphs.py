@@ -1,0 +1,354 @@
+r"""CUDA graphs for speculative decoding: one replay drafts k tokens, one replay verifies them.
+
+Run eagerly, a speculative step launches hundreds of small kernels from Python (k draft
+steps, then the target's layers over k+1 rows per sequence), and on a host that is slow
+at Python the launches, not the GPU, set the pace. As for the runner's decode steps
+(:mod:`.runner`), both halves have fixed shapes once the batch is padded to a bucket, so
+each is captured once per bucket and replayed from static buffers.
+
+**Verify** (:class:`VerifyGraphs`). B decoding sequences with up to k drafts each are
+B · (k+1) rows; sequence b owns rows b(k+1) .. b(k+1)+k. The graph runs the target over
+them through the append attention kernel (its work list is built on the device from
+``qo_indptr``, no host sync) and leaves logits and argmax of every row in its outputs.
+Rows a sequence does not use (fewer drafts than k, or a bucket larger than the batch)
+are padding: their K and V go to the runner's scratch page, and they form requests of
+their own with no history (kv_len 0: they attend to nothing). So the attention sees 2B
+requests, 2b = sequence b's rows, 2b+1 its padding, and only indptr and lengths change
+from step to step.
+
+**Draft** (:class:`MLGRUGraphDrafter`). The MatMul-free LM's state is one vector per
+layer and sequence. A pool holds k+1 states per sequence slot: ``hist[i]``, the state
+after the sequence's tokens up to ``done`` and its first i drafts. A replay gathers each
+sequence's start state from the pool, consumes its last committed token, then drafts k
+tokens one after the other on the device (argmax, or a Gumbel-max draw whose noise the
+host computes from the same seeded streams as the eager drafter), and writes the k+1
+states back. When the target has accepted a drafts, the next start state is
+``hist[a]``: rewinding picks a row, it recomputes nothing. A sequence not in the pool
+(new, or after steps without drafts) catches up eagerly over its missing tokens once.
+
+CUDA graphs are captured in compiled mode on a GPU only. Elsewhere :class:`CapturedStep`
+calls the function at every replay: the same buffers and bookkeeping, testable on a CPU.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..paged import fault_flag
+from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
+from .batch_attention import append_attention_reference
+from .runner import ModelRunner, bucket_sizes
+from .sampling import filter_top_k_top_p
+from .sequence import Sequence
+
+BYTES = 256          # the MLGRU draft's vocabulary: token ids >= 256 (BOS, EOS) are not bytes
+
+
+class CapturedStep:
+    """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
+
+    ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
+    then a ``torch.cuda.CUDAGraph`` capture; ``replay()`` relaunches the recorded kernels
+    and returns the same output tensors, rewritten. Without ``cuda``, ``replay()`` calls
+    ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
+
+    def __init__(self, fn, cuda: bool, pool=None):
+        self.fn, self.graph, self.out = fn, None, None
+        if cuda:
+            with torch.no_grad():
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.out = fn()
+
+    @property
+    def pool(self):
+        """The graph's memory pool, for the next capture to share (None without a graph)."""
+        return None if self.graph is None else self.graph.pool()
+
+    def replay(self):
+        if self.graph is None:
+            with torch.no_grad():
+                return self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class StagedBuffers:
+    """Named static device tensors, each with a host twin (pinned on CUDA) that the host
+    fills through NumPy views; ``send`` copies the filled prefixes asynchronously."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        self.dev = tensors
+        self.host = {}
+        for name, t in tensors.items():
+            h = torch.zeros(t.shape, dtype=t.dtype)
+            self.host[name] = h.pin_memory() if t.is_cuda else h
+        self.np = {name: (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
+                   for name, h in self.host.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.dev[name]
+
+    def send(self, **counts: int) -> None:
+        """Host -> device for the first ``counts[name]`` entries of each named buffer. No
+        host sync: the pinned source is rewritten only after the step's read-back."""
+        for name, n in counts.items():
+            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+
+
+@dataclass
+class GraphStepPlan:
+    """What the engine records of a step that replayed a speculative graph."""
+    use_graph: bool = True
+    prefix: tuple | None = None
+
+
+# -- verify ------------------------------------------------------------------------------------
+class VerifyGraphs:
+    """The target's pass over B sequences × (k+1) rows, one graph per batch bucket."""
+
+    def __init__(self, runner: ModelRunner, k: int, max_num_seqs: int, cuda: bool):
+        self.runner, self.k = runner, k
+        dev, b_max, k1 = runner.device, max_num_seqs, k + 1
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.buf = StagedBuffers(
+            ids=torch.zeros(b_max * k1, dtype=torch.long, device=dev),
+            pos=torch.zeros(b_max * k1, dtype=torch.long, device=dev),
+            slots=torch.full((b_max * k1,), runner.scratch_slot, dtype=torch.long, device=dev),
+            indptr=torch.zeros(2 * b_max + 1, **i32),                 # all requests empty
+            table=torch.zeros((2 * b_max, runner.max_blocks), **i32),
+            lens=torch.zeros(2 * b_max, **i32))
+        self.graphs: dict[int, CapturedStep] = {}
+        pool = None
+        for b in reversed(bucket_sizes(b_max)):       # largest first, sharing one memory pool
+            self.graphs[b] = CapturedStep(functools.partial(self.forward, b), cuda, pool)
+            pool = self.graphs[b].pool
+
+    def fits(self, items: list[tuple[Sequence, int]], drafted) -> bool:
+        """A batch the graphs can run: only decoding sequences, each with its last
+        committed token plus its drafts (``drafted``) or that token alone."""
+        k1 = self.k + 1
+        return 0 < len(items) <= max(self.graphs) and all(
+            s.num_output_tokens > 0 and s.num_computed_tokens + n == s.num_tokens
+            and (n == 1 or (s in drafted and n <= k1)) for s, n in items)
+
+    def forward(self, b: int):
+        """The captured function: (logits [b(k+1), V] float32, their argmax)."""
+        run, buf, rows = self.runner, self.buf, b * (self.k + 1)
+        slots = buf["slots"][:rows]
+        indptr, table, lens = buf["indptr"][:2 * b + 1], buf["table"][:2 * b], buf["lens"][:2 * b]
+        if run.attention == "triton":
+            # tiles sized for k+1 new tokens (not a prefill's 128 rows); the work list once for all layers
+            group = run.cfg.n_heads // run.cfg.n_kv_heads
+            tiles = append_tile_config(run.dtype, run.cfg.head_dim, group, max_new=self.k + 1)
+            work = append_schedule_device(indptr, rows, tiles["BLOCK_M"] // group)
+
+        def attend(layer, q, k, v):
+            kc, vc = run.k_cache[layer], run.v_cache[layer]
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+            if run.attention == "torch":
+                return append_attention_reference(q, kc, vc, indptr, table, lens)
+            o = torch.empty_like(q)
+            launch_append_attention(q, kc, vc, indptr, table, lens, *work, o, None, fault_flag(q.device),
+                                    True, None, tiles)
+            return o
+
+        h = run.model.hidden_states(buf["ids"][:rows], buf["pos"][:rows], attend, reference=run.linear == "torch")
+        logits = run.model.logits(h)
+        return logits, logits.argmax(-1)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in sorted(self.graphs) if b >= n)
+
+    def run(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the buffers for ``items`` (sequence i's rows start at i·(k+1)) and replay:
+        (logits [B(k+1), V], argmax [B(k+1)]) on the device, no host sync."""
+        b, k1, bs = self.bucket(len(items)), self.k + 1, self.runner.block_size
+        h = self.buf.np
+        rows = b * k1
+        h["ids"][:rows], h["pos"][:rows], h["slots"][:rows] = 0, 0, self.runner.scratch_slot
+        h["table"][:2 * b], h["lens"][:2 * b] = 0, 0
+        used = np.zeros(b, dtype=np.int32)
+        for i, (seq, n) in enumerate(items):
+            start, r, table = seq.num_computed_tokens, i * k1, seq.block_table
+            p = np.arange(start, start + n)
+            h["ids"][r:r + n] = seq.token_ids[start:start + n]
+            h["pos"][r:r + n] = p
+            h["slots"][r:r + n] = np.asarray(table)[p // bs] * bs + p % bs
+            h["table"][2 * i, :len(table)] = table
+            h["lens"][2 * i] = start + n
+            used[i] = n
+        first = np.arange(b, dtype=np.int32) * k1
+        h["indptr"][0] = 0
+        h["indptr"][1:2 * b + 1:2] = first + used          # end of sequence b's rows
+        h["indptr"][2:2 * b + 1:2] = first + k1            # end of its padding
+        self.buf.send(ids=rows, pos=rows, slots=rows, indptr=2 * b + 1, table=2 * b, lens=2 * b)
+        return self.graphs[b].replay()
+
+
+# -- draft -------------------------------------------------------------------------------------
+def last_byte(tokens: list[int]) -> int | None:
+    """Index of the last byte token (not BOS/EOS) in ``tokens``, None if there is none."""
+    return next((m for m in range(len(tokens) - 1, -1, -1) if tokens[m] < BYTES), None)
+
+
+class MLGRUGraphDrafter:
+    """:class:`~gpulab.engine.speculative.MLGRUDrafter`'s proposals from one graph replay
+    per step (the same ``propose``/``forget`` interface).
+
+    ``noise(seq, position, vocab)``: the Gumbel noise [vocab] (float64) of a sampled
+    sequence's draft at ``position``, from the eager drafter's seeded stream."""
+
+    def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool):
+        self.model, self.vocab_size, self.k, self.noise = model, vocab_size, k, noise
+        self.device = dev = model.embed.weight.device
+        self.max_batch = max_num_seqs
+        n_slots = 2 * max_num_seqs                # live sequences <= max_num_seqs: spare slots
+        self.scratch = n_slots                    # padded rows read and write this slot
+        k1 = k + 1
+        # pool[layer] row s·(k+1) + i: slot s's state hist[i] (float32, as the step returns it)
+        self.pool = [torch.zeros((n_slots + 1) * k1, model.d_model, device=dev) for _ in model.blocks]
+        self.free = list(range(n_slots))
+        self.slots: dict[int, int] = {}                           # seq_id -> slot
+        self.record: dict[int, tuple[int, list[int]]] = {}        # seq_id -> (done, its k drafts)
+        self.buf = StagedBuffers(
+            src=torch.full((max_num_seqs,), self.scratch * k1, dtype=torch.long, device=dev),
+            first=torch.zeros(max_num_seqs, dtype=torch.long, device=dev),
+            dst=self.scratch * k1 + torch.arange(max_num_seqs * k1, device=dev) % k1,
+            greedy=torch.ones(max_num_seqs, dtype=torch.bool, device=dev),
+            temp=torch.ones(max_num_seqs, device=dev),
+            top_k=torch.zeros(max_num_seqs, dtype=torch.long, device=dev),
+            top_p=torch.ones(max_num_seqs, device=dev),
+            noise=torch.zeros((max_num_seqs, k, vocab_size), device=dev))
+        self.specials = torch.full((max_num_seqs, vocab_size - BYTES), -torch.inf, device=dev)
+        self.cuda = cuda
+        self.graphs: dict[tuple[int, bool], CapturedStep] = {}
+        self.mempool = None
+        for b in reversed(bucket_sizes(max_num_seqs)):   # greedy graphs now, sampled ones when first needed
+            self.graph(b, sampled=False)
+
+    def graph(self, b: int, sampled: bool) -> CapturedStep:
+        if (b, sampled) not in self.graphs:
+            k1 = self.k + 1       # capture from neutral buffers: warm-ups touch only the scratch slot
+            self.buf["src"].fill_(self.scratch * k1)
+            self.buf["dst"].copy_(self.scratch * k1 + torch.arange(self.buf["dst"].numel(), device=self.device) % k1)
+            self.graphs[b, sampled] = CapturedStep(functools.partial(self.forward, b, sampled), self.cuda, self.mempool)
+            self.mempool = self.graphs[b, sampled].pool or self.mempool
+        return self.graphs[b, sampled]
+
+    def forward(self, b: int, sampled: bool):
+        """The captured function: k draft tokens [k, b] (and q [k, b, V] when sampled)."""
+        buf, k = self.buf, self.k
+        states = [pool.index_select(0, buf["src"][:b]) for pool in self.pool]
+        token = buf["first"][:b]
+        hist, drafts, qs = [], [], []
+        for i in range(k + 1):
+            out, states = self.model.step(token, states)
+            hist.append(states)
+            if i == k:                     # the last step only leaves hist[k] (all k accepted)
+                break
+            token = out.argmax(-1)               # a byte: the specials' widened logits are -inf
+            if sampled:
+                logits = torch.cat([out.float(), self.specials[:b]], dim=-1)
+                scaled = filter_top_k_top_p(logits / buf["temp"][:b, None], buf["top_k"][:b], buf["top_p"][:b])
+                q = torch.softmax(scaled, dim=-1)
+                drawn = (q.log() + buf["noise"][:b, i]).argmax(-1)
+                token = torch.where(buf["greedy"][:b], token, drawn)
+                qs.append(q)
+            drafts.append(token)
+        dst = buf["dst"][:b * (k + 1)]
+        for layer, pool in enumerate(self.pool):
+            pool.index_copy_(0, dst, torch.stack([h[layer] for h in hist], dim=1).flatten(0, 1))
+        return torch.stack(drafts), (torch.stack(qs) if sampled else None)
+
+    # -- the Drafter interface --------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(seqs)
+        go = [i for i, s in enumerate(seqs) if ks[i] > 0 and last_byte(s.token_ids) is not None]
+        busy = {seqs[i].seq_id for i in go}
+        for at in range(0, len(go), self.max_batch):
+            part = go[at:at + self.max_batch]
+            for i, (tokens, q) in zip(part, self.launch([seqs[i] for i in part], busy)):
+                out[i] = (tokens[:ks[i]], None if q is None else q[:ks[i]])
+        return out
+
+    def launch(self, seqs: list[Sequence], busy: set) -> list[tuple[list[int], torch.Tensor | None]]:
+        """One replay for ``seqs`` (at most the largest bucket): k drafts each, read back
+        in one device -> host copy; q [k, V] stays on the device (sampled sequences)."""
+        k, k1 = self.k, self.k + 1
+        b = next(s for s in bucket_sizes(self.max_batch) if s >= len(seqs))
+        sampled = any(not s.params.greedy for s in seqs)
+        starts = [self.start(s, busy) for s in seqs]        # eager catch-up, where needed
+        firsts = [s.token_ids[last_byte(s.token_ids)] for s in seqs]
+        graph = self.graph(b, sampled)
+        h = self.buf.np
+        h["src"][:b], h["first"][:b], h["greedy"][:b] = self.scratch * k1, 0, 1
+        h["dst"][:b * k1] = self.scratch * k1 + np.arange(b * k1) % k1
+        for j, (seq, (slot, row), first) in enumerate(zip(seqs, starts, firsts)):
+            h["src"][j], h["first"][j] = row, first
+            h["dst"][j * k1:(j + 1) * k1] = slot * k1 + np.arange(k1)
+            if not seq.params.greedy:
+                h["greedy"][j], h["temp"][j] = 0, seq.params.temperature
+                h["top_k"][j], h["top_p"][j] = seq.params.top_k, float(seq.params.top_p)
+                for i in range(k):
+                    h["noise"][j, i] = self.noise(seq, seq.num_tokens + i, self.vocab_size).numpy()
+        counts = dict(src=b, first=b, dst=b * k1, greedy=b)
+        if sampled:
+            counts.update(temp=b, top_k=b, top_p=b, noise=b)
+        self.buf.send(**counts)
+        drafts, q = graph.replay()
+        ids = drafts[:, :len(seqs)].t().tolist()                # the draft's one device -> host copy
+        for seq, row in zip(seqs, ids):
+            self.record[seq.seq_id] = (seq.num_tokens, row)
+        return [(row, None if seq.params.greedy else q[:, j]) for j, (seq, row) in enumerate(zip(seqs, ids))]
+
+    def start(self, seq: Sequence, busy: set) -> tuple[int, int]:
+        """(slot, pool row of the state after ``seq``'s tokens before its last byte).
+        (Specials are no input to the draft: the graph consumes the last byte next, and
+        the tokens after it are specials, so the state is then the one after all tokens.)
+
+        ``record`` says the slot holds hist[i] = state after tokens[:done] + drafts[:i]:
+        if the sequence's tokens since ``done`` begin with the drafts up to the needed
+        length, that row is it; otherwise the longest matching row catches up eagerly
+        (a new sequence from the zero state) and lands in hist[0]."""
+        k1 = self.k + 1
+        slot = self.slots.get(seq.seq_id)
+        if slot is None:
+            slot = self.new_slot(seq.seq_id, busy)
+        need = last_byte(seq.token_ids)
+        done, drafts = self.record.get(seq.seq_id, (need + 1, []))
+        i = 0
+        if done <= need:
+            while i < min(need - done, len(drafts)) and seq.token_ids[done + i] == drafts[i]:
+                i += 1
+            if done + i == need:
+                return slot, slot * k1 + i
+            base, frm = [pool[slot * k1 + i][None] for pool in self.pool], done + i
+        else:                                        # no usable state: from the start
+            base, frm = None, 0
+        new = [t for t in seq.token_ids[frm:need] if t < BYTES]
+        with torch.no_grad():
+            states = self.model(torch.tensor([new], device=self.device), base)[1] if new else base
+        for layer, pool in enumerate(self.pool):
+            pool[slot * k1] = 0 if states is None else states[layer][0]
+        self.record[seq.seq_id] = (need, [])
+        return slot, slot * k1
+
+    def new_slot(self, seq_id: int, busy: set) -> int:
+        if not self.free:                 # evict a sequence not drafting now (it catches up later)
+            self.forget(next(s for s in self.slots if s not in busy))
+        self.slots[seq_id] = slot = self.free.pop()
+        return slot
+
+    def forget(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+        self.record.pop(seq_id, None)
