@@ -247,13 +247,21 @@ def test_timeline_records_every_step(model):
     assert view.redraws == 1 and view.png != before
 
 
-def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys):
-    """tools/engine_host_overhead.py (the host's share of an engine step) runs on a CPU."""
+def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys, tmp_path):
+    """tools/engine_host_overhead.py (the host's share of an engine step, phase by phase,
+    and the static baseline's step) runs on a CPU."""
+    import json
     import runpy
     tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "engine_host_overhead.py"))
-    assert tool["main"](["--batch", "4", "--ctx", "512", "--prompt", "40", "--steps", "3"]) == 0
+    threads = torch.get_num_threads()
+    assert tool["main"](["--batch", "4", "--ctx", "512", "--prompt", "40", "--steps", "3", "--static",
+                         "--device", "cpu", "--json", str(tmp_path / "host.json")]) == 0
+    assert torch.get_num_threads() == threads
     out = capsys.readouterr().out
     assert "batch    4, context 512: host part of a decode step" in out and "µs per sequence" in out
+    assert "schedule" in out and "emit" in out and "static batching, same batch" in out
+    r = json.loads((tmp_path / "host.json").read_text())["results"][0]
+    assert r["batch"] == 4 and set(r["phases_ms"]) == {"schedule", "plan", "forward", "sample", "emit"}
 
 
 def test_step_block_tables_are_as_wide_as_the_longest_sequence(model):

@@ -3,10 +3,11 @@
 # own time limit, packed after every job into OUTDIR/bench.tgz (one file to bring back).
 #
 # usage: tools/gpu-bench.sh OUTDIR [JOB ...]
-# jobs (default: engine attention speculative): engine (tools/engine_bench.py),
+# jobs (default: engine attention speculative): engine (tools/engine_bench.py), host
+#   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh).
-#   Limits in seconds: ET AT ST GT RT PT LT PRT (see below). Carry .whl/ and .peers/
+#   Limits in seconds: ET HT AT ST GT RT PT LT PRT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
 out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
@@ -28,6 +29,11 @@ for job in "${@:-engine attention speculative}"; do
   for j in $job; do
     case $j in
       engine) run engine "${ET:-200}" python3 tools/engine_bench.py "$b/engine" ;;
+      host) mkdir -p "$b/host"
+            run host "${HT:-240}" bash -c 'for m in "" "--finished-only"; do python3 tools/engine_host_overhead.py \
+              --batch 1 64 256 --prompt 512 --static $m --json "$0/tiny${m:+_finished}.json" || exit 1; done
+              python3 tools/engine_host_overhead.py --batch 64 256 --prompt 512 --static \
+              --model random:2048,16,16,4,128,5632,4096 --json "$0/big.json"' "$b/host" ;;
       attention) run attention "${AT:-300}" python3 tools/attention_bench.py "$b/attention" ${ANAMES:-} ;;
       speculative) run speculative "${ST:-240}" python3 tools/speculative_bench.py "$b/speculative" --quick ;;
       ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ;;

@@ -178,7 +178,8 @@ class BlockManager:
         ``(src, dst)`` the runner must do before writing (copy-on-write)."""
         bs, pos, table = self.block_size, seq.num_computed_tokens, seq.block_table
         i = pos // bs
-        if (pos + num_tokens + bs - 1) // bs <= len(table) and (i >= len(table) or self.blocks[table[i]].ref_count <= 1):
+        if (pos + num_tokens + bs - 1) // bs <= len(table) and (i >= len(table)
+                                                                 or self.blocks[table[i]].ref_count <= 1):
             return []                        # room in its own pages already: nothing to do
         if not self.can_append(seq, num_tokens):
             raise OutOfPages(f"out of KV pages: sequence {seq.seq_id} cannot grow by {num_tokens} tokens "
