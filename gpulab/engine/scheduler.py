@@ -129,10 +129,11 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch) -> None:
         """After the step ran: count the computed tokens and register full pages."""
-        commit = self.bm.commit_full_blocks
+        commit, bs = self.bm.commit_full_blocks, self.bm.block_size
         for seq, n in batch.items:
             seq.num_computed_tokens += n
-            commit(seq)
+            if seq.num_computed_tokens // bs != seq.num_registered_blocks:   # else no page to register
+                commit(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq``: release its pages (their hashes stay cached) and drop it."""
