@@ -269,6 +269,8 @@ def test_graph_path_sampled_output_equals_the_eager_path(target):
     assert graph_steps(spec) > 0 and isinstance(spec.proposer, MLGRUGraphDrafter)
 
 
+@pytest.mark.skipif(gpulab.mode() == "compiled", reason="the plumbing on CPU tensors; on a GPU the "
+                    "captured graphs are compared with the eager path by the CUDA tests")
 def test_graph_drafter_proposes_what_the_eager_drafter_does():
     """Step by step with random acceptance (some drafts taken, then a correction, now and
     then a special token or a step without drafts): the graph drafter's pool rows give

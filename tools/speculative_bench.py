@@ -62,7 +62,8 @@ def engine_config(batch):
 
 def bench_one(llm, waves, params, repeats):
     """Best tok/s over ``repeats`` timed runs after a warm-up, and the last run's outputs."""
-    llm.generate(waves[0][:2], SamplingParams(max_tokens=8))          # warm-up (autotune, lazy init)
+    timed_generate(llm, waves, params)       # warm-up: every prompt length and batch shape once
+                                             # (autotuning, lazy init, graph capture), untimed
     best, outs = 0.0, None
     for _ in range(repeats):
         if isinstance(llm, spec.SpeculativeLLM):
@@ -152,7 +153,7 @@ def bench_server(target, clients, max_tokens):
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     llm = LLM(target, engine_config(clients))
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+    timed_generate(llm, prompts, params)     # warm-up, untimed
     _, engine_tps = timed_generate(llm, prompts, params)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
