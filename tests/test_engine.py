@@ -334,3 +334,15 @@ def test_frozen_heap_keeps_the_start_up_heap_out_of_collections_and_nests():
             pass
         assert gc.get_freeze_count() >= frozen       # the inner block left the outer's freeze alone
     assert gc.get_freeze_count() == 0
+
+
+def test_warm_up_runs_every_prefill_size_and_changes_no_output(model, expected):
+    """The start-up warm-up (compiled mode: so that autotuning happens before the first
+    request) runs prefills of 1, 2, 4, ... tokens and a mixed step; afterwards the engine
+    serves exactly what it serves without it, and every page is free."""
+    llm = LLM(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=40))
+    assert llm.runner.warm_up(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert llm.idle()
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    assert_tokens_match(model, PROMPTS, [o.token_ids for o in outs], expected)
+    assert llm.idle()

@@ -58,6 +58,8 @@ class EngineConfig:
                                         # fewer preemptions (each one recomputes a sequence)
     cascade: bool = False               # shared-prefix decode batches through cascade attention
     cuda_graphs: bool = True            # compiled mode only
+    warm_up: bool = True                # compiled mode only: compile and autotune every step
+                                        # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
     attention: str = "auto"             # auto: triton when compiled (GPU), torch on the CPU
 
@@ -112,6 +114,8 @@ class LLM:
                                        config.chunked_prefill, self.max_model_len, config.decode_reserve)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
+        if config.warm_up and runtime.mode() == "compiled" and self.runner.device.type == "cuda":
+            self.runner.warm_up(config.max_num_batched_tokens)
         self.metrics = EngineMetrics(config.num_blocks)
         self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
         self.pending_forks: set[str] = set()            # requests with n > 1 not forked yet

@@ -45,7 +45,7 @@ from .. import runtime
 from ..paged import PagedDecodeWrapper
 from .batch_attention import append_attention, append_attention_reference, decode_attention, shared_prefix_pages
 from .model import TernaryTransformer
-from .sequence import Sequence
+from .sequence import SamplingParams, Sequence
 
 
 @dataclass
@@ -360,6 +360,32 @@ class ModelRunner:
         return self.forward(plan), plan.sample_seqs, plan
 
     # -- CUDA graphs --------------------------------------------------------------------------
+    def warm_up(self, max_tokens: int) -> list[int]:
+        """Run one prefill of each size a step can bring (1, 2, 4, ... tokens, up to
+        ``max_tokens``) and one step mixing a decode with a prefill, so that Triton
+        compiles and autotunes every kernel shape here, at start-up, and not inside the
+        first requests. (On the H200, a fresh engine served its first two requests at 42
+        tok/s and the third at 2460: each new prefill length met new autotuning keys.)
+        The pages written are ones no sequence holds yet. Returns the prefill sizes."""
+        bs = self.block_size
+        limit = max(1, min(max_tokens, self.cfg.max_seq_len, (self.k_cache.shape[1] - 1) * bs))
+        sizes = [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
+
+        def prefill(n, computed=0):
+            seq = Sequence(-1, "warm-up", [0] * n, n, SamplingParams(max_tokens=1), 0,
+                           num_computed_tokens=computed, block_table=list(range(-(-n // bs))))
+            return seq, n - computed
+
+        with torch.no_grad():
+            for n in sizes:
+                self.forward(self.plan([prefill(n)]))
+            if limit > 1:     # a decode row next to a prefill chunk: the eager decode path
+                self.forward(self.plan([prefill(min(limit, bs) + 1, computed=min(limit, bs)),
+                                        prefill(limit - 1)]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return sizes
+
     def capture_graphs(self) -> None:
         """One graph per batch-size bucket for decode-only steps (largest first, sharing
         one memory pool). Each bucket has its own static input buffer, laid out as a

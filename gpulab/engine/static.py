@@ -20,6 +20,7 @@ import itertools
 import time
 from collections import deque
 
+from .. import runtime
 from .engine import Completion, EngineConfig, RequestOutput, generate_all
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
 from .model import EOS, TernaryTransformer
@@ -39,6 +40,8 @@ class StaticBatchLLM:
             raise ValueError(f"the KV memory ({kv_tokens} tokens) cannot hold one request of max_len {self.max_len}")
         self.runner = ModelRunner(model, self.batch_size, self.max_len, self.batch_size, config.linear,
                                   config.attention, config.cuda_graphs, cascade=False)
+        if config.warm_up and runtime.mode() == "compiled" and self.runner.device.type == "cuda":
+            self.runner.warm_up(self.max_len)      # as the engine does: no autotuning inside the timing
         self.metrics = EngineMetrics(self.batch_size)
         self.waiting: deque[Sequence] = deque()
         self.batch: list[Sequence] = []
