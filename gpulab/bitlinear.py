@@ -583,6 +583,29 @@ def _as_scale_tensor(w_scale, device):
     return w_scale.reshape(1)
 
 
+OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def plainly_valid_matmul_args(x_q, x_scale, w_packed, w_scale, out_dtype) -> bool:
+    """True when :func:`ternary_matmul`'s arguments pass every one of its checks, tested
+    with a few attribute reads: a decode step calls it once per layer, and the full
+    checks (which name what is wrong) cost a GPU host ~60 µs a call. False means "run
+    the full checks", never "valid"."""
+    try:
+        dev, k = x_q.device, x_q.shape[-1]
+        per = 4 if w_packed.dtype is torch.uint8 else 16 if w_packed.dtype is torch.int32 else 0
+        return bool(per and k > 0 and x_q.dtype is torch.int8 and x_scale.dtype is torch.float32
+                    and x_scale.shape == x_q.shape[:-1] and w_packed.dim() == 2
+                    and w_packed.shape[1] == (k + per - 1) // per and out_dtype in OUT_DTYPES
+                    and x_q.is_contiguous() and x_scale.is_contiguous() and w_packed.is_contiguous()
+                    and x_scale.device == dev and w_packed.device == dev
+                    and isinstance(w_scale, torch.Tensor) and w_scale.dtype is torch.float32
+                    and w_scale.numel() == 1 and w_scale.is_contiguous() and w_scale.device == dev
+                    and not runtime.COMPILE_ONLY and runtime.runs_on(dev))
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
 def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Tensor, w_scale,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = (x_q · W_tᵀ) / (x_scale[:, None] · w_scale) reading 2-bit packed weights.
@@ -593,13 +616,24 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     own tensor-core kernel above);
     w_scale: float or float32 tensor of one element.
     Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
+    if plainly_valid_matmul_args(x_q, x_scale, w_packed, w_scale, out_dtype):
+        if x_q.dim() == 2 and w_scale.dim() == 1:        # a [M, K] batch: no views to make
+            y = torch.empty((x_q.shape[0], w_packed.shape[0]), dtype=out_dtype, device=x_q.device)
+            if y.numel():
+                ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y)
+            return y
+        k, n = x_q.shape[-1], w_packed.shape[0]
+        y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
+        if y.numel():
+            ternary_matmul_into(x_q.view(-1, k), x_scale.view(-1), w_packed, w_scale.view(1), y.view(-1, n))
+        return y
     require_tensor("x_q", x_q, dtype=torch.int8)
     if x_q.dim() < 1 or x_q.shape[-1] == 0:
         raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
     lead, k = x_q.shape[:-1], x_q.shape[-1]
     require_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
     ternary_layout(w_packed, k)
-    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     ws = _as_scale_tensor(w_scale, x_q.device)
     require_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)

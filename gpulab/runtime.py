@@ -121,8 +121,19 @@ def env_report() -> str:
     return "\n".join(lines)
 
 
+def runs_on(dev) -> bool:
+    """Whether the current mode's kernels take tensors on device ``dev`` (the question
+    :func:`check_device` answers with an error)."""
+    m = mode()
+    if m == "compiled":
+        return dev.type == "cuda"
+    return m != "interpreter" or dev.type == "cpu" or _cuda_available()
+
+
 def check_device(name: str, t) -> None:
     """Raise a clear error when a tensor is on a device the current mode cannot run."""
+    if runs_on(t.device):
+        return
     m = mode()
     if m == "compiled" and t.device.type != "cuda":
         raise ValueError(f"{name} is on {t.device}, but kernels run on the GPU here: "

@@ -112,6 +112,37 @@ def test_ternary_matmul_rejects_bad_input(device):
         bl.ternary_matmul(torch.zeros(10, 2, dtype=torch.int8, device=device).t(), x_s, w, s)
 
 
+
+def test_the_fast_argument_check_accepts_nothing_the_full_checks_reject(device):
+    """ternary_matmul tests its arguments with a few attribute reads first and runs the
+    full checks (which explain the error) only when that fails: every call the full
+    checks reject must fail the fast test too, and the usual calls must pass it."""
+    x_q = torch.zeros(2, 10, dtype=torch.int8, device=device)
+    x_s, s = torch.ones(2, device=device), torch.ones(1, device=device)
+    w = bl.pack_ternary(torch.zeros(4, 10, dtype=torch.int8, device=device))
+    w32 = bl.pack_ternary_x16(torch.zeros(4, 10, dtype=torch.int8, device=device))
+    good = [(x_q, x_s, w, s, torch.bfloat16), (x_q, x_s, w32, s, torch.float32),
+            (x_q[None], x_s[None], w, s.reshape(()), torch.float16)]
+    bad = [(x_q.float(), x_s, w, s, torch.bfloat16), (x_q, torch.ones(3, device=device), w, s, torch.bfloat16),
+           (x_q, x_s.double(), w, s, torch.bfloat16), (x_q, x_s, w[:, :2], s, torch.bfloat16),
+           (x_q, x_s, w.to(torch.int8), s, torch.bfloat16), (x_q, x_s, w, torch.ones(4, device=device), torch.bfloat16),
+           (x_q, x_s, w, s, torch.int32), (torch.zeros(10, 2, dtype=torch.int8, device=device).t(), x_s, w, s,
+                                           torch.bfloat16),
+           (x_q, torch.ones(2, 2, device=device)[:, 0], w, s, torch.bfloat16),
+           (x_q, x_s, bl.pack_ternary(torch.zeros(10, 4, dtype=torch.int8, device=device)).t(), s, torch.bfloat16),
+           (x_q, x_s, w, s.double(), torch.bfloat16), (x_q, x_s, w, 0.5, torch.bfloat16),
+           (torch.zeros((), dtype=torch.int8, device=device), torch.ones((), device=device), w, s, torch.bfloat16),
+           (torch.zeros(2, 0, dtype=torch.int8, device=device), x_s, w[:, :0], s, torch.bfloat16),
+           (x_q.cpu() if device.type != "cpu" else x_q.to("meta"), x_s, w, s, torch.bfloat16),
+           (x_q.numpy() if device.type == "cpu" else x_q.cpu().numpy(), x_s, w, s, torch.bfloat16)]
+    for args in good:
+        assert bl.plainly_valid_matmul_args(*args), args
+    for i, args in enumerate(bad):
+        assert not bl.plainly_valid_matmul_args(*args), f"bad call {i} passes the fast check"
+        if i != 11:            # a Python float scale is valid: it takes the full path
+            with pytest.raises((TypeError, ValueError)):
+                bl.ternary_matmul(*args[:4], out_dtype=args[4])
+
 # -- the layer ------------------------------------------------------------------------------------
 def test_bitlinear_train_and_packed_modes_agree(device):
     torch.manual_seed(0)
