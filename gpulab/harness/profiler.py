@@ -317,7 +317,10 @@ def format_report(r: dict, width: int = 88) -> str:
         v = verdict(k)
         if v:
             lines += textwrap.wrap("  → " + v, width, subsequent_indent="    ")
-    return "\n".join(line[:width] if len(line) > width else line for line in lines)
+    # a long line wraps under its label instead of losing its end
+    return "\n".join(part for line in lines
+                     for part in (textwrap.wrap(line, width, subsequent_indent=" " * 13) if len(line) > width
+                                  else [line]))
 
 
 def show(name: str, **kw) -> dict | None:
