@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import sys
 
 _USER_CHOSE = "TRITON_INTERPRET" in os.environ
 

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
+from gpulab.harness import bench  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig, frozen_heap  # noqa: E402
 from gpulab.engine.model import model_sizes  # noqa: E402
 from gpulab.engine.serve_bench import (Workload, build_model, compare, decoding_engine,  # noqa: E402
@@ -81,16 +82,7 @@ def time_forward(llm: LLM, use_graph: bool, reps: int = 50) -> tuple[float, floa
     plan = runner.plan(items)
     fn = (lambda: runner.replay(plan)) if use_graph and runner.graphs else (lambda: runner.forward(plan))
     with torch.no_grad():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        step = e0.elapsed_time(e1) * 1e-3 / reps
+        step = bench.mean_ms(fn, reps, warmup=5) * 1e-3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 runner.forward(plan)

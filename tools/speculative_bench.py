@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpulab import runtime  # noqa: E402
+from gpulab.harness import bench  # noqa: E402
 from gpulab.engine import speculative as spec  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
 from gpulab.engine.model import TINY, load_checkpoint, prepare_for_serving  # noqa: E402
@@ -76,14 +77,7 @@ def bench_one(llm, waves, params, repeats):
 
 def replay_ms(replay, n=50) -> float:
     """GPU time of one graph replay (CUDA events, mean of n back to back)."""
-    replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return bench.mean_ms(replay, n)
 
 
 def graph_times(llm, batch) -> dict:

@@ -39,8 +39,8 @@ from ..bitlinear import BitLinear
 from ..model import MatMulFreeLM, encode, load_corpus, train
 from .block_manager import BlockManager
 from .engine import LLM
-from .model import EOS, TernaryTransformer, attention_with_history, packed_bitlinear_reference
-from .sampling import filter_top_k_top_p, sample, token_seed
+from .model import TernaryTransformer, attention_with_history, packed_bitlinear_reference
+from .sampling import filter_top_k_top_p, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
 from .spec_graphs import GraphStepPlan, MLGRUGraphDrafter, VerifyGraphs

@@ -55,6 +55,22 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
 SLOW_MS = 250.0
 
 
+def mean_ms(fn: Callable[[], object], n: int = 50, warmup: int = 1) -> float:
+    """Mean GPU time in milliseconds of ``n`` back-to-back calls of ``fn``, between two
+    CUDA events (no L2 flush): how graph replays and engine steps run in a server."""
+    require_gpu()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def _median_of(fn: Callable[[], object], n: int) -> float:
     """Median of n calls timed with CUDA events (for calls long enough that one is enough)."""
     times = []
