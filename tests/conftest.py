@@ -1,6 +1,7 @@
 import os
 import sys
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -51,3 +52,22 @@ def pytest_runtest_logfinish(nodeid, location):
         sys.stderr.flush()
         os._exit(70)
     pytest.exit(msg, returncode=1)
+
+
+# GPULAB_SHARD=k/n runs the k-th of n disjoint parts of the suite (tests spread by a hash of
+# their id, so each part gets a share of every heavy file). A compiled run of the whole
+# suite outlasts one call of the GPU tool; n calls with k = 1..n cover it exactly once.
+def pytest_collection_modifyitems(config, items):
+    shard = os.environ.get("GPULAB_SHARD")
+    if not shard:
+        return
+    try:
+        k, n = (int(v) for v in shard.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"GPULAB_SHARD must be k/n with 1 <= k <= n, got {shard!r}") from None
+    keep, drop = [], []
+    for item in items:
+        (keep if zlib.crc32(item.nodeid.encode()) % n == k - 1 else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)

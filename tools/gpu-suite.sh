@@ -7,8 +7,11 @@
 # usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]          (default: tests)
 # environment: TN=10 test workers, TT=505 s for the tests; NBN=4 notebook workers,
 #   NBT=500 s, NBS="solutions" notebooks to run (NBS= none); BENCH="name ..." also
-#   benchmarks those specs afterwards. A test whose CUDA context breaks (device-side
-#   assert) stops its worker; xdist restarts it (tests/conftest.py).
+#   benchmarks those specs afterwards; GPULAB_SHARD=k/n runs the k-th of n disjoint parts
+#   of the tests (compiled, the whole of tests/ outlasts one 10-minute call: 339 of 938
+#   tests in 530 s on 2026-12-01, before autotuning was turned off in tests). A test whose
+#   CUDA context breaks (device-side assert) stops its worker; xdist restarts it
+#   (tests/conftest.py).
 # Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
 # peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
 # Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
