@@ -617,32 +617,27 @@ def ternary_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_packed: torch.Ten
     w_scale: float or float32 tensor of one element.
     Returns [..., N] in out_dtype (float32, float16 or bfloat16)."""
     if plainly_valid_matmul_args(x_q, x_scale, w_packed, w_scale, out_dtype):
-        if x_q.dim() == 2 and w_scale.dim() == 1:        # a [M, K] batch: no views to make
-            y = torch.empty((x_q.shape[0], w_packed.shape[0]), dtype=out_dtype, device=x_q.device)
-            if y.numel():
-                ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y)
-            return y
-        k, n = x_q.shape[-1], w_packed.shape[0]
-        y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
-        if y.numel():
-            ternary_matmul_into(x_q.view(-1, k), x_scale.view(-1), w_packed, w_scale.view(1), y.view(-1, n))
-        return y
-    require_tensor("x_q", x_q, dtype=torch.int8)
-    if x_q.dim() < 1 or x_q.shape[-1] == 0:
-        raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
-    lead, k = x_q.shape[:-1], x_q.shape[-1]
-    require_tensor("x_scale", x_scale, shape=lead, dtype=torch.float32)
-    ternary_layout(w_packed, k)
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    ws = _as_scale_tensor(w_scale, x_q.device)
-    require_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)
+        ws = w_scale
+    else:                                   # the full checks: each failure says what to fix
+        require_tensor("x_q", x_q, dtype=torch.int8)
+        if x_q.dim() < 1 or x_q.shape[-1] == 0:
+            raise ValueError(f"x_q must be [..., K] with K >= 1, got shape {tuple(x_q.shape)}")
+        require_tensor("x_scale", x_scale, shape=x_q.shape[:-1], dtype=torch.float32)
+        ternary_layout(w_packed, x_q.shape[-1])
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+        ws = _as_scale_tensor(w_scale, x_q.device)
+        require_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=ws)
     n = w_packed.shape[0]
-    x2 = x_q.reshape(-1, k)
-    y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x_q.device)
-    if x2.shape[0] and n:
-        ternary_matmul_into(x2, x_scale.reshape(-1), w_packed, ws, y)
-    return y.view(*lead, n)
+    if x_q.dim() == 2:                      # the usual [M, K]: no views to make
+        y = torch.empty((x_q.shape[0], n), dtype=out_dtype, device=x_q.device)
+        if y.numel():
+            ternary_matmul_into(x_q, x_scale, w_packed, ws if ws.dim() == 1 else ws.view(1), y)
+        return y
+    y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
+    if y.numel():
+        ternary_matmul_into(x_q.view(-1, x_q.shape[-1]), x_scale.view(-1), w_packed, ws.view(1), y.view(-1, n))
+    return y
 
 
 @dataclass(frozen=True)

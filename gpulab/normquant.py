@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .validate import require_float, require_same_device, require_tensor
+from .validate import FLOAT_DTYPES, require_float, require_same_device, require_tensor
 
 ABSMAX_FLOOR = 1e-5
 MAX_COLS = 1 << 16
@@ -230,6 +230,20 @@ def rmsnorm_quant_bwd_partials_into(x, weight, rstd, dy, dx, dw_part):
 
 
 # -- public API -----------------------------------------------------------------------------
+def plainly_valid_norm_args(x, weight, eps) -> bool:
+    """True when :func:`rmsnorm_quant`'s arguments pass all its checks, tested with a few
+    attribute reads (a model calls it before every BitLinear; the full checks cost a GPU
+    host tens of µs). False means "run the full checks", never "invalid"."""
+    try:
+        n = x.shape[-1]
+        return bool(0 < n <= MAX_COLS and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES
+                    and weight.dim() == 1 and weight.shape[0] == n and eps > 0
+                    and x.is_contiguous() and weight.is_contiguous() and weight.device == x.device
+                    and not runtime.COMPILE_ONLY and runtime.runs_on(x.device))
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
 def _require_norm_inputs(x, weight):
     require_tensor("x", x)
     require_float("x", x)
@@ -250,9 +264,16 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
 
     x: [..., N] float32/float16/bfloat16, contiguous; weight: [N].
     Returns (x_q int8 [..., N], scale float32 [...]) with x_q ≈ rmsnorm(x)·weight·scale."""
-    _require_norm_inputs(x, weight)
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    if not plainly_valid_norm_args(x, weight, eps):    # the full checks say what to fix
+        _require_norm_inputs(x, weight)
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+    if x.dim() == 2:                       # the usual [rows, N]: no views to make
+        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        if x.shape[0]:
+            rmsnorm_quant_into(x, weight, q, s, eps)
+        return q, s
     lead, n = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n)
     q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)

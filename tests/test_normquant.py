@@ -132,6 +132,26 @@ def test_rmsnorm_quant_rejects_bad_input(device, make, err, words):
         nq.rmsnorm_fakequant(x, w)
 
 
+def test_the_fast_argument_check_accepts_nothing_the_full_checks_reject(device):
+    """rmsnorm_quant tests its arguments with a few attribute reads and runs the full
+    checks (which explain the error) only when that fails."""
+    x, w = torch.randn(3, 4, device=device), torch.ones(4, device=device)
+    good = [(x, w, 1e-6), (x.half(), w, 1e-5), (x[None], w.bfloat16(), 1e-6)]
+    bad = [(torch.randint(0, 5, (3, 4), device=device), w, 1e-6), (x, torch.ones(5, device=device), 1e-6),
+           (torch.randn(6, 4, device=device).t(), torch.ones(6, device=device), 1e-6),
+           (torch.randn(3, 0, device=device), torch.ones(0, device=device), 1e-6),
+           (torch.randn(1, 70000, device=device), torch.ones(70000, device=device), 1e-6),
+           ([1.0], w, 1e-6), (x, w, 0.0), (x, w.int(), 1e-6), (x, torch.ones(8, device=device)[::2], 1e-6),
+           (x, torch.ones(1, 4, device=device), 1e-6), (torch.randn((), device=device), w, 1e-6),
+           (x, w.to("meta"), 1e-6)]
+    for args in good:
+        assert nq.plainly_valid_norm_args(*args), args
+    for i, args in enumerate(bad):
+        assert not nq.plainly_valid_norm_args(*args), f"bad call {i} passes the fast check"
+        with pytest.raises((TypeError, ValueError)):
+            nq.rmsnorm_quant(*args)
+
+
 def test_rejects_bad_eps(device):
     with pytest.raises(ValueError, match="eps"):
         nq.rmsnorm_quant(torch.randn(2, 3, device=device), torch.ones(3, device=device), eps=0.0)
