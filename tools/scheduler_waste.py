@@ -1,5 +1,5 @@
-"""What the scheduler alone decides on the engine bench's mixed workload: steps,
-preemptions and tokens computed (prompts, recomputation after preemption, decodes)
+"""What the scheduler alone decides on the engine bench's mixed workload: steps (and
+how many carry a prompt chunk, so run eagerly), preemptions and tokens computed (prompts, recomputation after preemption, decodes)
 against the tokens the requests need. The forward is stubbed out (every sampled token
 is 0; outputs run to their length regardless), so any machine gives the same counts
 as the H200 run of tools/engine_bench.py.
@@ -28,10 +28,14 @@ def count(model, requests, **config) -> dict:
                                      "linear": "torch"}))
     computed = 0
 
+    mixed, decode_rows = 0, []
+
     def run(items, copies=()):                       # the step without its forward
-        nonlocal computed
+        nonlocal computed, mixed
         plan = llm.runner.plan(items)
         computed += sum(n for _, n in items)
+        mixed += any(n > 1 for _, n in items)       # carries a prompt chunk: an eager step
+        decode_rows.append(sum(n == 1 for _, n in items))
         return torch.zeros(len(plan.sample_seqs), model.cfg.vocab_size), plan.sample_seqs, plan
 
     llm.runner.run = run
@@ -43,7 +47,8 @@ def count(model, requests, **config) -> dict:
         steps += 1
     # the last output token is sampled, never fed back
     need = sum(len(r["prompt"]) + r["params"].max_tokens - 1 for r in requests)
-    return {"steps": steps, "preemptions": llm.summary()["preemptions"], "computed": computed, "needed": need}
+    return {"steps": steps, "preemptions": llm.summary()["preemptions"], "computed": computed, "needed": need,
+            "eager_steps": mixed, "mean_decode_rows": sum(decode_rows) / max(1, len(decode_rows))}
 
 
 def main(argv=None) -> int:
@@ -56,7 +61,9 @@ def main(argv=None) -> int:
     for reserve in a.reserve:
         c = count(model, requests, decode_reserve=reserve)
         print(f"decode_reserve {reserve}: {c['steps']} steps, {c['preemptions']} preemptions, "
-              f"{c['computed']} tokens computed for {c['needed']} needed ({c['computed'] / c['needed']:.2f}x)")
+              f"{c['computed']} tokens computed for {c['needed']} needed ({c['computed'] / c['needed']:.2f}x); "
+              f"{c['eager_steps']} steps carry a prompt chunk (eager: no CUDA graph), "
+              f"{c['mean_decode_rows']:.0f} decode rows per step on average")
     return 0
 
 
