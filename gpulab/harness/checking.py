@@ -422,7 +422,8 @@ class _CallWatch:
                 out.append(f"a load past the end of {what}: {after.size} element(s) read up to {beyond} "
                            f"beyond its last element{where}{prog}, even if the value is never stored. A "
                            f"tl.load is missing its mask, or the mask lets through offsets ≥ the length "
-                           f"(on a GPU this reads another tensor's memory or faults).")
+                           f"(on a GPU this reads another tensor's memory or faults)."
+                           + _swapped_strides(g.inner, int(idx.max()) - start, w.name))
             if before.size:
                 out.append(f"a load before the start of {what}: {before.size} element(s) read up to "
                            f"{start - int(before.min())} before its first element{prog}: a negative "
@@ -434,6 +435,18 @@ class _CallWatch:
                            f"here (row stride {rs}): index rows with its own stride ({w.name}.stride(...)), "
                            f"not the row length or another tensor's stride.")
         return out
+
+
+def _swapped_strides(t: torch.Tensor, top: int, name: str) -> str:
+    """A sentence when the largest offset read from 2-D ``t`` is exactly what
+    rows · stride(1) + cols · stride(0) reaches: the two strides used the wrong way round."""
+    if t.dim() != 2 or t.stride(0) == t.stride(1) or min(t.shape) < 2:
+        return ""
+    (m, n), (sm, sn) = t.shape, t.stride()
+    if top != (m - 1) * sn + (n - 1) * sm:
+        return ""
+    return (f" The largest offset read, {top}, is (rows − 1)·{name}.stride(1) + (cols − 1)·{name}.stride(0): "
+            f"the row and column strides look swapped (offsets = rows·stride(0) + cols·stride(1)).")
 
 
 def _row_of(g: Guarded, index: int) -> str:

@@ -40,6 +40,7 @@ class Mistake:
     weak: str = ""    # why the generic diagnosis cannot name this cause (it counts as a miss)
     args: tuple = ()  # a scenario check's positional arguments, as in the grade cell
     interpreter_only: str = ""    # why a compiled run cannot see it (it leaves no trace in any output)
+    weak_compiled: str = ""       # why, compiled, the diagnosis cannot name the cause (a miss there)
 
     @property
     def id(self) -> str:

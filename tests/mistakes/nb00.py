@@ -172,7 +172,7 @@ def _row_sum(x_ptr, y_ptr, M, N, stride_m, stride_n, BLOCK_M: tl.constexpr, BLOC
         else:
             cols = n0 + tl.arange(0, BLOCK_N)
         if MUT == 1:                                   # row mask only: columns past N read
-            mask = row_mask[:, None] & (cols < BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols >= 0)[None, :]
         else:
             mask = row_mask[:, None] & (cols < N)[None, :]
         if MUT == 2:                                   # N as the row stride (assumes contiguous rows)
@@ -211,8 +211,9 @@ MISTAKES += [
     Mistake("00/check-row-sum", "row_sum", "column offsets forget n0", _row_sum_launcher(5),
             ("column offsets must start at the loop's n0",)),
     Mistake("00/check-row-sum", "row_sum", "row and column strides swapped", _row_sum_launcher(6),
-            ("stride",), weak="the read past the end of x is named, not which offset term is wrong: "
-                               "the load watcher sees offsets, not which stride made them"),
+            ("strides look swapped",),
+            weak_compiled="the swapped offsets read past the end of x; without the interpreter's load "
+                          "watch only the stray values are seen, not the offsets that read them"),
     Mistake("00/check-row-sum", "row_sum", "store without the row mask", _row_sum_launcher(7),
             ("past the end of output `y`",)),
     Mistake("00/check-row-sum", "row_sum", "grid M // BLOCK_M", _row_sum_launcher(grid=lambda m: m // 16),
