@@ -23,8 +23,9 @@ import math
 import torch
 
 from ..cascade import cascade_decode_attention
-from ..paged import gather_kv, paged_decode_attention, paged_decode_into
+from ..paged import fault_flag, gather_kv, paged_decode_attention, paged_decode_into
 from ..prefill import append_attention as append_attention_kernel
+from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .. import runtime
 
 
@@ -56,13 +57,34 @@ def append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_
     return out
 
 
-def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale: float | None = None):
+def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale: float | None = None,
+                     out: torch.Tensor | None = None, work: tuple | None = None):
     """The append rows of a step (prefill, chunked prefill): gpulab.prefill's kernel when
-    compiled (no host sync), the PyTorch reference otherwise. Returns o [total_q, Hq, D]."""
+    compiled (no host sync), the PyTorch reference otherwise. Returns o [total_q, Hq, D]
+    (written into ``out`` when given). ``work``: the step's work list from
+    :func:`plan_append_attention`, built once for all layers (each layer then launches
+    one kernel, instead of also rebuilding the list with a dozen small ones)."""
     if runtime.mode() == "compiled":
-        return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
-                                       sm_scale=scale)
-    return append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
+        if work is None:
+            return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
+                                           sm_scale=scale, out=out)
+        tiles, work_req, work_tile = work
+        o = torch.empty_like(q) if out is None else out
+        launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
+                                o, None, fault_flag(q.device), True, scale, tiles)
+        return o
+    o = append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
+    return o if out is None else out.copy_(o)
+
+
+def plan_append_attention(qo_indptr: torch.Tensor, total_q: int, dtype: torch.dtype, n_heads: int,
+                          n_kv_heads: int, head_dim: int) -> tuple:
+    """The append kernel's tile sizes and work list for a step's ``total_q`` append rows
+    (what :func:`gpulab.prefill.append_attention` builds at every call), built on the
+    device without a host sync: (tiles, work_req, work_tile)."""
+    group = n_heads // n_kv_heads
+    tiles = append_tile_config(dtype, head_dim, group)
+    return (tiles, *append_schedule_device(qo_indptr, total_q, tiles["BLOCK_M"] // group))
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, hook=None, prefix=None):

@@ -58,6 +58,8 @@ class EngineConfig:
                                         # fewer preemptions (each one recomputes a sequence)
     cascade: bool = False               # shared-prefix decode batches through cascade attention
     cuda_graphs: bool = True            # compiled mode only
+    piecewise_graphs: bool = True       # with cuda_graphs: steps with prompt chunks replay graphs
+                                        # between their attention calls (see .piecewise)
     warm_up: bool = True                # compiled mode only: compile and autotune every step
                                         # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
@@ -116,6 +118,8 @@ class LLM:
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
         if config.warm_up and runtime.mode() == "compiled" and self.runner.device.type == "cuda":
             self.runner.warm_up(config.max_num_batched_tokens)
+        if config.piecewise_graphs:          # after the warm-up: no autotuning inside a capture
+            self.runner.capture_piecewise(config.max_num_batched_tokens)
         self.metrics = EngineMetrics(config.num_blocks)
         self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
         self.pending_forks: set[str] = set()            # requests with n > 1 not forked yet

@@ -131,15 +131,26 @@ class TransformerBlock(nn.Module):
         self.down_proj = BitLinear(cfg.hidden, cfg.d_model)
 
     def forward(self, x, cos, sin, attend, layer: int, reference: bool = False):
+        q, k, v = self.pre_attention(x, cos, sin, reference)
+        o = attend(layer, q, k, v)                       # [..., n_heads, head_dim]
+        return self.post_attention(x, o, reference)
+
+    def pre_attention(self, x, cos, sin, reference: bool = False):
+        """The block's work before attention: q [..., Hq, D], k, v [..., Hkv, D] of rows x
+        (QKV projection, RoPE on q and k). Row by row: a row's output depends on its own
+        input only (what lets the runner pad a step to a CUDA graph's bucket)."""
         c = self.cfg
-        lin = lambda m, t: run_bitlinear(m, t, reference)  # noqa: E731
-        qkv = lin(self.qkv_proj, x)
+        qkv = run_bitlinear(self.qkv_proj, x, reference)
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                              c.n_kv_heads * c.head_dim], dim=-1)
         q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
         k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
-        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
-        o = attend(layer, q, k, v)                       # [..., n_heads, head_dim]
+        return q, k, v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+
+    def post_attention(self, x, o, reference: bool = False):
+        """The block's work after attention (row by row too): the output projection of
+        o [..., Hq, D] added to the residual x, then the MLP and its residual."""
+        lin = lambda m, t: run_bitlinear(m, t, reference)  # noqa: E731
         x = x + lin(self.o_proj, o.flatten(-2))
         gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
         return x + lin(self.down_proj, F.silu(gate) * up)

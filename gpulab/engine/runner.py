@@ -25,6 +25,10 @@ captured for the smallest bucket ≥ B (1, 2, 4, ..., max_num_seqs), the spare r
 (they write to a scratch page and attend to nothing). Replaying removes the CPU cost of
 launching each kernel of each layer.
 
+**Piecewise CUDA graphs** (:mod:`.piecewise`, compiled mode only): a step with prompt
+chunks replays, per token-count bucket, graphs of the model's work *between* its
+attention calls and runs only attention eagerly (:meth:`ModelRunner.capture_piecewise`).
+
 **Host cost.** At batch 256 the forward of a decode step is a few milliseconds, so the
 host's share matters: the plan writes all of a step's index arrays with NumPy into one
 host buffer (pinned on a GPU) and sends it with a single non-blocking copy; a graph
@@ -43,8 +47,10 @@ import torch
 
 from .. import runtime
 from ..paged import PagedDecodeWrapper
-from .batch_attention import append_attention, append_attention_reference, decode_attention, shared_prefix_pages
+from .batch_attention import (append_attention, append_attention_reference, decode_attention,
+                              plan_append_attention, shared_prefix_pages)
 from .model import TernaryTransformer
+from .piecewise import PiecewiseGraphs
 from .sequence import SamplingParams, Sequence
 
 
@@ -66,6 +72,7 @@ class StepPlan:
     decode_planned: bool = False      # the runner's PagedDecodeWrapper holds this step's decode plan
     graph_bucket: int = 0             # the CUDA graph whose static inputs hold this plan (use_graph)
     sample_all: bool = False          # sample_rows is 0 .. num_decode-1 (a graph step reads out[:n])
+    append_work: tuple | None = None  # the append rows' work list, built once for all layers
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -186,8 +193,10 @@ class ModelRunner:
         # eager decode steps: planned (and checked) once per step, run by every layer
         self.decode_wrapper = PagedDecodeWrapper()
         # graphs replay gpulab's decode kernels; a hook or the PyTorch reference may sync the host
-        if (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
-                and self.attention == "triton" and decode_hook is None):
+        self.graphs_possible = (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
+                                and self.attention == "triton" and decode_hook is None)
+        self.piecewise: PiecewiseGraphs | None = None          # see capture_piecewise
+        if self.graphs_possible:
             self.capture_graphs()
 
     # -- plan -------------------------------------------------------------------------------
@@ -289,6 +298,10 @@ class ModelRunner:
         if nd and prefix is None and not plan.use_graph and self.attention == "triton" \
                 and self.decode_hook is None:
             self.plan_decode(plan)
+        if na and self.attention == "triton" and runtime.mode() == "compiled":
+            c = self.cfg
+            plan.append_work = plan_append_attention(plan.append_indptr, num_rows - nd, self.dtype,
+                                                     c.n_heads, c.n_kv_heads, c.head_dim)
         return plan
 
     def graph_plan(self, b: int, n: int, num_sample: int, sample_all: bool, sample_seqs) -> StepPlan:
@@ -320,8 +333,9 @@ class ModelRunner:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def attend(self, plan: StepPlan, layer: int, q, k, v):
-        """Write this step's K, V into the paged cache, then attention for every row."""
+    def attend(self, plan: StepPlan, layer: int, q, k, v, out: torch.Tensor | None = None):
+        """Write this step's K, V into the paged cache, then attention for every row
+        (into ``out`` [rows, Hq, D] when given: the piecewise graphs' static buffer)."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, plan.slot_mapping, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, plan.slot_mapping, v)
@@ -329,18 +343,25 @@ class ModelRunner:
         if self.attention == "torch" and self.decode_hook is None:     # PyTorch reference only
             indptr = torch.arange(nd + 1, dtype=torch.int32, device=q.device)
             if nd == q.shape[0]:
-                return append_attention_reference(q, kc, vc, indptr, plan.decode_table, plan.decode_lens)
-            indptr = torch.cat([indptr, plan.append_indptr[1:] + nd])
-            return append_attention_reference(q, kc, vc, indptr, torch.cat([plan.decode_table, plan.append_table]),
-                                              torch.cat([plan.decode_lens, plan.append_lens]))
-        if plan.decode_planned:
-            dec = self.decode_wrapper.run(q[:nd], kc, vc)     # the plan's buffer, consumed before the next layer
+                o = append_attention_reference(q, kc, vc, indptr, plan.decode_table, plan.decode_lens)
+            else:
+                indptr = torch.cat([indptr, plan.append_indptr[1:] + nd])
+                o = append_attention_reference(q, kc, vc, indptr, torch.cat([plan.decode_table, plan.append_table]),
+                                               torch.cat([plan.decode_lens, plan.append_lens]))
+            return o if out is None else out.copy_(o)
+        if plan.decode_planned:      # the plan's buffer (or out), consumed before the next layer
+            dec = self.decode_wrapper.run(q[:nd], kc, vc, out=None if out is None else out[:nd])
         else:
             dec = decode_attention(q[:nd], kc, vc, plan.decode_table, plan.decode_lens,
                                    hook=self.decode_hook, prefix=plan.prefix) if nd else None
+            if out is not None and dec is not None:
+                dec = out[:nd].copy_(dec)
         if nd == q.shape[0]:
             return dec
-        app = append_attention(q[nd:], kc, vc, plan.append_indptr, plan.append_table, plan.append_lens)
+        app = append_attention(q[nd:], kc, vc, plan.append_indptr, plan.append_table, plan.append_lens,
+                               out=None if out is None else out[nd:], work=plan.append_work)
+        if out is not None:
+            return out
         return app if dec is None else torch.cat([dec, app])
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -357,6 +378,8 @@ class ModelRunner:
         plan = self.plan(items)
         if plan.use_graph:
             return self.replay(plan), plan.sample_seqs, plan
+        if self.piecewise is not None and self.piecewise.fits(plan):
+            return self.piecewise.run(plan), plan.sample_seqs, plan
         return self.forward(plan), plan.sample_seqs, plan
 
     # -- CUDA graphs --------------------------------------------------------------------------
@@ -407,6 +430,18 @@ class ModelRunner:
             # the graph reads the plan's tensors (sample_rows, the empty append ones) at
             # every replay: keep them alive, or their memory is reused and read as indices
             self.graphs[b] = (graph, out, plan)
+
+    def capture_piecewise(self, max_tokens: int, emulate: bool = False) -> bool:
+        """Piecewise CUDA graphs for the steps no decode graph runs (prompt chunks, mixed
+        batches, cascade decodes) of up to ``max_tokens`` rows (:mod:`.piecewise`).
+        Call it after :meth:`warm_up` (kernels compile and autotune outside any graph).
+        Captured where the decode graphs are (compiled mode on a GPU, Triton attention,
+        no decode hook); ``emulate`` builds the same machinery without graphs, each
+        segment called instead of replayed (tests on a CPU). Returns whether steps now
+        take this path."""
+        if emulate or self.graphs_possible:
+            self.piecewise = PiecewiseGraphs(self, max_tokens, cuda=not emulate)
+        return self.piecewise is not None
 
     def allocate_graph_inputs(self) -> None:
         """Each bucket's static input buffer (padded rows: scratch slot, length 0) and its

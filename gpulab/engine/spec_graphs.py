@@ -26,8 +26,9 @@ states back. When the target has accepted a drafts, the next start state is
 ``hist[a]``: rewinding picks a row, it recomputes nothing. A sequence not in the pool
 (new, or after steps without drafts) catches up eagerly over its missing tokens once.
 
-CUDA graphs are captured in compiled mode on a GPU only. Elsewhere :class:`CapturedStep`
-calls the function at every replay: the same buffers and bookkeeping, testable on a CPU.
+CUDA graphs are captured in compiled mode on a GPU only. Elsewhere
+:class:`~.graph_capture.CapturedStep` calls the function at every replay: the same buffers
+and bookkeeping, testable on a CPU.
 """
 from __future__ import annotations
 
@@ -40,66 +41,12 @@ import torch
 from ..paged import fault_flag
 from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .batch_attention import append_attention_reference
+from .graph_capture import CapturedStep, StagedBuffers
 from .runner import ModelRunner, bucket_sizes
 from .sampling import filter_top_k_top_p
 from .sequence import Sequence
 
 BYTES = 256          # the MLGRU draft's vocabulary: token ids >= 256 (BOS, EOS) are not bytes
-
-
-class CapturedStep:
-    """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
-
-    ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
-    then a ``torch.cuda.CUDAGraph`` capture; ``replay()`` relaunches the recorded kernels
-    and returns the same output tensors, rewritten. Without ``cuda``, ``replay()`` calls
-    ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
-
-    def __init__(self, fn, cuda: bool, pool=None):
-        self.fn, self.graph, self.out = fn, None, None
-        if cuda:
-            with torch.no_grad():
-                for _ in range(2):
-                    fn()
-                torch.cuda.synchronize()
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
-                    self.out = fn()
-
-    @property
-    def pool(self):
-        """The graph's memory pool, for the next capture to share (None without a graph)."""
-        return None if self.graph is None else self.graph.pool()
-
-    def replay(self):
-        if self.graph is None:
-            with torch.no_grad():
-                return self.fn()
-        self.graph.replay()
-        return self.out
-
-
-class StagedBuffers:
-    """Named static device tensors, each with a host twin (pinned on CUDA) that the host
-    fills through NumPy views; ``send`` copies the filled prefixes asynchronously."""
-
-    def __init__(self, **tensors: torch.Tensor):
-        self.dev = tensors
-        self.host = {}
-        for name, t in tensors.items():
-            h = torch.zeros(t.shape, dtype=t.dtype)
-            self.host[name] = h.pin_memory() if t.is_cuda else h
-        self.np = {name: (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
-                   for name, h in self.host.items()}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.dev[name]
-
-    def send(self, **counts: int) -> None:
-        """Host -> device for the first ``counts[name]`` entries of each named buffer. No
-        host sync: the pinned source is rewritten only after the step's read-back."""
-        for name, n in counts.items():
-            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
 
 
 @dataclass

@@ -1,0 +1,72 @@
+"""Capture once, replay often: the two pieces every CUDA graph of the engine is built from.
+
+A CUDA graph records a fixed sequence of kernel launches with fixed pointers; replaying
+it relaunches them all with one call, so the host's cost of launching each kernel from
+Python disappears. Fixed pointers mean fixed buffers: a graph's inputs live in static
+tensors that the host rewrites before each replay (:class:`StagedBuffers`), and its
+outputs are the tensors the capture produced, rewritten in place by every replay.
+
+:class:`CapturedStep` wraps one function captured this way. Without a GPU (or with
+``cuda=False``) it calls the function at every replay instead: the same buffers and
+bookkeeping, so the plumbing around a graph is testable on a CPU. Users:
+:mod:`.spec_graphs` (speculative decoding) and :mod:`.piecewise` (steps with prompt
+chunks).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CapturedStep:
+    """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
+
+    ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
+    then a ``torch.cuda.CUDAGraph`` capture; ``replay()`` relaunches the recorded kernels
+    and returns the same output tensors, rewritten. Without ``cuda``, ``replay()`` calls
+    ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
+
+    def __init__(self, fn, cuda: bool, pool=None):
+        self.fn, self.graph, self.out = fn, None, None
+        if cuda:
+            with torch.no_grad():
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.out = fn()
+
+    @property
+    def pool(self):
+        """The graph's memory pool, for the next capture to share (None without a graph)."""
+        return None if self.graph is None else self.graph.pool()
+
+    def replay(self):
+        if self.graph is None:
+            with torch.no_grad():
+                return self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class StagedBuffers:
+    """Named static device tensors, each with a host twin (pinned on CUDA) that the host
+    fills through NumPy views; ``send`` copies the filled prefixes asynchronously."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        self.dev = tensors
+        self.host = {}
+        for name, t in tensors.items():
+            h = torch.zeros(t.shape, dtype=t.dtype)
+            self.host[name] = h.pin_memory() if t.is_cuda else h
+        self.np = {name: (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
+                   for name, h in self.host.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.dev[name]
+
+    def send(self, **counts: int) -> None:
+        """Host -> device for the first ``counts[name]`` entries of each named buffer. No
+        host sync: the pinned source is rewritten only after the step's read-back."""
+        for name, n in counts.items():
+            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)

@@ -1,0 +1,205 @@
+"""Piecewise CUDA graphs (gpulab.engine.piecewise): steps with prompt chunks, padded to a
+token bucket, give the eager forward's logits and write K, V only for their real rows.
+
+On a CPU the segments are called instead of replayed (the same static buffers and
+order); the GPU tests at the end capture real graphs."""
+import pytest
+import torch
+
+import gpulab
+from gpulab.engine.block_manager import BlockManager
+from gpulab.engine.engine import LLM, EngineConfig
+from gpulab.engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
+from gpulab.engine.piecewise import PiecewiseGraphs, token_buckets
+from gpulab.engine.runner import ModelRunner
+from gpulab.engine.sequence import SamplingParams, Sequence
+
+ON_GPU = gpulab.mode() == "compiled" and torch.cuda.is_available()
+BS = 4                                   # tokens per page
+MAX_TOKENS = 64                          # buckets 16, 32, 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(4321)
+    return TernaryTransformer(TINY).pack().to(gpulab.device())
+
+
+def decoding(bm, runner, lengths, first_id=0):
+    """Sequences of the given lengths whose prompts are in the cache, each with one new
+    token to decode."""
+    seqs = []
+    for i, n in enumerate(lengths):
+        s = Sequence(first_id + i, str(first_id + i), [(7 * i + j) % 250 + 1 for j in range(n)], n,
+                     SamplingParams(), 0)
+        bm.allocate(s, [], n)
+        seqs.append(s)
+    if seqs:
+        runner.forward(runner.plan([(s, s.num_tokens) for s in seqs]))
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(3)
+        bm.append_slots(s, 1)
+    return seqs
+
+
+def prompt(bm, runner, seq_id, n, computed=0):
+    """A sequence of n prompt tokens, the first ``computed`` of them in the cache already."""
+    s = Sequence(seq_id, str(seq_id), [(5 * j + seq_id) % 250 + 1 for j in range(n)], n, SamplingParams(), 0)
+    bm.allocate(s, [], 0)
+    if computed:
+        bm.append_slots(s, computed)
+        runner.forward(runner.plan([(s, computed)]))
+        s.num_computed_tokens = computed
+    bm.append_slots(s, n - computed)
+    return s
+
+
+def written_slots(before, after) -> set[int]:
+    """The flat slots (page · block_size + offset) where any layer's cache changed."""
+    changed = (before != after).flatten(1, 2).flatten(2).any(-1).any(0)
+    return set(changed.nonzero().flatten().tolist())
+
+
+def run_both(runner, pw, items):
+    """(eager logits, piecewise logits, K/V before, after eager, after piecewise) of one step."""
+    plan = runner.plan(items)
+    before = (runner.k_cache.clone(), runner.v_cache.clone())
+    want = runner.forward(plan)
+    after_eager = (runner.k_cache.clone(), runner.v_cache.clone())
+    runner.k_cache.copy_(before[0])
+    runner.v_cache.copy_(before[1])
+    got = pw.run(plan)
+    return plan, want, got, before, after_eager, (runner.k_cache, runner.v_cache)
+
+
+def test_token_buckets():
+    assert token_buckets(64) == [16, 32, 64]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(16) == [16] and token_buckets(5) == [5]
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_buckets(0)
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_piecewise_logits_equal_eager_for_every_bucket_edge(model, attention):
+    """Token counts 1, a bucket's size, one more, the largest; decode rows with a prompt
+    chunk (with history) and a whole prompt: the same logits, bit for bit (float32), and
+    the same K/V cache (padded rows write nothing; the real rows the same values)."""
+    bm = BlockManager(96, BS)
+    runner = ModelRunner(model, 96, BS, max_num_seqs=8, attention=attention, linear="torch", cuda_graphs=False)
+    pw = PiecewiseGraphs(runner, MAX_TOKENS, cuda=False)
+    assert pw.buckets == [16, 32, 64]
+    seq_id = 100
+    for total in (1, 16, 17, 32, 33, MAX_TOKENS):
+        nd = min(3, total - 1) if total > 2 else (1 if total == 1 else 0)
+        decodes = decoding(bm, runner, [5, 9, 13][:nd], first_id=seq_id)
+        rest = total - nd
+        chunks = []
+        if rest:
+            a = rest // 2 if rest > 3 else 0
+            if a:
+                chunks.append(prompt(bm, runner, seq_id + 10, a + 6, computed=6))   # a chunk after history
+            chunks.append(prompt(bm, runner, seq_id + 11, rest - a))                # a whole prompt
+        items = [(s, 1) for s in decodes] + [(s, s.num_tokens - s.num_computed_tokens) for s in chunks]
+        assert sum(n for _, n in items) == total
+        plan, want, got, before, eager_kv, pw_kv = run_both(runner, pw, items)
+        assert plan.input_ids.shape[0] == total and pw.bucket(total) >= total
+        assert got.shape == want.shape == (len(plan.sample_seqs), model.cfg.vocab_size)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"logits differ at {total} tokens")
+        for name, b, e, p in zip("KV", before, eager_kv, pw_kv):
+            assert torch.equal(p, e), f"{name} cache differs from the eager step's at {total} tokens"
+            assert written_slots(b, p) <= set(plan.slot_mapping.tolist()), \
+                f"{name} written outside the step's slots at {total} tokens"
+        for s in decodes + chunks:
+            bm.free_sequence(s)
+        seq_id += 20
+
+
+def test_padded_rows_hold_stale_tokens_and_change_nothing(model):
+    """A small step after a big one runs in a bucket whose padded rows still hold the big
+    step's tokens: the logits equal a fresh eager step's, and only its own slots change."""
+    bm = BlockManager(96, BS)
+    runner = ModelRunner(model, 96, BS, attention="torch", linear="torch", cuda_graphs=False)
+    pw = PiecewiseGraphs(runner, MAX_TOKENS, cuda=False)
+    big = prompt(bm, runner, 1, 60)
+    pw.run(runner.plan([(big, 60)]))
+    big.num_computed_tokens = 60
+    small = prompt(bm, runner, 2, 9)
+    plan, want, got, before, eager_kv, pw_kv = run_both(runner, pw, [(small, 9)])
+    assert pw.token_ids[9:60].any(), "the padded rows should hold the earlier step's tokens"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for b, p in zip(before, pw_kv):
+        assert written_slots(b, p) <= set(plan.slot_mapping.tolist())
+
+
+def test_engine_greedy_output_under_piecewise_emulation_equals_reference(model):
+    """The whole engine with every step that a decode graph does not run going through
+    the piecewise path (emulated): the reference decoder's tokens, under chunked prefill
+    mixed with decodes, and the piecewise path really ran."""
+    prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?",
+               "0123456789abcdef0123456789abcdef0123456789"]
+    max_tokens = [7, 6, 5, 6]
+    want = [reference_generate(model, encode_prompt(p), n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
+    assert llm.runner.piecewise is None or ON_GPU          # nothing captured on a CPU by itself
+    assert llm.runner.capture_piecewise(24, emulate=True) and llm.runner.piecewise.buckets == [16, 24]
+    calls = []
+    run = llm.runner.piecewise.run
+    llm.runner.piecewise.run = lambda plan: calls.append(plan.input_ids.shape[0]) or run(plan)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    assert [o.token_ids for o in outs] == want
+    assert calls and max(calls) > 16 and min(calls) <= 16, calls
+    assert llm.idle()
+
+
+def test_piecewise_is_only_captured_where_graphs_can_run(model):
+    runner = ModelRunner(model, 16, BS, attention="torch", linear="torch")
+    assert not runner.capture_piecewise(32) and runner.piecewise is None
+    llm = LLM(model, EngineConfig(num_blocks=16, block_size=BS, piecewise_graphs=False))
+    assert llm.runner.piecewise is None
+
+
+# -- real CUDA graphs -------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="captures real CUDA graphs: needs a GPU in compiled mode")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_piecewise_graphs_match_eager_on_the_gpu(dtype):
+    torch.manual_seed(0)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    for p in model.parameters():
+        p.data = p.data.to(dtype) if p.is_floating_point() else p.data
+    bm = BlockManager(96, BS)
+    runner = ModelRunner(model, 96, BS, max_num_seqs=8)
+    runner.warm_up(MAX_TOKENS)
+    assert runner.capture_piecewise(MAX_TOKENS) and runner.piecewise.cuda
+    pw = runner.piecewise
+    seq_id = 100
+    for total in (1, 16, 17, 40, MAX_TOKENS):
+        nd = min(3, total - 1)
+        decodes = decoding(bm, runner, [5, 9, 13][:nd], first_id=seq_id)
+        chunk = prompt(bm, runner, seq_id + 10, total - nd)
+        items = [(s, 1) for s in decodes] + [(chunk, total - nd)]
+        plan, want, got, before, eager_kv, pw_kv = run_both(runner, pw, items)
+        tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, want, **tol)
+        for b, e, p in zip(before, eager_kv, pw_kv):
+            torch.testing.assert_close(p, e, **tol)
+            assert written_slots(b, p) <= set(plan.slot_mapping.tolist())
+        for s in decodes + [chunk]:
+            bm.free_sequence(s)
+        seq_id += 20
+
+
+@needs_gpu
+def test_engine_with_captured_piecewise_graphs_matches_reference_on_the_gpu():
+    torch.manual_seed(1234)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?"]
+    want = [reference_generate(model, encode_prompt(p), 6) for p in prompts]
+    llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
+    assert llm.runner.piecewise is not None and llm.runner.piecewise.cuda
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6))
+    assert [o.token_ids for o in outs] == want
