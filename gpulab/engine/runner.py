@@ -438,8 +438,10 @@ class ModelRunner:
         Captured where the decode graphs are (compiled mode on a GPU, Triton attention,
         no decode hook); ``emulate`` builds the same machinery without graphs, each
         segment called instead of replayed (tests on a CPU). Returns whether steps now
-        take this path."""
-        if emulate or self.graphs_possible:
+        take this path (not for a model whose blocks do not split at attention into
+        ``pre_attention``/``post_attention``, e.g. the tensor-parallel one)."""
+        splits = all(hasattr(b, "pre_attention") and hasattr(b, "post_attention") for b in self.model.blocks)
+        if splits and (emulate or self.graphs_possible):
             self.piecewise = PiecewiseGraphs(self, max_tokens, cuda=not emulate)
         return self.piecewise is not None
 
