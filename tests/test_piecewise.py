@@ -220,3 +220,24 @@ def test_engine_with_captured_piecewise_graphs_serves_what_the_eager_engine_does
         assert llm.idle()
     assert calls, "no step took the piecewise path"
     assert outs[True] == outs[False]
+
+
+def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypatch):
+    """The runner builds the append kernel's work list once per step (plan_append_attention)
+    and every layer only launches the kernel: the same output as the reference, written
+    into ``out`` when given. (The kernel runs in Triton's interpreter here.)"""
+    from gpulab.engine import batch_attention
+    torch.manual_seed(3)
+    hq, hkv, d, pages, page = 4, 2, 16, 12, 4
+    kc, vc = torch.randn(pages, page, hkv, d), torch.randn(pages, page, hkv, d)
+    indptr = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor([7, 4, 11], dtype=torch.int32)
+    q = torch.randn(9, hq, d)
+    want = batch_attention.append_attention_reference(q, kc, vc, indptr, table, lens)
+    monkeypatch.setattr(batch_attention.runtime, "mode", lambda: "compiled")
+    work = batch_attention.plan_append_attention(indptr, 9, q.dtype, hq, hkv, d)
+    out = torch.full((9, hq, d), float("nan"))
+    got = batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=work)
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
