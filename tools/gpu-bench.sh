@@ -28,7 +28,7 @@ run() {
 for job in "${@:-engine attention speculative}"; do
   for j in $job; do
     case $j in
-      engine) run engine "${ET:-200}" python3 tools/engine_bench.py "$b/engine" ;;
+      engine) run engine "${ET:-330}" python3 tools/engine_bench.py "$b/engine" ;;
       host) mkdir -p "$b/host"
             run host "${HT:-240}" bash -c 'for m in "" "--finished-only"; do python3 tools/engine_host_overhead.py \
               --batch 1 64 256 --prompt 512 --static $m --json "$0/tiny${m:+_finished}.json" || exit 1; done
