@@ -6,7 +6,8 @@
 # jobs (default: engine attention speculative): engine (tools/engine_bench.py), host
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
-#   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh).
+#   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
+#   piecewise (tools/piecewise_bench.py).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
@@ -40,6 +41,7 @@ for job in "${@:-engine attention speculative}"; do
       rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
       prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
       lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ;;
+      piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;
       profile) run profile "${PRT:-240}" bash tools/profile-all.sh "$b/profile" ;;
       *) echo "unknown job $j" >> "$b/log.txt" ;;
     esac
