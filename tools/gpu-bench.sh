@@ -8,7 +8,7 @@
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
 #   piecewise (tools/piecewise_bench.py).
-#   Limits in seconds: ET HT AT ST GT RT PT LT PRT (see below). Carry .whl/ and .peers/
+#   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
 out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
