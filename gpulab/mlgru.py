@@ -254,6 +254,123 @@ def scan_backward_chunked_kernel(f_ptr, h0_ptr, h_ptr, dh_ptr, dhlast_ptr,
     tl.store(dh0_ptr + b * D + cols, f0 * g, mask=cmask)
 
 
+# -- the two-phase (parallel-in-time) forward scan ------------------------------------------
+# Three launches over chunks of CHUNK time steps, every (channel block, chunk, batch row)
+# its own program: T/CHUNK times the chunked kernel's parallelism, for two more passes
+# over f and i (5 instead of 3). Scratch: [B, n_chunks, D] float32 maps and carries.
+_TWO_PHASE_CONFIGS = _configs(
+    [triton.Config({"BLOCK_T": 4, "BLOCK_D": 16}, num_warps=1)],
+    [triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
+     for bt, bd, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 8))])
+
+
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.jit
+def scan_chunk_summary_kernel(f_ptr, i_ptr, a_ptr, bc_ptr, B, T, D, t_begin, t_end, n_chunks,
+                              CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 1: program (channel block, c, b) reduces time steps
+    [t_begin + c·CHUNK, min(t_begin + (c+1)·CHUNK, t_end)) to the map h ↦ A·h + Bc
+    (A = ∏ f, Bc = the chunk's scan from a zero state), in sub-tiles of BLOCK_T steps."""
+    pid_d = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    t_lo = t_begin + c * CHUNK
+    t_hi = tl.minimum(t_lo + CHUNK, t_end)
+    offs = b * T * D + t_lo.to(tl.int64) * D + rows[:, None] * D + cols[None, :]
+    # Past the chunk's end f = 1, i = 0: the map of a padded step is the identity, and the
+    # last row of every tile holds the composition up to the last valid step.
+    m = ((t_lo + rows) < t_hi)[:, None] & cmask[None, :]
+    f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+    x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+    A = tl.full([BLOCK_D], 1.0, tl.float32)
+    Bc = tl.zeros([BLOCK_D], tl.float32)
+    for k in range(0, CHUNK, BLOCK_T):
+        f = f_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        offs += BLOCK_T * D             # prefetch the next tile while this one is scanned
+        m = ((t_lo + k + BLOCK_T + rows) < t_hi)[:, None] & cmask[None, :]
+        f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+        x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+        a, h_local = tl.associative_scan((f, x), 0, linear_combine)
+        a_tile = tl.sum(tl.where(is_last_row, a, 0.0), axis=0)
+        b_tile = tl.sum(tl.where(is_last_row, h_local, 0.0), axis=0)
+        Bc = a_tile * Bc + b_tile       # (A, Bc) then (a_tile, b_tile)
+        A = A * a_tile
+    out = (b * n_chunks + c) * D + cols
+    tl.store(a_ptr + out, A, mask=cmask)
+    tl.store(bc_ptr + out, Bc, mask=cmask)
+
+
+@triton.jit
+def scan_chunk_carry_kernel(a_ptr, bc_ptr, carry_ptr, h0_ptr, hlast_ptr, D, n_chunks,
+                            CHUNKS_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 2: program (channel block, b) scans the chunks' maps from h0: carry[c] = the
+    state entering chunk c (an exclusive scan), h_last = the state after the last chunk.
+    CHUNKS_BLOCK maps per load and scan, so a few dozen chunks cost one memory round trip.
+    h0_ptr may equal hlast_ptr (a segment continuing the previous one)."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, CHUNKS_BLOCK)
+    is_last_row = (rows == CHUNKS_BLOCK - 1)[:, None]
+    h = tl.load(h0_ptr + b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    base = b * n_chunks * D
+    for c0 in range(0, n_chunks, CHUNKS_BLOCK):
+        offs = base + (c0 + rows)[:, None] * D + cols[None, :]
+        m = ((c0 + rows) < n_chunks)[:, None] & cmask[None, :]
+        A = tl.load(a_ptr + offs, mask=m, other=1.0)
+        Bc = tl.load(bc_ptr + offs, mask=m, other=0.0)
+        a_cum, b_cum = tl.associative_scan((A, Bc), 0, linear_combine)
+        h_after = b_cum + a_cum * h[None, :]          # the state after each chunk
+        # Chunk c starts from the state after chunk c-1: store row r at c0 + r + 1.
+        # (The block's last row is the next block's first carry: stored there, as its h.)
+        keep = ((c0 + rows + 1) < n_chunks) & (rows < CHUNKS_BLOCK - 1)
+        tl.store(carry_ptr + offs + D, h_after, mask=m & keep[:, None])
+        tl.store(carry_ptr + base + c0 * D + cols, h, mask=cmask)
+        h = tl.sum(tl.where(is_last_row, h_after, 0.0), axis=0)
+    tl.store(hlast_ptr + b * D + cols, h, mask=cmask)
+
+
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.jit
+def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_end, n_chunks,
+                            CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 3: program (channel block, c, b) scans its chunk again, starting from the
+    carry phase 2 computed for it, and writes h."""
+    pid_d = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    h = tl.load(carry_ptr + (b * n_chunks + c) * D + cols, mask=cmask, other=0.0)
+    t_lo = t_begin + c * CHUNK
+    t_hi = tl.minimum(t_lo + CHUNK, t_end)
+    offs = b * T * D + t_lo.to(tl.int64) * D + rows[:, None] * D + cols[None, :]
+    m = ((t_lo + rows) < t_hi)[:, None] & cmask[None, :]
+    f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+    x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+    for k in range(0, CHUNK, BLOCK_T):
+        f = f_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        m_cur = m
+        offs_cur = offs
+        offs += BLOCK_T * D
+        m = ((t_lo + k + BLOCK_T + rows) < t_hi)[:, None] & cmask[None, :]
+        f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
+        x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+        a, h_local = tl.associative_scan((f, x), 0, linear_combine)
+        h_tile = h_local + a * h[None, :]
+        tl.store(h_ptr + offs_cur, h_tile.to(h_ptr.dtype.element_ty), mask=m_cur)
+        h = tl.sum(tl.where(is_last_row, h_tile, 0.0), axis=0)
+
+
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ----------
 def _grid(B, D):
     return lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), B)
@@ -267,6 +384,48 @@ def scan_recurrent_into(f, i, h0, h, h_last):
 def scan_chunked_into(f, i, h0, h, h_last):
     B, T, D = f.shape
     scan_chunked_kernel[_grid(B, D)](f, i, h0, h, h_last, B, T, D)
+
+
+TWO_PHASE_CHUNK = 256             # time steps per chunk on a GPU (to be tuned on the H200)
+TWO_PHASE_CHUNK_INTERPRETED = 8   # in the interpreter (~1 ms per program): small shapes, small chunks
+_CARRY_BLOCK_D = 16 if runtime.interpreting() else 64
+
+
+def two_phase_chunk() -> int:
+    """The chunk length :func:`scan_two_phase_into` uses unless told."""
+    return TWO_PHASE_CHUNK_INTERPRETED if runtime.interpreting() else TWO_PHASE_CHUNK
+
+
+def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segment: int | None = None):
+    """The forward scan in parallel over time: (1) every chunk of ``chunk`` steps reduced
+    to its map h ↦ A·h + Bc, (2) the maps scanned per (batch row, channel) from h0 into
+    each chunk's carry and h_last, (3) every chunk rescanned from its carry, writing h.
+
+    ``segment`` (a multiple of ``chunk``; None: all of T) runs the three phases on
+    windows of that many steps in turn, each starting from the previous one's h_last, so
+    that phase 3 may find a window's f and i still in the L2 cache."""
+    B, T, D = f.shape
+    chunk = two_phase_chunk() if chunk is None else int(chunk)
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if T == 0:
+        h_last.copy_(h0)
+        return
+    segment = T if segment is None else max(chunk, int(segment) // chunk * chunk)
+    n_max = triton.cdiv(min(segment, T), chunk)
+    scratch = torch.empty(3, B, n_max, D, dtype=torch.float32, device=f.device)
+    a, bc, carry = scratch[0], scratch[1], scratch[2]
+    state = h0
+    for t0 in range(0, T, segment):
+        t1 = min(t0 + segment, T)
+        n = triton.cdiv(t1 - t0, chunk)
+        grid = lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
+        scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk)
+        scan_chunk_carry_kernel[(triton.cdiv(D, _CARRY_BLOCK_D), B)](
+            a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, triton.next_power_of_2(n)),
+            BLOCK_D=_CARRY_BLOCK_D, num_warps=4)
+        scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk)
+        state = h_last
 
 
 def scan_backward_recurrent_into(f, h0, h, dh, dh_last, df, di, dh0):
@@ -287,8 +446,10 @@ def choose_kernel(T: int) -> str:
     return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
 
 
-_FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into}
-_BACKWARD = {"recurrent": scan_backward_recurrent_into, "chunked": scan_backward_chunked_into}
+_FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into, "two_phase": scan_two_phase_into}
+# two_phase is a forward kernel; its backward is the chunked one.
+_BACKWARD = {"recurrent": scan_backward_recurrent_into, "chunked": scan_backward_chunked_into,
+             "two_phase": scan_backward_chunked_into}
 
 
 def scan_into(f, i, h0, h, h_last):
@@ -336,7 +497,7 @@ class MLGRUScan(torch.autograd.Function):
         return df, di, dh0, None
 
 
-KERNELS = ("auto", "recurrent", "chunked", "torch")
+KERNELS = ("auto", "recurrent", "chunked", "two_phase", "torch")
 
 
 def require_scan_kernel(name: str, kernel) -> None:
@@ -364,7 +525,8 @@ def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None,
 
     f, i: [B, T, D], one of float32/float16/bfloat16, contiguous. h0: [B, D] or None
     (zeros). Returns h ([B, T, D], f's dtype) and h_last ([B, D], float32).
-    kernel: "auto" (recurrent for T <= 32, chunked above), "recurrent", "chunked", or
+    kernel: "auto" (recurrent for T <= 32, chunked above), "recurrent", "chunked",
+    "two_phase" (forward parallel over time, :func:`scan_two_phase_into`; backward chunked),
     "torch" (a plain-PyTorch log-step scan, the fast path on a CPU), or a
     :class:`ScanLaunchers` pair (your own forward and backward launchers)."""
     require_scan_kernel("kernel", kernel)

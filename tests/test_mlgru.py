@@ -12,7 +12,7 @@ from gpulab.harness.spec import Case
 
 from helpers import on_gpu
 
-SPECS = ["mlgru_scan_recurrent", "mlgru_scan_chunked", "mlgru_scan_backward_recurrent",
+SPECS = ["mlgru_scan_recurrent", "mlgru_scan_chunked", "mlgru_scan_two_phase", "mlgru_scan_backward_recurrent",
          "mlgru_scan_backward_chunked", "mlgru_scan", "mlgru_scan_train"]
 
 
@@ -45,7 +45,7 @@ SHAPES = [(1, 1, 1), (2, 7, 3), (1, 33, 5), (3, 19, 17)] if not on_gpu() else \
 TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
 
 
-@pytest.mark.parametrize("kernel", ["auto", "recurrent", "chunked", "torch"])
+@pytest.mark.parametrize("kernel", ["auto", "recurrent", "chunked", "two_phase", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scan_forward_and_gradients_match_float64(kernel, dtype, device):
     shapes = SHAPES if dtype == torch.float32 or on_gpu() else SHAPES[:2]
@@ -77,6 +77,71 @@ def test_recurrent_and_chunked_agree(device):
     b, b_last = mlgru.mlgru_scan(f, i, h0, kernel="chunked")
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a_last, b_last, atol=1e-5, rtol=1e-5)
+
+
+# -- the two-phase (parallel-in-time) forward ------------------------------------------------
+C = mlgru.two_phase_chunk()     # 8 in the interpreter
+TWO_PHASE_SHAPES = [(1, 1, 1), (1, C, 5), (3, C + 1, 17), (1, 2 * C + 3, 3), (3, 3 * C, 20)] if not on_gpu() else \
+    [(1, 1, 1), (1, C, 5), (3, C + 1, 130), (2, 5 * C + 7, 333), (3, 4099, 512)]
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_two_phase_forward_matches_float64(dtype, with_h0, device):
+    """T = 1, T = chunk, chunk + 1, not a multiple of the chunk; D not a multiple of any
+    BLOCK_D; B = 1 and 3; with and without h0; through the launcher and mlgru_scan."""
+    atol, rtol = TOL[dtype]
+    for B, T, D in TWO_PHASE_SHAPES:
+        f, i, h0 = _inputs(B, T, D, dtype, device, seed=B * T + D)
+        h, h_last = mlgru.mlgru_scan(f, i, h0 if with_h0 else None, kernel="two_phase")
+        assert h.dtype == dtype and h_last.dtype == torch.float32
+        ref = mlgru.scan_reference(f, i, h0 if with_h0 else torch.zeros_like(h0))
+        torch.testing.assert_close(h.double(), ref["h"], atol=atol, rtol=rtol)
+        torch.testing.assert_close(h_last.double(), ref["h_last"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk, segment", [(1, None), (2, None), (16, None), (4, 8), (4, 30), (2, 5)])
+def test_two_phase_chunks_and_segments(chunk, segment, device):
+    """Chunks shorter and longer than a tile (the interpreter's BLOCK_T is 4), more chunks
+    than phase 2 scans per block (T=70, chunk 1: 64 + 6), and segments (one, ragged, a
+    length rounded down to a multiple of the chunk) that carry h_last into the next."""
+    B, T, D = (2, 70, 3) if chunk == 1 else (2, 37, 19)
+    f, i, h0 = _inputs(B, T, D, torch.float32, device, seed=chunk)
+    h, h_last = torch.empty_like(f), torch.empty_like(h0)
+    mlgru.scan_two_phase_into(f, i, h0, h, h_last, chunk=chunk, segment=segment)
+    ref = mlgru.scan_reference(f, i, h0)
+    torch.testing.assert_close(h.double(), ref["h"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h_last.double(), ref["h_last"], atol=1e-5, rtol=1e-4)
+
+
+def test_two_phase_rejects_a_chunk_that_is_not_a_power_of_two(device):
+    f, i, h0 = _inputs(1, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="power of two"):
+        mlgru.scan_two_phase_into(f, i, h0, torch.empty_like(f), torch.empty_like(h0), chunk=6)
+
+
+def test_two_phase_empty_sequence_returns_h0(device):
+    f, i, h0 = _inputs(2, 0, 3, torch.float32, device)
+    h_last = torch.empty_like(h0)
+    mlgru.scan_two_phase_into(f, i, h0, torch.empty_like(f), h_last)
+    assert torch.equal(h_last, h0)
+
+
+def test_two_phase_is_not_the_automatic_choice_yet():
+    """'auto' switches to two_phase only after it has been measured on a GPU."""
+    assert {mlgru.choose_kernel(T) for T in (1, 33, 8192, 1 << 20)} == {"recurrent", "chunked"}
+
+
+def test_two_phase_check_rejects_a_lost_carry():
+    """Every chunk starting from zero (phase 2 skipped) is caught, with the diagnosis."""
+    def no_carry(f, i, h0, h, h_last):
+        for t0 in range(0, f.shape[1], C):
+            sl = slice(t0, t0 + C)
+            mlgru.scan_recurrent_into(f[:, sl].contiguous(), i[:, sl].contiguous(), torch.zeros_like(h0),
+                                      hs := torch.empty_like(h[:, sl]), h_last)
+            h[:, sl] = hs
+    msg = rejects("mlgru_scan_two_phase", no_carry, cases=[Case("3 chunks", dict(B=1, T=2 * C + 4, D=5))])
+    assert "output `h` is wrong" in msg and "every chunk of time steps starts from 0" in msg
 
 
 def test_rule_picks_recurrent_for_short_sequences():

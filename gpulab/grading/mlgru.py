@@ -1,5 +1,5 @@
 """Grading of notebook 03 (:mod:`gpulab.mlgru`): inputs, cases, baselines and the specs
-of the scan kernels (forward and backward, recurrent and chunked), of the scan the rule
+of the scan kernels (forward and backward, recurrent and chunked; forward two-phase), of the scan the rule
 picks, and of forward + backward through autograd. The references are
 :func:`gpulab.mlgru.scan_reference` and :func:`gpulab.mlgru.scan_backward_reference`
 (float64 loops over time)."""
@@ -11,7 +11,7 @@ from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..mlgru import (mlgru_scan, scan_backward_chunked_into, scan_backward_recurrent_into,
                      scan_backward_reference, scan_chunked_into, scan_into, scan_recurrent_into,
-                     scan_reference, scan_torch)
+                     scan_reference, scan_torch, scan_two_phase_into)
 from ..validate import FLOAT_DTYPES
 
 
@@ -191,6 +191,10 @@ _CPU_RECURRENT = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict
                   Case("blocks + tails", dict(B=3, T=21, D=70))]
 _CPU_CHUNKED = [Case("one step", dict(B=1, T=1, D=1)), Case("odd widths", dict(B=2, T=37, D=5)),
                 Case("blocks + tails", dict(B=1, T=20, D=70))]
+# The interpreter's chunk is 8 steps (mlgru.TWO_PHASE_CHUNK_INTERPRETED): one chunk, one
+# chunk and one step, several chunks with a ragged last one; channel tails.
+_CPU_TWO_PHASE = [Case("one step", dict(B=1, T=1, D=1)), Case("one chunk + 1", dict(B=1, T=9, D=5)),
+                  Case("ragged chunks", dict(B=3, T=19, D=18))]
 _CPU_EITHER = [Case("one step", dict(B=1, T=1, D=1)), Case("chunked", dict(B=2, T=40, D=3))]
 _GPU = [Case("one step", dict(B=1, T=1, D=1)), Case("short, odd", dict(B=3, T=31, D=130)),
         Case("ragged chunks", dict(B=2, T=1000, D=333)), Case("long", dict(B=4, T=4099, D=512))]
@@ -266,6 +270,9 @@ MLGRU_SCAN_RECURRENT = _fwd_spec("mlgru_scan_recurrent", "h_t = f_t h_{t-1} + i_
                                  scan_recurrent_into, _CPU_RECURRENT)
 MLGRU_SCAN_CHUNKED = _fwd_spec("mlgru_scan_chunked", "the scan in chunks: parallel inside, carried across",
                                scan_chunked_into, _CPU_CHUNKED)
+MLGRU_SCAN_TWO_PHASE = _fwd_spec("mlgru_scan_two_phase",
+                                 "the scan parallel over time: chunk maps, their carries, then a rescan",
+                                 scan_two_phase_into, _CPU_TWO_PHASE)
 MLGRU_SCAN_BACKWARD_RECURRENT = _bwd_spec("mlgru_scan_backward_recurrent", "scan gradients, a reverse-time loop",
                                           scan_backward_recurrent_into, _CPU_RECURRENT)
 MLGRU_SCAN_BACKWARD_CHUNKED = _bwd_spec("mlgru_scan_backward_chunked",
