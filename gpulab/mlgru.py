@@ -36,9 +36,22 @@ Backward. With g_t = ∂L/∂h_t in total (through h_t's own gradient dh_t and t
 
 the same linear recurrence run backwards in time with the gates shifted by one step.
 
+* *two-phase* (``kernel="two_phase"``, forward only): the chunked kernel has only
+  B·D/BLOCK_D programs (128 at B16 D512: one per SM), each walking all of T. Cutting time
+  into chunks of C steps gives T/C times more programs, in three launches: (1) every
+  (batch row, chunk, channel block) reduces its chunk to the map h ↦ A·h + Bc (A = ∏ f,
+  Bc = the chunk's scan from zero); (2) one small scan per (batch row, channel block)
+  over the chunks' maps gives each chunk its carry-in (and h_last); (3) every chunk is
+  scanned again from its carry and h written. f and i are read twice: 5 passes over
+  [B, T, D] instead of 3, so at best 3/5 of the bandwidth goes to the roofline's bytes.
+  Optionally in windows of ``segment`` steps, so phase 3 may reread f and i from L2.
+
 Which kernel runs (``kernel="auto"``): the recurrent kernel for T ≤ 32 (a chunk would be
-mostly padding), the chunked kernel otherwise. Accumulation is float32 throughout; h is
-stored in the input dtype, the final state ``h_last`` in float32.
+mostly padding), the chunked kernel otherwise. The two-phase kernel is not chosen
+automatically yet: ``choose_kernel`` switches to it (above some T, with the chunk
+length in ``TWO_PHASE_CHUNK``) once tools/mlgru_scan_bench.py has measured it faster on
+the H200. Accumulation is float32 throughout; h is stored in the input dtype, the final
+state ``h_last`` in float32.
 """
 from __future__ import annotations
 
@@ -388,7 +401,7 @@ def scan_chunked_into(f, i, h0, h, h_last):
 
 TWO_PHASE_CHUNK = 256             # time steps per chunk on a GPU (to be tuned on the H200)
 TWO_PHASE_CHUNK_INTERPRETED = 8   # in the interpreter (~1 ms per program): small shapes, small chunks
-_CARRY_BLOCK_D = 16 if runtime.interpreting() else 64
+CARRY_BLOCK_D = 16 if runtime.interpreting() else 64   # channels per phase-2 program
 
 
 def two_phase_chunk() -> int:
@@ -421,9 +434,9 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
         n = triton.cdiv(t1 - t0, chunk)
         grid = lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
         scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk)
-        scan_chunk_carry_kernel[(triton.cdiv(D, _CARRY_BLOCK_D), B)](
+        scan_chunk_carry_kernel[(triton.cdiv(D, CARRY_BLOCK_D), B)](
             a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, triton.next_power_of_2(n)),
-            BLOCK_D=_CARRY_BLOCK_D, num_warps=4)
+            BLOCK_D=CARRY_BLOCK_D, num_warps=4)
         scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk)
         state = h_last
 
@@ -442,7 +455,8 @@ RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chun
 
 
 def choose_kernel(T: int) -> str:
-    """The rule: 'recurrent' for T <= RECURRENT_MAX_T, else 'chunked'."""
+    """The rule: 'recurrent' for T <= RECURRENT_MAX_T, else 'chunked'. ('two_phase' joins
+    the rule once tools/mlgru_scan_bench.py has measured it on a GPU.)"""
     return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
 
 

@@ -1,0 +1,184 @@
+"""The MLGRU forward scan on the H200: the chunked kernel vs the two-phase kernel (issue 13).
+
+    PYTHONPATH=. python3 tools/mlgru_scan_bench.py OUTDIR [--compile] [--quick]
+
+Writes OUTDIR/mlgru_scan_bench.json and prints a table. For B16 T8192 D512 and
+B4 T32768 D1024, bfloat16 (the spec's inputs: forget gates near 1, h0 given), it times
+with ``do_bench`` (median, L2 flushed; autotuning on):
+
+* ``chunked``: :func:`gpulab.mlgru.scan_chunked_into` (today's "auto" at these shapes);
+* ``two_phase chunk=C segment=S``: :func:`gpulab.mlgru.scan_two_phase_into` for
+  C in 64 .. 1024 and S in (all of T, 1024, 2048) (S < T: the three phases run on windows
+  of S steps in turn, so phase 3 may find f and i in the L2 cache);
+* for the fastest two-phase setting: each of its three launches alone, and the whole
+  call inside a CUDA graph (``time_graph_ms``: no launch gaps) next to the chunked kernel
+  in a graph;
+* ``--compile``: torch.compile of the log-step PyTorch scan (slow to compile; measured
+  before at 3262 µs, so off by default).
+
+For every row: µs, GB/s of the 3-pass byte count (read f and i, write h: the roofline's
+bytes), % of the measured device-copy bandwidth (``gpulab.harness.bench.ceilings()``),
+and the bandwidth of the bytes the kernel really moves (the two-phase kernel reads f
+and i twice: 5 passes). Every output is compared with the chunked kernel's (and, on
+the first shape, both with the float64 loop). Takes about a minute and a half.
+
+What to do with the result: if a two-phase setting beats ``chunked`` clearly, set
+``mlgru.TWO_PHASE_CHUNK`` to its chunk (and a segment default if one helps) and switch
+``mlgru.choose_kernel`` to "two_phase" above the T where it starts to win.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gpulab  # noqa: E402  (first: it fixes Triton's mode before triton.language is imported)
+import triton  # noqa: E402
+from gpulab import mlgru, runtime  # noqa: E402
+from gpulab.harness.bench import ceilings, require_gpu, time_graph_ms, time_ms  # noqa: E402
+from gpulab.harness.spec import Case  # noqa: E402
+
+SHAPES = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512)), Case("B4 T32768 D1024", dict(B=4, T=32768, D=1024))]
+CHUNKS = (64, 128, 256, 512, 1024)
+SEGMENTS = (None, 1024, 2048)
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+def _row(name, ms, params, ceil, passes, spec, **extra):
+    B, T, D = params["B"], params["T"], params["D"]
+    roof_bytes = spec.bytes_moved(params, DTYPE)
+    real_bytes = passes * B * T * D * DTYPE.itemsize + 2 * B * D * 4
+    s = ms * 1e-3
+    return {"impl": name, "us": round(ms * 1e3, 2), "GB/s": round(roof_bytes / s / 1e9, 1),
+            "pct_of_copy": round(100 * roof_bytes / s / ceil["bytes_per_s"], 1),
+            "passes": passes, "achieved_GB/s": round(real_bytes / s / 1e9, 1), **extra}
+
+
+def _diff(a, b):
+    return float((a.float() - b.float()).abs().max())
+
+
+def _close(got, ref):
+    """Within the spec's bf16 tolerance (atol = rtol = 1e-2) of the float64 loop?"""
+    return bool(torch.allclose(got.double(), ref, atol=1e-2, rtol=1e-2))
+
+
+def _phases(f, i, h0, h, h_last, chunk):
+    """The three launches of scan_two_phase_into (segment = T) as separate callables."""
+    B, T, D = f.shape
+    n = triton.cdiv(T, chunk)
+    scratch = torch.empty(3, B, n, D, dtype=torch.float32, device=f.device)
+    a, bc, carry = scratch[0], scratch[1], scratch[2]
+    grid = lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
+    bd = mlgru.CARRY_BLOCK_D
+
+    def p1():
+        mlgru.scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, 0, T, n, CHUNK=chunk)
+
+    def p2():
+        mlgru.scan_chunk_carry_kernel[(triton.cdiv(D, bd), B)](
+            a, bc, carry, h0, h_last, D, n, CHUNKS_BLOCK=min(64, triton.next_power_of_2(n)), BLOCK_D=bd,
+            num_warps=4)
+
+    def p3():
+        mlgru.scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, 0, T, n, CHUNK=chunk)
+    return p1, p2, p3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--compile", action="store_true", help="also torch.compile the log-step PyTorch scan")
+    ap.add_argument("--quick", action="store_true", help="first shape only, chunks 128/256/512, no segments")
+    args = ap.parse_args()
+    require_gpu("the scan benchmark")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    ceil = ceilings()
+    spec = gpulab.get_spec("mlgru_scan_chunked")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    chunks = (128, 256, 512) if args.quick else CHUNKS
+    segments = (None,) if args.quick else SEGMENTS
+    result = {"device": runtime.gpu_name(), "versions": runtime.versions(), "dtype": "bfloat16",
+              "ceilings": ceil, "two_phase_chunk_default": mlgru.TWO_PHASE_CHUNK, "shapes": []}
+    for case in shapes:
+        p = case.params
+        B, T, D = p["B"], p["T"], p["D"]
+        inp = spec.make_inputs(p, DTYPE, torch.device(DEVICE), torch.Generator(DEVICE).manual_seed(0))
+        f, i, h0 = inp["f"], inp["i"], inp["h0"]
+        rows, checks = [], {}
+        h_ref, hl_ref = torch.empty_like(f), torch.empty(B, D, dtype=torch.float32, device=DEVICE)
+        mlgru.scan_chunked_into(f, i, h0, h_ref, hl_ref)
+        if case is SHAPES[0]:
+            ref = mlgru.scan_reference(f, i, h0)
+            checks["chunked vs float64: max |h diff|, |h_last diff|, within bf16 tolerance"] = (
+                _diff(h_ref, ref["h"]), _diff(hl_ref, ref["h_last"]), _close(h_ref, ref["h"]))
+        rows.append(_row("chunked", time_ms(lambda: mlgru.scan_chunked_into(f, i, h0, h_ref, hl_ref)),
+                         p, ceil, 3, spec))
+        h, h_last = torch.empty_like(f), torch.empty_like(hl_ref)
+        best = None
+        for chunk in chunks:
+            for segment in segments:
+                if segment is not None and segment >= T:
+                    continue
+
+                def run(chunk=chunk, segment=segment):
+                    mlgru.scan_two_phase_into(f, i, h0, h, h_last, chunk=chunk, segment=segment)
+                ms = time_ms(run)
+                run()
+                torch.cuda.synchronize()
+                r = _row(f"two_phase chunk={chunk} segment={segment or T}", ms, p, ceil, 5, spec,
+                         chunk=chunk, segment=segment, max_h_diff_vs_chunked=_diff(h, h_ref),
+                         max_hlast_diff_vs_chunked=_diff(h_last, hl_ref))
+                rows.append(r)
+                if best is None or r["us"] < best["us"]:
+                    best = r
+        if case is SHAPES[0]:
+            mlgru.scan_two_phase_into(f, i, h0, h, h_last)
+            checks["two_phase (default chunk) vs float64: max |h diff|, |h_last diff|, within bf16 tolerance"] = (
+                _diff(h, ref["h"]), _diff(h_last, ref["h_last"]), _close(h, ref["h"]))
+            del ref
+        # The fastest setting: its launches one by one, and in a CUDA graph.
+        p1, p2, p3 = _phases(f, i, h0, h, h_last, best["chunk"])
+        breakdown = {name: round(time_ms(fn) * 1e3, 2) for name, fn in
+                     (("phase 1 (chunk maps)", p1), ("phase 2 (carries)", p2), ("phase 3 (rescan)", p3))}
+        p1(), p2(), p3()
+        torch.cuda.synchronize()
+        checks["phases run one by one vs chunked: max |h diff|"] = _diff(h, h_ref)
+        graph = {"chunked": round(time_graph_ms(lambda: mlgru.scan_chunked_into(f, i, h0, h_ref, hl_ref)) * 1e3, 2),
+                 best["impl"]: round(time_graph_ms(lambda: mlgru.scan_two_phase_into(
+                     f, i, h0, h, h_last, chunk=best["chunk"], segment=best["segment"])) * 1e3, 2)}
+        if args.compile:
+            compiled = torch.compile(mlgru.scan_torch)
+            t = time.time()
+            compiled(f, i, h0)
+            rows.append(_row("torch.compile(log-step scan)", time_ms(lambda: compiled(f, i, h0)), p, ceil, 3, spec,
+                             compile_s=round(time.time() - t, 1)))
+        roof_us = spec.roofline_s(p, DTYPE, ceil) * 1e6
+        result["shapes"].append({"case": case.label, "params": p, "roofline_us": round(roof_us, 2), "rows": rows,
+                                 "best_two_phase": best["impl"], "best_phase_breakdown_us": breakdown,
+                                 "cuda_graph_us": graph, "checks": checks})
+        print(f"\n{case.label} bf16: roofline {roof_us:.1f} µs (copy {ceil['bytes_per_s'] / 1e12:.2f} TB/s)")
+        print(f"{'impl':40s} {'µs':>9s} {'GB/s':>8s} {'% copy':>7s} {'real GB/s':>10s}")
+        for r in rows:
+            print(f"{r['impl']:40s} {r['us']:9.1f} {r['GB/s']:8.1f} {r['pct_of_copy']:7.1f} {r['achieved_GB/s']:10.1f}")
+        print("best two-phase, launches alone (µs):", breakdown)
+        print("in a CUDA graph (µs):", graph)
+        print("checks:", checks)
+        del inp, f, i, h0, h, h_ref
+        torch.cuda.empty_cache()
+    result["seconds"] = round(time.time() - started, 1)
+    out = args.out / "mlgru_scan_bench.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out} ({result['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
