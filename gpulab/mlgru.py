@@ -277,13 +277,28 @@ _TWO_PHASE_CONFIGS = _configs(
      for bt, bd, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 8))])
 
 
-@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.jit
+def load_with_l2_policy(ptr, mask, other, L2_POLICY: tl.constexpr):
+    """tl.load with an L2 eviction hint: 0 none, 1 "evict_last" (read again soon: keep),
+    2 "evict_first" (the last read)."""
+    if L2_POLICY == 1:
+        x = tl.load(ptr, mask=mask, other=other, eviction_policy="evict_last")
+    elif L2_POLICY == 2:
+        x = tl.load(ptr, mask=mask, other=other, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptr, mask=mask, other=other)
+    return x
+
+
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK", "L2_POLICY"])
 @triton.jit
 def scan_chunk_summary_kernel(f_ptr, i_ptr, a_ptr, bc_ptr, B, T, D, t_begin, t_end, n_chunks,
-                              CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                              CHUNK: tl.constexpr, L2_POLICY: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Phase 1: program (channel block, c, b) reduces time steps
     [t_begin + c·CHUNK, min(t_begin + (c+1)·CHUNK, t_end)) to the map h ↦ A·h + Bc
-    (A = ∏ f, Bc = the chunk's scan from a zero state), in sub-tiles of BLOCK_T steps."""
+    (A = ∏ f, Bc = the chunk's scan from a zero state), in sub-tiles of BLOCK_T steps.
+    L2_POLICY 1 asks L2 to keep f and i for phase 3 (when a segment fits in it)."""
     pid_d = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -297,8 +312,8 @@ def scan_chunk_summary_kernel(f_ptr, i_ptr, a_ptr, bc_ptr, B, T, D, t_begin, t_e
     # Past the chunk's end f = 1, i = 0: the map of a padded step is the identity, and the
     # last row of every tile holds the composition up to the last valid step.
     m = ((t_lo + rows) < t_hi)[:, None] & cmask[None, :]
-    f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
-    x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+    f_next = load_with_l2_policy(f_ptr + offs, m, 1.0, L2_POLICY)
+    x_next = load_with_l2_policy(i_ptr + offs, m, 0.0, L2_POLICY)
     A = tl.full([BLOCK_D], 1.0, tl.float32)
     Bc = tl.zeros([BLOCK_D], tl.float32)
     for k in range(0, CHUNK, BLOCK_T):
@@ -306,8 +321,8 @@ def scan_chunk_summary_kernel(f_ptr, i_ptr, a_ptr, bc_ptr, B, T, D, t_begin, t_e
         x = x_next.to(tl.float32)
         offs += BLOCK_T * D             # prefetch the next tile while this one is scanned
         m = ((t_lo + k + BLOCK_T + rows) < t_hi)[:, None] & cmask[None, :]
-        f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
-        x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+        f_next = load_with_l2_policy(f_ptr + offs, m, 1.0, L2_POLICY)
+        x_next = load_with_l2_policy(i_ptr + offs, m, 0.0, L2_POLICY)
         a, h_local = tl.associative_scan((f, x), 0, linear_combine)
         a_tile = tl.sum(tl.where(is_last_row, a, 0.0), axis=0)
         b_tile = tl.sum(tl.where(is_last_row, h_local, 0.0), axis=0)
@@ -349,12 +364,14 @@ def scan_chunk_carry_kernel(a_ptr, bc_ptr, carry_ptr, h0_ptr, hlast_ptr, D, n_ch
     tl.store(hlast_ptr + b * D + cols, h, mask=cmask)
 
 
-@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK", "L2_POLICY"])
 @triton.jit
 def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_end, n_chunks,
-                            CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                            CHUNK: tl.constexpr, L2_POLICY: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Phase 3: program (channel block, c, b) scans its chunk again, starting from the
-    carry phase 2 computed for it, and writes h."""
+    carry phase 2 computed for it, and writes h. (L2_POLICY 2: f and i are read for the
+    last time.)"""
     pid_d = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -367,8 +384,8 @@ def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_
     t_hi = tl.minimum(t_lo + CHUNK, t_end)
     offs = b * T * D + t_lo.to(tl.int64) * D + rows[:, None] * D + cols[None, :]
     m = ((t_lo + rows) < t_hi)[:, None] & cmask[None, :]
-    f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
-    x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+    f_next = load_with_l2_policy(f_ptr + offs, m, 1.0, L2_POLICY)
+    x_next = load_with_l2_policy(i_ptr + offs, m, 0.0, L2_POLICY)
     for k in range(0, CHUNK, BLOCK_T):
         f = f_next.to(tl.float32)
         x = x_next.to(tl.float32)
@@ -376,8 +393,8 @@ def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_
         offs_cur = offs
         offs += BLOCK_T * D
         m = ((t_lo + k + BLOCK_T + rows) < t_hi)[:, None] & cmask[None, :]
-        f_next = tl.load(f_ptr + offs, mask=m, other=1.0)
-        x_next = tl.load(i_ptr + offs, mask=m, other=0.0)
+        f_next = load_with_l2_policy(f_ptr + offs, m, 1.0, L2_POLICY)
+        x_next = load_with_l2_policy(i_ptr + offs, m, 0.0, L2_POLICY)
         a, h_local = tl.associative_scan((f, x), 0, linear_combine)
         h_tile = h_local + a * h[None, :]
         tl.store(h_ptr + offs_cur, h_tile.to(h_ptr.dtype.element_ty), mask=m_cur)
@@ -428,16 +445,19 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
     n_max = triton.cdiv(min(segment, T), chunk)
     scratch = torch.empty(3, B, n_max, D, dtype=torch.float32, device=f.device)
     a, bc, carry = scratch[0], scratch[1], scratch[2]
+    keep = segment < T          # windows: hint L2 to keep f and i from phase 1 to phase 3
     state = h0
     for t0 in range(0, T, segment):
         t1 = min(t0 + segment, T)
         n = triton.cdiv(t1 - t0, chunk)
         grid = lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
-        scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk)
+        scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk,
+                                        L2_POLICY=1 if keep else 0)
         scan_chunk_carry_kernel[(triton.cdiv(D, CARRY_BLOCK_D), B)](
             a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, triton.next_power_of_2(n)),
             BLOCK_D=CARRY_BLOCK_D, num_warps=4)
-        scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk)
+        scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk,
+                                      L2_POLICY=2 if keep else 0)
         state = h_last
 
 

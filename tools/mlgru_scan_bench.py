@@ -8,8 +8,9 @@ with ``do_bench`` (median, L2 flushed; autotuning on):
 
 * ``chunked``: :func:`gpulab.mlgru.scan_chunked_into` (today's "auto" at these shapes);
 * ``two_phase chunk=C segment=S``: :func:`gpulab.mlgru.scan_two_phase_into` for
-  C in 64 .. 1024 and S in (all of T, 1024, 2048) (S < T: the three phases run on windows
-  of S steps in turn, so phase 3 may find f and i in the L2 cache);
+  C in 64 .. 1024 and S in (all of T, 512, 1024, 2048), S ≥ 2C (S < T: the three phases
+  run on windows of S steps in turn, phase 1 loading with an L2 "evict_last" hint, so
+  phase 3 may find f and i in the L2 cache);
 * for the fastest two-phase setting: each of its three launches alone, and the whole
   call inside a CUDA graph (``time_graph_ms``: no launch gaps) next to the chunked kernel
   in a graph;
@@ -45,7 +46,7 @@ from gpulab.harness.spec import Case  # noqa: E402
 
 SHAPES = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512)), Case("B4 T32768 D1024", dict(B=4, T=32768, D=1024))]
 CHUNKS = (64, 128, 256, 512, 1024)
-SEGMENTS = (None, 1024, 2048)
+SEGMENTS = (None, 512, 1024, 2048)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -79,7 +80,7 @@ def _phases(f, i, h0, h, h_last, chunk):
     bd = mlgru.CARRY_BLOCK_D
 
     def p1():
-        mlgru.scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, 0, T, n, CHUNK=chunk)
+        mlgru.scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, 0, T, n, CHUNK=chunk, L2_POLICY=0)
 
     def p2():
         mlgru.scan_chunk_carry_kernel[(triton.cdiv(D, bd), B)](
@@ -87,7 +88,7 @@ def _phases(f, i, h0, h, h_last, chunk):
             num_warps=4)
 
     def p3():
-        mlgru.scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, 0, T, n, CHUNK=chunk)
+        mlgru.scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, 0, T, n, CHUNK=chunk, L2_POLICY=0)
     return p1, p2, p3
 
 
@@ -125,7 +126,7 @@ def main() -> int:
         best = None
         for chunk in chunks:
             for segment in segments:
-                if segment is not None and segment >= T:
+                if segment is not None and (segment >= T or segment < 2 * chunk):
                     continue
 
                 def run(chunk=chunk, segment=segment):
