@@ -423,7 +423,7 @@ class _CallWatch:
                            f"beyond its last element{where}{prog}, even if the value is never stored. A "
                            f"tl.load is missing its mask, or the mask lets through offsets ≥ the length "
                            f"(on a GPU this reads another tensor's memory or faults)."
-                           + _swapped_strides(g.inner, int(idx.max()) - start, w.name))
+                           + _swapped_strides(g.inner, after - start, w.name))
             if before.size:
                 out.append(f"a load before the start of {what}: {before.size} element(s) read up to "
                            f"{start - int(before.min())} before its first element{prog}: a negative "
@@ -437,16 +437,20 @@ class _CallWatch:
         return out
 
 
-def _swapped_strides(t: torch.Tensor, top: int, name: str) -> str:
-    """A sentence when the largest offset read from 2-D ``t`` is exactly what
-    rows · stride(1) + cols · stride(0) reaches: the two strides used the wrong way round."""
-    if t.dim() != 2 or t.stride(0) == t.stride(1) or min(t.shape) < 2:
+def _swapped_strides(t: torch.Tensor, offsets: np.ndarray, name: str) -> str:
+    """A sentence when every offset read past the end of 2-D ``t`` (rows of unit column
+    stride) is one that rows · stride(1) + cols · stride(0) reaches for some row < M and
+    column < N: the two strides used the wrong way round. (Many such offsets are asked
+    for, so that a read just past the end, which fits the pattern by chance, does not.)"""
+    if t.dim() != 2 or min(t.shape) < 2 or t.stride(1) != 1 or t.stride(0) <= 1:
         return ""
-    (m, n), (sm, sn) = t.shape, t.stride()
-    if top != (m - 1) * sn + (n - 1) * sm:
+    (m, n), row_stride = t.shape, t.stride(0)
+    o = np.unique(offsets)
+    if o.size < max(8, n // 2) or not bool(((o % row_stride < m) & (o // row_stride < n)).all()):
         return ""
-    return (f" The largest offset read, {top}, is (rows − 1)·{name}.stride(1) + (cols − 1)·{name}.stride(0): "
-            f"the row and column strides look swapped (offsets = rows·stride(0) + cols·stride(1)).")
+    return (f" Every such offset is row·{name}.stride(1) + col·{name}.stride(0) for a row < {m} and a "
+            f"col < {n}: the row and column strides look swapped (offsets = rows·stride(0) + "
+            f"cols·stride(1)).")
 
 
 def _row_of(g: Guarded, index: int) -> str:
