@@ -234,7 +234,18 @@ def _first_splits(inp):
             yield reduce_variant(inp["o_part"], inp["lse_part"], keep=keep)
 
 
+def _no_max_subtracted(inp):
+    """The merge with weights e^(lse_p) (no max subtracted), in float32 as a kernel runs it."""
+    lse, o_part = inp["lse_part"].float(), inp["o_part"].float()
+    w = torch.exp(lse)
+    total = w.sum(-1)
+    return {"o": ((w[..., None] * o_part).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]).double()}
+
+
 SPLIT_REDUCE_HINT = hypotheses_hint(
+    Hypothesis("the weights are e^(lse_p) without subtracting M = the largest lse_p: in float32 they "
+               "overflow to inf, or underflow towards 0 and lose digits (an arithmetic error, not a "
+               "wrong formula). Use w_p = e^(lse_p - M).", _no_max_subtracted, outputs=("o",)),
     Hypothesis("o is the plain average of the partial outputs: each partition counts with its weight "
                "w_p = e^(lse_p - M) / Σ w (M = the largest lse_p), its share of the softmax sum.",
                lambda inp: reduce_variant(inp["o_part"], inp["lse_part"], average=True), outputs=("o",)),
