@@ -238,7 +238,9 @@ def dot4_u8s8(a, b, acc, USE_ASM: tl.constexpr):
     return out
 
 
-@triton.jit
+# Sizes that change from one engine step to the next are not specialised on: Triton would
+# compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
+@triton.jit(do_not_specialize=["M"])
 def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, G, XW, G_SPLIT,
                             stride_xm, stride_wn, stride_ym,
                             BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN: tl.constexpr,
@@ -333,7 +335,7 @@ def ternary_gemv_x16_reduce_kernel(part_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLIT,
 
 
 # -- Triton kernels: the prefill matmul, int8 tensor-core dots on unpacked tiles -----------
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                        stride_xm, stride_wn, stride_ym, M_BUCKET,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -375,7 +377,7 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
              y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
                           stride_xm, stride_wn, stride_ym, M_BUCKET,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,

@@ -88,7 +88,9 @@ def _round_half_away_int(v):
     return tl.where(v < 0, -r, r)
 
 
-@triton.jit
+# Sizes that change from one engine step to the next are not specialised on: Triton would
+# compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
+@triton.jit(do_not_specialize=["n_rows"])
 def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
                               n_rows, n_cols, stride_x, stride_q, stride_y, eps,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,

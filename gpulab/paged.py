@@ -307,7 +307,9 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     return m, l, acc, tl.sum(bad.to(tl.int32), 0)
 
 
-@triton.jit
+# Sizes that change from one engine step to the next are not specialised on: Triton would
+# compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
+@triton.jit(do_not_specialize=["stride_btb", "max_pages"])
 def _decode_partition_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, fault_ptr,
         qk_scale,                       # softmax scale · log2(e): scores in base 2
@@ -369,7 +371,7 @@ def _decode_partition_kernel(
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, num_splits, num_heads,
                          stride_pb, stride_ph, stride_ps,
                          stride_lpb, stride_lph, stride_lps,

@@ -165,7 +165,9 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
     return s, v, n_bad
 
 
-@triton.jit
+# Sizes that change from one engine step to the next are not specialised on: Triton would
+# compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
+@triton.jit(do_not_specialize=["num_req", "total_q", "bt_width", "stride_btb"])
 def _append_attention_kernel(
         q_ptr, k_ptr, v_ptr, qo_indptr_ptr, bt_ptr, kv_lens_ptr, work_req_ptr, work_tile_ptr,
         o_ptr, lse_ptr, fault_ptr,
@@ -261,7 +263,7 @@ def _append_attention_kernel(
         tl.store(lse_ptr + row * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_req", "total_new", "bt_width", "stride_btb"])
 def _append_kv_kernel(
         k_ptr, v_ptr, qo_indptr_ptr, bt_ptr, kv_lens_ptr, kc_ptr, vc_ptr, fault_ptr,
         num_req, total_new, num_pages, bt_width, page_size,

@@ -10,6 +10,7 @@ must run before any kernel is defined: ``import gpulab`` does it first.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -190,3 +191,45 @@ def set_debug_checks(on: bool | None) -> None:
     ``GPULAB_DEBUG`` again)."""
     global _DEBUG_CHECKS
     _DEBUG_CHECKS = None if on is None else bool(on)
+
+
+class Compilations:
+    """What :func:`count_compilations` saw: ``names`` of the kernels compiled, in order,
+    and Triton's description of each (``details``: launch options and argument types,
+    which show the specialisation that was new)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.details: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Count the Triton kernels compiled inside the block: each new specialisation of a
+    kernel (a new constexpr, a new autotuning key, an integer argument that changes
+    between multiple-of-16, 1 and other) costs a compile of about a second on a GPU host,
+    so a serving loop that still compiles is not yet measuring steady state. Counts 0 in
+    the interpreter, which compiles nothing. Nests."""
+    seen = Compilations()
+    try:
+        from triton import knobs
+        runtime_knobs = knobs.runtime
+    except (ImportError, AttributeError):     # triton < 3.4: no hook to count with
+        yield seen
+        return
+    previous = runtime_knobs.jit_post_compile_hook
+
+    def hook(*args, fn=None, **kwargs):
+        seen.names.append(str(getattr(fn, "name", "?")))
+        seen.details.append(str(kwargs.get("repr", "")))
+        return previous(*args, fn=fn, **kwargs) if previous else None
+
+    runtime_knobs.jit_post_compile_hook = hook
+    try:
+        yield seen
+    finally:
+        runtime_knobs.jit_post_compile_hook = previous

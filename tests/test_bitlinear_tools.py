@@ -3,7 +3,6 @@ old and new GEMVs (the int32x16 portable twin included) for sm_90, and the H200 
 parses its arguments, refuses to time without a GPU and calls every variant in a dry run."""
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import gpulab
+from helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def _load(name):
 
 
 def test_instruction_counts_of_old_and_new_gemv(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(ROOT)
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "gemv-instructions.py"), "--quick",
                         "--json", str(tmp_path / "counts.json")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

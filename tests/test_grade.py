@@ -1,7 +1,6 @@
 """`gpulab grade` cannot be fooled and never loses a report: tampering, shortcuts, hidden
 tests, hangs and crashes, on copies of notebook 00 (each run starts a real kernel)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,11 @@ import pytest
 
 from gpulab.tools import grade
 from gpulab.tools.authoring import load_released, nbgrader_meta
+from helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 NB00 = "00_triton_basics.ipynb"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = subprocess_env(ROOT)
 
 
 def _variant(tmp_path, base: str, edits: dict, insert_after_setup: str | None = None,

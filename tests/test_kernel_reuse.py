@@ -124,8 +124,8 @@ def test_scan_launchers_run_in_mlgru_scan_and_the_layer(device):
         mlgru.mlgru_scan(f, i, kernel="fast")
     with pytest.raises(TypeError, match="must be callable"):
         mlgru.MLGRU(8, scan=mlgru.ScanLaunchers(forward, None))
-    model = M.MatMulFreeLM(d_model=8, n_layers=1).set_scan(mlgru.ScanLaunchers(forward, backward))
-    model(torch.tensor([[1, 2, 3]]))
+    model = M.MatMulFreeLM(d_model=8, n_layers=1).to(device).set_scan(mlgru.ScanLaunchers(forward, backward))
+    model(torch.tensor([[1, 2, 3]], device=device))
     assert calls[-1] == "forward"
 
 

@@ -1,6 +1,5 @@
 """Fused RMSNorm + int8 quantization: forward, straight-through backward, the autograd
 Function, input validation, and checks that reject wrong kernels."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from gpulab.grading import normquant as nq_grading
 from gpulab.harness import memory
 from gpulab.harness.checking import rejects
 
-from helpers import few, on_gpu
+from helpers import few, on_gpu, subprocess_env
 
 
 def test_forward_passes_its_check():
@@ -289,7 +288,7 @@ def test_quantizing_converts_each_element_to_an_integer_once():
     without a GPU: a 4096-wide row over 128 threads is 32 elements per thread."""
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+                       env=subprocess_env(root), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     to_int, floor_ceil = map(int, r.stdout.split()[-2:])
     assert (to_int, floor_ceil) == (32, 0), r.stdout

@@ -76,3 +76,37 @@ def test_bench_runs_on_gpu():
     result = bench.run("vector_add", cases=[Case("small", dict(n=1 << 20))], compile_baselines=False)
     ours = next(r for r in result["rows"] if r["impl"] == "gpulab")
     assert ours["ms"] > 0 and 0 < ours["roofline_pct"] < 150
+
+
+def test_count_compilations_records_each_compile_and_restores_the_hook():
+    knobs = pytest.importorskip("triton.knobs")
+    from types import SimpleNamespace
+
+    calls = []
+
+    def outer_hook(*args, **kwargs):
+        calls.append(kwargs["fn"].name)
+
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = outer_hook
+    try:
+        with runtime.count_compilations() as outer:
+            with runtime.count_compilations() as inner:
+                # what Triton calls after compiling a new specialisation (JITFunction._call_hook)
+                knobs.runtime.jit_post_compile_hook(key=None, repr="k[num_warps=4](M: i32)",
+                                                    fn=SimpleNamespace(name="k"), compile={},
+                                                    is_manual_warmup=False, already_compiled=False)
+            assert knobs.runtime.jit_post_compile_hook is not None
+        assert (inner.count, inner.names, inner.details) == (1, ["k"], ["k[num_warps=4](M: i32)"])
+        assert outer.count == 1 and calls == ["k"]         # nested counters and the hook before them all see it
+        assert knobs.runtime.jit_post_compile_hook is outer_hook
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    x = torch.ones(5, device=runtime.device())
+    with runtime.count_compilations() as seen:
+        gpulab.basics.vector_add(x, x)
+        gpulab.basics.vector_add(x, x)
+    if runtime.mode() == "interpreter":                     # the interpreter compiles nothing
+        assert seen.count == 0
+    else:                                                   # compiled at most once (a warm cache: 0)
+        assert seen.count <= 1 and set(seen.names) <= {"add_kernel"}

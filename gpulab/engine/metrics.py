@@ -128,4 +128,7 @@ def format_summary(s: dict, title: str = "") -> str:
     lines.append(f"pages used: mean {s['pages_used_mean']:.1f}, max {s['pages_used_max']} of {s['pages_total']}; "
                  f"preemptions {s['preemptions']}; prefix-cache hit rate "
                  f"{'-' if hr is None else f'{100 * hr:.0f}%'}")
+    if s.get("kernels_compiled"):
+        lines.append(f"kernels compiled while serving: {s['kernels_compiled']} "
+                     f"({', '.join(s.get('kernels_compiled_names', []))}): not yet steady state")
     return "\n".join(lines)

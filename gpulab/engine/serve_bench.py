@@ -69,7 +69,9 @@ def make_requests(w: Workload, max_model_len: int) -> list[dict]:
 def run_requests(engine, requests: list[dict], progress: bool = True, desc: str = "") -> dict:
     """Feed requests at their arrival times (relative to now), step until all are done;
     returns the engine's summary."""
-    with frozen_heap():        # as a serving process runs: no full collection of the start-up heap
+    # as a serving process runs: no full collection of the start-up heap; and count the
+    # kernels Triton compiles meanwhile (each one stalls a step for about a second)
+    with frozen_heap(), runtime.count_compilations() as compiled:
         t0 = time.perf_counter()
         pending = list(requests)
         bar = tqdm(total=len(requests), desc=desc or type(engine).__name__, mininterval=0.5, disable=not progress)
@@ -83,7 +85,10 @@ def run_requests(engine, requests: list[dict], progress: bool = True, desc: str 
             elif pending:
                 time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - t0)))
         bar.close()
-    return engine.summary()
+    summary = engine.summary()
+    summary["kernels_compiled"] = compiled.count
+    summary["kernels_compiled_names"] = sorted(set(compiled.names))
+    return summary
 
 
 def build_model(name: str, device=None, dtype=None) -> TernaryTransformer:
