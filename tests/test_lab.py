@@ -15,7 +15,7 @@ from gpulab.harness.checking import CheckFailure
 from gpulab.harness.spec import Case
 from gpulab.lab import candidate as cand
 from gpulab.lab import cli, costmodel, inprocess, rewrites, search, worker
-from gpulab.lab.evaluate import CHEATS, REASONS, Evaluator, Verdict, fast_p, judge
+from gpulab.lab.evaluate import CHEATS, REASONS, Evaluator, Verdict, fast_p, judge, sample_indices
 from gpulab.lab.planted import PLANTED, truncating_softmax
 from gpulab.lab.tasks import TASKS, get_task
 
@@ -165,6 +165,33 @@ def test_timing_defences_on_synthetic_reports(evaluator):
     bad = {**good, "first_outputs": {"y": torch.full((2, 4), 0.25)}}
     v = _judge_timing(task, c, Verdict(**vars(ok)), bad, ev)
     assert v.reason == "wrong-output" and "timing size" in v.message
+    # a large output is compared on a sample of its elements, the last one included
+    expected = torch.rand(37, dtype=torch.float64)
+    idx = sample_indices(37, 5)
+    ev._timing_ref = {"softmax": {"y": (idx, expected[idx])}}
+    good = {**base, "wall_ms": 0.02, "first_outputs": {"y": expected.float().reshape(1, 37)}}
+    assert _judge_timing(task, c, Verdict(**vars(ok)), good, ev).correct
+    last_wrong = expected.float().clone()
+    last_wrong[-1] += 1
+    v = _judge_timing(task, c, Verdict(**vars(ok)), {**good, "first_outputs": {"y": last_wrong.reshape(1, 37)}}, ev)
+    assert v.reason == "wrong-output" and "sample" in v.message
+
+
+@pytest.mark.parametrize("n", [(1 << 24) + 1, 8192 * 8192, (1 << 26) + 1, 3 * (1 << 25) - 1, 4096 * 14336,
+                               (1 << 31) + 5])
+def test_timing_sample_indices_are_exact_where_float32_rounds(n):
+    """The timing check samples 2^20 of an output's elements. float32 cannot count past
+    2^24 exactly: torch.linspace(0, 2^26 - 1, 2^20) ends at 2^26, one past the end of
+    softmax's 8192 x 8192 timing output (the GPU run's IndexError)."""
+    k = 1 << 20
+    idx = sample_indices(n, k)
+    assert idx.dtype == torch.int64 and idx.numel() == k
+    assert int(idx[0]) == 0 and int(idx[-1]) == n - 1
+    steps = idx[1:] - idx[:-1]
+    assert int(steps.min()) >= (n - 1) // (k - 1) and int(steps.max()) <= -(-(n - 1) // (k - 1))
+    assert sample_indices(k, k) is None and sample_indices(10, k) is None
+    if n == 8192 * 8192:
+        assert int(torch.linspace(0, n - 1, k, dtype=torch.float32)[-1]) == n     # the trap itself
 
 
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):

@@ -551,13 +551,24 @@ class Evaluator:
             ref = {}
             for k, exp in task.spec.reference(**inputs).items():
                 flat = exp.reshape(-1)
-                idx = None if flat.numel() <= SAMPLE else torch.linspace(0, flat.numel() - 1, SAMPLE).long()
+                idx = sample_indices(flat.numel())
                 ref[k] = (idx, flat.clone() if idx is None else flat[idx].clone())
             self._timing_ref[task.name] = ref
         return self._timing_ref[task.name]
 
 
 SAMPLE = 1 << 20
+
+
+def sample_indices(n: int, k: int = SAMPLE) -> torch.Tensor | None:
+    """``k`` evenly spaced indices into ``n`` elements, the first and the last included
+    (None when ``n <= k``: take them all). Integer arithmetic: ``torch.linspace`` counts
+    in floats, and float32 rounds n - 1 = 2^26 - 1 up to 2^26, one past the end."""
+    if n <= k:
+        return None
+    if k < 2:
+        raise ValueError(f"a sample of {n} elements needs at least 2 indices, not {k}")
+    return torch.arange(k, dtype=torch.int64) * (n - 1) // (k - 1)
 
 
 def _now() -> float:
