@@ -4,7 +4,8 @@ Everything a generated kernel claims rests on the evaluator, and evaluators have
 gamed (a widely reported automatically generated "speed-up" read the result the
 reference had left in memory). So each candidate runs in **its own process**
 (:mod:`gpulab.lab.worker`), with a wall-time and a memory limit: a candidate that hangs,
-crashes or eats memory is a failed candidate, never a hung evaluator. This process
+crashes or eats memory is a failed candidate, never a hung evaluator (what the limits
+cover: :class:`Evaluator`). This process
 makes the inputs, keeps its own copy, and computes the reference only after the
 candidate's process has reported; the candidate never sees it.
 
@@ -96,7 +97,9 @@ class Verdict:
     compiled_ms: float | None = None
     cost_ms: float | None = None        # CPU: the cost model's time
     cost: dict = field(default_factory=dict)
-    wall_s: float = 0.0
+    wall_s: float = 0.0                 # the evaluation's wall time, shared among those run at once
+    startup_s: float = 0.0              # waiting for its process to start (no candidate code yet)
+    run_s: float = 0.0                  # its run, as counted against the time limit
 
     @property
     def correct(self) -> bool:
@@ -146,6 +149,10 @@ class EvaluatorError(RuntimeError):
 
 
 # -- processes -----------------------------------------------------------------------------
+CHECK_S = 0.02        # how often the evaluator checks its workers' messages and limits
+EXIT_GRACE_S = 5.0    # a process that closed its pipe has this long to exit (else: killed, a crash)
+
+
 class _Worker:
     def __init__(self, process, conn):
         self.process = process
@@ -153,25 +160,36 @@ class _Worker:
         self.ready = False
         self.rss_ready = 0.0
 
-    def wait_ready(self, timeout: float) -> None:
+    def check_ready(self) -> bool:
+        """Has the process said it is ready? (Never waits.) A process that died starting,
+        or said something else, is killed: EvaluatorError."""
         if self.ready:
-            return
-        if not self.conn.poll(timeout):
+            return True
+        if not self.conn.poll(0):
+            if self.alive():
+                return False
+            msg = None
+        else:
+            try:
+                msg = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                msg = None
+        if msg != b"ready":
             self.kill()
-            raise EvaluatorError(f"a worker process did not start within {timeout:.0f} s")
-        if self.conn.recv_bytes() != b"ready":
-            self.kill()
-            raise EvaluatorError("a worker process started wrongly")
+            raise EvaluatorError("a worker process died or misbehaved while starting")
         self.ready = True
         self.rss_ready = worker._rss_mb(self.process.pid)
+        return True
 
     def alive(self) -> bool:
         return self.process.is_alive()
 
     def kill(self) -> None:
+        """SIGKILL the process group, without waiting for it to exit (a CUDA process can
+        take seconds to tear down, and the evaluator has other workers to watch):
+        multiprocessing reaps it when the next process starts, or at exit."""
         if self.process.pid is not None:
             worker.kill_group(self.process.pid)
-        self.process.join(5)
         self.conn.close()
 
 
@@ -179,8 +197,8 @@ class WorkerPool:
     """One process per job, the next ones started ahead of time. On a CPU the processes
     are forked from a server that has already imported torch and gpulab
     (``forkserver``), so a worker starts in milliseconds; with a GPU they are spawned
-    fresh (CUDA cannot be used in a forked process) and import in the background while
-    earlier candidates run."""
+    fresh (CUDA cannot be used in a forked process), import and initialise CUDA in the
+    background while earlier candidates run."""
 
     def __init__(self, memory_mb: float):
         self.memory_mb = memory_mb
@@ -227,6 +245,7 @@ class WorkerPool:
     def close(self) -> None:
         for w in self.spares:
             w.kill()
+            w.process.join(5)
         self.spares = []
 
 
@@ -251,6 +270,21 @@ class Evaluator:
     CPU, ``compile_targets`` (e.g. ``(75, 80, 90)``) also compiles each correct candidate
     for those GPUs (:mod:`gpulab.lab.compile_candidate`; ``compile_cases``: only the
     first N GPU cases).
+
+    Limits. ``timeout_s`` (default 180 s on a GPU, 60 s on a CPU) is the wall clock a
+    candidate's run may take: from its job reaching its process (CUDA already
+    initialised there) to its report, importing the candidate, compiling its kernels,
+    every trial and the timing included; only time spent queued for the GPU while
+    another candidate is timed is not counted (that one is bounded by its own limit).
+    Starting a process (spawning it, importing torch, Triton and gpulab, initialising
+    CUDA) runs no candidate code, is done ahead of time while earlier candidates run,
+    and has a bound of its own, ``startup_s`` (default 300 s), past which
+    :class:`EvaluatorError` says the machine is overloaded. So a candidate's evaluation
+    ends within ``startup_s + timeout_s`` (plus, when several are timed at once, their
+    turns on the GPU) and the evaluator's own work: making inputs, judging. Each
+    verdict records its ``startup_s`` and ``run_s``. ``memory_mb`` is the memory a
+    candidate may add on the host and, on a GPU, also the most it may allocate there
+    (besides its share of the device among the parallel workers, ``gpu_memory_fraction``).
     """
 
     def __init__(self, *, timeout_s: float | None = None, memory_mb: float | None = None,
@@ -259,13 +293,15 @@ class Evaluator:
                  workdir: str | Path | None = None, seed: int | None = None, entry: str = "launch",
                  verify_timing_outputs: bool = True, gpu_memory_fraction: float | None = None,
                  parallel: int | None = None, timing_cases: dict | None = None, timing_reps: int | None = None,
-                 compile_targets: tuple | None = None, compile_cases: int | None = None):
+                 compile_targets: tuple | None = None, compile_cases: int | None = None,
+                 startup_s: float | None = None):
         gpu = runtime.mode() == "compiled"
         # Several candidates at once on a GPU host (compiling is the slow part, and it runs
         # on the CPU); one at a time on a CPU, where the interpreter needs every core.
         self.parallel = max(1, parallel or (min(4, max(1, (os.cpu_count() or 1) // 4)) if gpu else 1))
         gpu_memory_fraction = gpu_memory_fraction or 0.8 / self.parallel
         self.timeout_s = timeout_s or (180.0 if gpu else 60.0)
+        self.startup_s = startup_s or 300.0
         self.memory_mb = memory_mb or (16384.0 if gpu else 2048.0)
         self.cases = cases
         self.dtypes = dtypes
@@ -364,82 +400,123 @@ class Evaluator:
         return self._timing[task.name]
 
     # -- running
-    def _run(self, job: dict, timeout: float) -> tuple[str, object]:
+    def _run(self, job: dict, timeout: float) -> tuple[str, object, dict]:
         return self._run_many([job], timeout)[0]
 
-    def _run_many(self, jobs: list[dict], timeout: float) -> list[tuple[str, object]]:
-        """Run jobs in up to ``parallel`` worker processes at once. Each is killed when it
-        reports, dies, outlives ``timeout`` (not counting time spent waiting for the GPU)
-        or grows past the memory limit. Timing on the GPU is granted to one worker at a
-        time: its measurements are never overlapped by another candidate's timing."""
+    def _run_many(self, jobs: list[dict], timeout: float) -> list[tuple[str, object, dict]]:
+        """Run jobs in up to ``parallel`` worker processes at once: [(outcome, info, times)].
+
+        A job is handed to its worker once that process is ready (start-up, bounded by
+        ``startup_s``); from then on the worker has ``timeout`` seconds of wall clock, not
+        counting time spent waiting for the GPU grant, and is killed when it reports, dies,
+        outlives that or grows past the memory limit. Nothing here waits on one worker:
+        every worker's messages and limits are checked every :data:`CHECK_S`. Timing on
+        the GPU is granted to one worker at a time: its measurements are never overlapped
+        by another candidate's timing."""
         pending = list(range(len(jobs)))
         running: dict[int, dict] = {}
         results: list = [None] * len(jobs)
         queue: list[int] = []
         holder = None
 
+        def counted(i, r, now) -> float:      # the time that counts against the limit
+            asked = r["gpu_asked"]
+            return now - r["start"] - r["gpu_wait"] - (now - asked if asked is not None and holder != i else 0.0)
+
         def finish(i, outcome, info):
             nonlocal holder
-            results[i] = (outcome, info)
-            running.pop(i)["worker"].kill()
+            r = running.pop(i)
+            results[i] = (outcome, info, {"startup_s": r["startup_s"], "run_s": counted(i, r, _now()),
+                                          "gpu_wait_s": r["gpu_wait"]})
+            r["worker"].kill()
             if holder == i:
                 holder = None
             if i in queue:
                 queue.remove(i)
 
-        while pending or running:
-            while pending and len(running) < self.parallel:
-                i = pending.pop(0)
-                w = self.pool.get()
-                try:
-                    w.wait_ready(max(120.0, timeout))
-                except EvaluatorError:
-                    w = self.pool.get()
-                    w.wait_ready(max(120.0, timeout))
-                w.conn.send(jobs[i])
-                running[i] = {"worker": w, "start": time.monotonic(), "waited": 0.0, "asked": None}
-            self.pool.prestart(self.parallel)   # the next candidates' processes start meanwhile
-            busy = False
-            for i, r in list(running.items()):
-                w = r["worker"]
-                if w.conn.poll(0):
-                    busy = True
-                    try:
-                        msg = w.conn.recv_bytes()
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg == b"done":
-                        finish(i, "done", None)
-                    elif msg == worker.ASK_GPU:
-                        r["asked"] = time.monotonic()
-                        queue.append(i)
-                    elif msg == worker.GPU_DONE:
-                        if holder == i:
-                            holder = None
-                    else:
-                        w.process.join(2)
+        try:
+            while pending or running:
+                while pending and len(running) < self.parallel:
+                    i = pending.pop(0)
+                    asked = _now()          # before get(): the first forkserver start waits for its imports
+                    running[i] = {"worker": self.pool.get(), "asked": asked, "replaced": False, "start": None,
+                                  "startup_s": 0.0, "gpu_wait": 0.0, "gpu_asked": None, "eof": None}
+                self.pool.prestart(self.parallel)   # the next candidates' processes start meanwhile
+                busy = False
+                for i, r in list(running.items()):
+                    w = r["worker"]
+                    now = _now()
+                    if r["start"] is None:
+                        busy |= self._hand_over(r, jobs[i])
+                        continue
+                    if r["eof"] is None and w.conn.poll(0):
+                        busy = True
+                        try:
+                            msg = w.conn.recv_bytes()
+                        except (EOFError, OSError):
+                            msg = None
+                        if msg == b"done":
+                            finish(i, "done", None)
+                        elif msg == worker.ASK_GPU:
+                            r["gpu_asked"] = now
+                            queue.append(i)
+                        elif msg == worker.GPU_DONE:
+                            if holder == i:
+                                holder = None
+                        elif msg is None:     # the pipe closed: the process is dying
+                            r["eof"] = now
+                        else:
+                            finish(i, "crash", None)
+                        continue
+                    if not w.alive():
                         finish(i, "crash", w.process.exitcode)
-                    continue
-                if not w.alive():
-                    finish(i, "crash", w.process.exitcode)
-                    continue
-                waiting = r["waited"] + (time.monotonic() - r["asked"] if r["asked"] and holder != i else 0)
-                if time.monotonic() - r["start"] - waiting > timeout:
-                    finish(i, "timeout", timeout)
-                    continue
-                rss = worker._rss_mb(w.process.pid)
-                if rss - w.rss_ready > self.memory_mb:
-                    finish(i, "memory", rss - w.rss_ready)
-            if holder is None and queue:
-                holder = queue.pop(0)
-                r = running[holder]
-                r["waited"] += time.monotonic() - r["asked"]
-                r["asked"] = None
-                r["worker"].conn.send_bytes(worker.GRANT_GPU)
-                busy = True
-            if not busy:
-                time.sleep(0.02)
+                        continue
+                    if r["eof"] is not None:
+                        if now - r["eof"] > EXIT_GRACE_S:     # closed its pipe, yet lives on
+                            finish(i, "crash", None)
+                        continue
+                    if counted(i, r, now) > timeout:
+                        finish(i, "timeout", timeout)
+                        continue
+                    rss = worker._rss_mb(w.process.pid)
+                    if rss - w.rss_ready > self.memory_mb:
+                        finish(i, "memory", rss - w.rss_ready)
+                if holder is None and queue:
+                    holder = queue.pop(0)
+                    r = running[holder]
+                    r["gpu_wait"] += _now() - r["gpu_asked"]
+                    r["gpu_asked"] = None
+                    r["worker"].conn.send_bytes(worker.GRANT_GPU)
+                    busy = True
+                if not busy:
+                    time.sleep(CHECK_S)
+        finally:
+            for r in running.values():       # an EvaluatorError (or Ctrl-C): leave no worker behind
+                r["worker"].kill()
         return results
+
+    def _hand_over(self, r: dict, job: dict) -> bool:
+        """Give ``job`` to the slot's worker once that process is ready. Its start-up
+        (spawning it, importing torch, Triton and gpulab, initialising CUDA) runs no
+        candidate code and is bounded on its own, by ``startup_s``; a worker that dies
+        starting is replaced once."""
+        w = r["worker"]
+        try:
+            ready = w.check_ready()
+        except EvaluatorError:
+            if r["replaced"]:
+                raise
+            r["worker"], r["replaced"] = self.pool.get(), True
+            return True
+        if ready:
+            r["start"] = _now()
+            r["startup_s"] = r["start"] - r["asked"]
+            w.conn.send(job)
+            return True
+        if _now() - r["asked"] > self.startup_s:
+            raise EvaluatorError(f"a worker process did not start within {self.startup_s:.0f} s (spawning it, "
+                                 f"importing torch, Triton and gpulab): is the machine overloaded?")
+        return False
 
     def _prepare(self, task: Task, c: cand.Candidate, timed: bool, modelled: bool) -> tuple[dict, list]:
         path = cand.write(c, self.workdir / "candidates")
@@ -448,6 +525,7 @@ class Evaluator:
         job = {"kind": "candidate", "task": task.name, "candidate_path": str(path), "entry": self.entry,
                "device": self.device, "result_path": str(result_path), "allowed_dirs": self._allowed_dirs(),
                "cost_model": modelled, "gpu_memory_fraction": self.gpu_memory_fraction,
+               "gpu_memory_mb": self.memory_mb,
                "trials": trials, "timing": self._timing_job(task) if timed else None}
         return job, trials
 
@@ -475,8 +553,9 @@ class Evaluator:
         outcomes = self._run_many([job for job, _ in prepared], self.timeout_s)
         wall = (_now() - t0) / max(1, len(pairs)) * min(len(pairs), self.parallel)
         verdicts = []
-        for (task, c), (job, trials), (outcome, info) in zip(pairs, prepared, outcomes):
+        for (task, c), (job, trials), (outcome, info, times) in zip(pairs, prepared, outcomes):
             verdict = self._verdict(task, c, job, trials, outcome, info)
+            verdict.startup_s, verdict.run_s = times["startup_s"], times["run_s"]
             Path(job["result_path"]).unlink(missing_ok=True)
             if verdict.correct and self.compile_targets and runtime.mode() == "interpreter":
                 verdict = self._compiled(task, c, job, verdict)
@@ -509,7 +588,8 @@ class Evaluator:
                            f"{self.memory_mb:.0f} MiB), so it was killed.")
         if outcome == "crash":
             how = (f"was killed by {_signal_name(info)}" if isinstance(info, int) and info < 0
-                   else f"exited with status {info}")
+                   else f"exited with status {info}" if isinstance(info, int)
+                   else "stopped answering the evaluator")
             return Verdict(task.name, c.id, "crash", "crash",
                            f"crash: the candidate's process {how} before reporting (a segfault, an "
                            f"illegal memory access, os._exit...). The evaluator itself is unharmed.")
@@ -536,7 +616,7 @@ class Evaluator:
             result_path = self.workdir / f"baselines_{os.getpid()}_{self._fresh_seed()}.pt"
             job = {"kind": "baselines", "tasks": [t.name for t in todo], "device": self.device,
                    "result_path": str(result_path), "timings": {t.name: self._timing_job(t) for t in todo}}
-            outcome, info = self._run(job, max(600.0, 120.0 * len(todo)))
+            outcome, info, _ = self._run(job, max(600.0, 120.0 * len(todo)))
             got = torch.load(result_path, weights_only=True)["baselines"] if outcome == "done" else {}
             for t in todo:
                 self._baselines[t.name] = got.get(t.name, {"error": f"{outcome} ({info})"})
@@ -551,13 +631,24 @@ class Evaluator:
             ref = {}
             for k, exp in task.spec.reference(**inputs).items():
                 flat = exp.reshape(-1)
-                idx = None if flat.numel() <= SAMPLE else torch.linspace(0, flat.numel() - 1, SAMPLE).long()
+                idx = sample_indices(flat.numel())
                 ref[k] = (idx, flat.clone() if idx is None else flat[idx].clone())
             self._timing_ref[task.name] = ref
         return self._timing_ref[task.name]
 
 
 SAMPLE = 1 << 20
+
+
+def sample_indices(n: int, k: int = SAMPLE) -> torch.Tensor | None:
+    """``k`` evenly spaced indices into ``n`` elements, the first and the last included
+    (None when ``n <= k``: take them all). Integer arithmetic: ``torch.linspace`` counts
+    in floats, and float32 rounds n - 1 = 2^26 - 1 up to 2^26, one past the end."""
+    if n <= k:
+        return None
+    if k < 2:
+        raise ValueError(f"a sample of {n} elements needs at least 2 indices, not {k}")
+    return torch.arange(k, dtype=torch.int64) * (n - 1) // (k - 1)
 
 
 def _now() -> float:
@@ -723,10 +814,10 @@ def judge(task: Task, c: cand.Candidate, trials: list[dict], report: dict, ev: E
                        f"the kernel accessed memory outside its buffers, beyond the guard regions (CUDA: "
                        f"{err['message'][:300]})", trials=len(done), max_error=worst)
     if err and _out_of_memory(err):
+        gpu = ", and as much at most on the GPU, within its share" if ev.device == "cuda" else ""
         return Verdict(task.name, c.id, "memory", "memory",
                        f"memory: the candidate ran out of the memory it is allowed ({ev.memory_mb:.0f} MiB "
-                       f"on the host{', a share of the GPU' if ev.device == 'cuda' else ''}): "
-                       f"{err['type']}: {err['message'][:300]}", trials=len(done))
+                       f"on the host{gpu}): {err['type']}: {err['message'][:300]}", trials=len(done))
     if err:
         where = f"trial {err.get('trial', len(done)) + 1}" if err.get("stage") == "trial" else err.get("stage")
         return _reject(task, c, "raised", f"the candidate raised {err['type']} in {where}: {err['message']}\n"
