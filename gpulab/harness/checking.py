@@ -268,6 +268,28 @@ def learner_kernel_rule_active() -> bool:
     return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
 
 
+@contextlib.contextmanager
+def new_memory_is_nan():
+    """Within this block ``torch.empty`` (and ``empty_like``, ``new_empty``) returns NaN
+    (floats) or the largest integer, so a tensor a learner's function allocates and never
+    writes is recognisable. Outside it, on a GPU the caching allocator hands back a freed
+    block as it is, which may hold an earlier call's right answer. PyTorch's deterministic
+    mode does the filling (``warn_only``: operations without a deterministic version run
+    as usual, their warnings silenced)."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+
+
 # -- watching the learner's call -------------------------------------------------------------
 @dataclass
 class _Watched:
