@@ -163,6 +163,16 @@ class Guarded:
         changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
         return int(changed[self.guard:self.guard + self.extent].sum())
 
+    def stray_rows(self) -> list[int]:
+        """Indices along the tensor's first axis of the elements changed outside it:
+        negative before its start, its length or more past its end (not the padding
+        between its rows)."""
+        changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
+        pos = changed.nonzero().reshape(-1) - self.guard        # from the tensor's first element
+        pos = pos[(pos < 0) | (pos >= self.extent)]
+        stride = self.inner.stride(0) if self.inner.dim() else 1
+        return sorted(set(torch.div(pos, stride, rounding_mode="floor").tolist()))
+
     def last_damaged_after(self) -> int:
         changed = (~_same_bits(self.buf, self.pristine)).cpu()
         tail = changed[self.guard + self.extent:].nonzero()
@@ -645,18 +655,25 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
 
     guarded_in, guarded_out, result, watch = _guarded_call(spec, fn, inputs, dtype, device, pads, where)
     problems = watch.load_problems()
+    stray_hints = []
     for k, g in guarded_out.items():
         before, after = g.guard_damage()
         gap = g.gap_damage()
         after -= gap
+        cause = None        # the spec's own reading of the stray stores (then given as the hint)
+        if (before or after) and spec.stray_write_hint is not None:
+            cause = spec.stray_write_hint(k, g.stray_rows(), int(_poisoned(g.inner).sum()), inputs)
+            if cause and cause not in stray_hints:
+                stray_hints.append(cause)
         if after:
             problems.append(
                 f"wrote {after} element(s) past the end of output `{k}` (up to "
-                f"{g.last_damaged_after()} elements beyond it): a store is missing its mask, "
-                f"or the mask lets through offsets ≥ the length (mask = offsets < n).")
+                f"{g.last_damaged_after()} elements beyond it)" + (": see the hint." if cause else
+                ": a store is missing its mask, or the mask lets through offsets ≥ the length "
+                "(mask = offsets < n)."))
         if before:
-            problems.append(f"wrote {before} element(s) before the start of output `{k}`: "
-                            f"a negative offset or a wrong base pointer.")
+            problems.append(f"wrote {before} element(s) before the start of output `{k}`"
+                            + (": see the hint." if cause else ": a negative offset or a wrong base pointer."))
         if gap:
             problems.append(f"wrote {gap} element(s) into the padding between the rows of output `{k}`: "
                             f"it is a strided view here (row stride {g.inner.stride(-2)}); index its rows "
@@ -669,6 +686,7 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
         if not bool(_same_bits(g.inner, inputs[k]).all()):
             problems.append(f"input `{k}` was modified: a kernel must not write to its inputs.")
     problems += [f"{b}: write a result of the output's exact shape." for b in watch.broadcast.found]
+    problems += [f"Hint: {h}" for h in stray_hints]
     if problems:
         failure = CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
         failure.telling = 3
