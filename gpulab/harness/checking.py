@@ -65,6 +65,16 @@ class CheckFailure(AssertionError):
     """Raised by a check with a diagnosis of what is wrong."""
 
 
+class DeviceFault(CheckFailure):
+    """The GPU stopped the learner's kernel (an access outside every buffer): the check
+    ends there, since the process's CUDA context cannot run anything after it."""
+
+
+# What CUDA reports when a kernel touches memory that is not mapped (sticky errors: every
+# later CUDA call of the process fails with them too).
+_DEVICE_FAULTS = ("illegal memory access", "misaligned address", "unspecified launch failure")
+
+
 @dataclass
 class CheckReport:
     name: str
@@ -562,6 +572,8 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
         label = f"{case}, {str(dtype).replace('torch.', '')}" + (f", {variant}" if variant else "")
         try:
             err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant)
+        except DeviceFault:
+            raise           # nothing more can run on this GPU
         except CheckFailure as f:
             text = str(f)
             failures.append((getattr(f, "telling", 1 if "Hint:" in text else 0), i, text, label))
@@ -773,6 +785,16 @@ def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=Fals
             if runtime.mode() == "compiled":
                 torch.cuda.synchronize()
     except Exception as e:  # keep the learner's own error type, add where it happened
+        fault = next((f for f in _DEVICE_FAULTS if f in str(e)), None)
+        if fault:
+            raise DeviceFault(
+                f"{spec.name}: {where}:\n  the GPU stopped the call: {fault} (CUDA). A load or store went "
+                f"far outside every buffer, beyond the guard regions around the inputs and outputs: "
+                f"typically a missing mask, or an index meant for a larger tensor (one row per input row "
+                f"where the output has fewer rows, say).\n  This Python process cannot use the GPU any "
+                f"more: restart it (in Jupyter, restart the kernel). To see which access, run the check "
+                f"on a CPU (Triton's interpreter, smaller cases), where stray stores land in the guard "
+                f"regions and are reported.") from e
         if hasattr(e, "add_note") and not zero_guards:
             e.add_note(f"gpulab: raised while checking {spec.name}, {where}")
         raise
