@@ -70,9 +70,9 @@ class DeviceFault(CheckFailure):
     ends there, since the process's CUDA context cannot run anything after it."""
 
 
-# What CUDA reports when a kernel touches memory that is not mapped (sticky errors: every
-# later CUDA call of the process fails with them too).
-_DEVICE_FAULTS = ("illegal memory access", "misaligned address", "unspecified launch failure")
+# What CUDA reports when a kernel touches memory that is not mapped (a sticky error: every
+# later CUDA call of the process fails with it too).
+_ILLEGAL_ACCESS = "illegal memory access"
 
 
 @dataclass
@@ -785,11 +785,10 @@ def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=Fals
             if runtime.mode() == "compiled":
                 torch.cuda.synchronize()
     except Exception as e:  # keep the learner's own error type, add where it happened
-        fault = next((f for f in _DEVICE_FAULTS if f in str(e)), None)
-        if fault:
+        if _ILLEGAL_ACCESS in str(e):
             raise DeviceFault(
-                f"{spec.name}: {where}:\n  the GPU stopped the call: {fault} (CUDA). A load or store went "
-                f"far outside every buffer, beyond the guard regions around the inputs and outputs: "
+                f"{spec.name}: {where}:\n  the GPU stopped the call: an {_ILLEGAL_ACCESS} (CUDA). A load or "
+                f"store went far outside every buffer, beyond the guard regions around the inputs and outputs: "
                 f"typically a missing mask, or an index meant for a larger tensor (one row per input row "
                 f"where the output has fewer rows, say).\n  This Python process cannot use the GPU any "
                 f"more: restart it (in Jupyter, restart the kernel). To see which access, run the check "
