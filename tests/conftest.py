@@ -28,9 +28,10 @@ if not gpulab.runtime._cuda_available():
     torch.set_num_threads(1)
 
 
-# A device-side assert (an out-of-range index in a PyTorch op, say) leaves the process's
-# CUDA context unusable, so every later test on the same pytest worker would fail with
-# it too. Stop that worker instead: pytest-xdist reports the test as the one it crashed
+# A device-side assert (an out-of-range index in a PyTorch op, say) or an illegal memory
+# access (a kernel's store far outside its buffers) leaves the process's CUDA context
+# unusable, so every later test on the same pytest worker would fail with it too. Stop
+# that worker instead: pytest-xdist reports the test as the one it crashed
 # on and goes on with a fresh worker (without xdist, the session stops there).
 _poisoned_by = None
 
@@ -39,7 +40,8 @@ _poisoned_by = None
 def pytest_runtest_makereport(item, call):
     global _poisoned_by
     yield
-    if call.excinfo is not None and _poisoned_by is None and "device-side assert" in str(call.excinfo.value):
+    if call.excinfo is not None and _poisoned_by is None and \
+            any(f in str(call.excinfo.value) for f in ("device-side assert", "illegal memory access")):
         _poisoned_by = item.nodeid
 
 

@@ -77,6 +77,21 @@ def test_the_learners_own_exception_propagates_with_a_note():
     assert "gpulab: raised while checking test-copy" in "".join(getattr(info.value, "__notes__", []))
 
 
+def test_a_gpu_fault_ends_the_check_with_a_clear_message():
+    """A kernel that stores far outside every buffer makes CUDA fail the call (sticky: the
+    process cannot use the GPU after it). The check says so and runs nothing more. On a CPU
+    the same error is raised by hand."""
+    calls = []
+
+    def wild(x, y):
+        calls.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(checking.DeviceFault) as info:
+        checking.check(_copy_spec(), wild, quiet=True)
+    assert len(calls) == 1 and "outside every buffer" in str(info.value) and "restart" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 def test_returning_spec():
     spec = _copy_spec(name="test-return", outputs=None, returns=("y",))
     checking.check(spec, lambda x: 2 * x, quiet=True)

@@ -1,6 +1,7 @@
 """Notebook 07's checks accept the engine's own parts and reject planted wrong ones,
 each with a message that names the broken rule."""
 import pytest
+import torch
 
 from gpulab.engine.block_manager import BlockManager, chain_hash
 from gpulab.engine.scheduler import ScheduledBatch, Scheduler
@@ -245,3 +246,17 @@ def test_decode_hook_check_rejects_a_wrong_hook():
         return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=1.0)
     with pytest.raises(CheckFailure, match="decode hook"):
         check_decode_hook(no_scale)
+
+
+def test_decode_hook_check_names_an_o_never_written_whatever_memory_it_got():
+    """On a GPU the caching allocator hands a freed block back as it is: an o the hook
+    never wrote once held an earlier call's right answer, and the check let it through.
+    The worst case of such an allocator: memory the check did not fill holds the right answer."""
+    def never_written(q, k_cache, v_cache, block_table, seq_lens):
+        o = torch.empty_like(q)
+        if not bool(o.isnan().all()):   # a stale block: a previous call's right answer
+            o.copy_(paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens))
+        return o
+    with pytest.raises(CheckFailure, match="the o you return"):
+        check_decode_hook(never_written)
+    assert not torch.are_deterministic_algorithms_enabled()   # the check restores PyTorch's mode

@@ -132,15 +132,17 @@ def test_two_phase_is_not_the_automatic_choice_yet():
     assert {mlgru.choose_kernel(T) for T in (1, 33, 8192, 1 << 20)} == {"recurrent", "chunked"}
 
 
-def test_two_phase_check_rejects_a_lost_carry():
-    """Every chunk starting from zero (phase 2 skipped) is caught, with the diagnosis."""
+@pytest.mark.parametrize("chunk", sorted({C, mlgru.TWO_PHASE_CHUNK}))
+def test_two_phase_check_rejects_a_lost_carry(chunk):
+    """Every chunk starting from zero (phase 2 skipped) is caught, with the diagnosis, for the
+    interpreter's chunk and the GPU's (the diagnosis does not know which chunk ran)."""
     def no_carry(f, i, h0, h, h_last):
-        for t0 in range(0, f.shape[1], C):
-            sl = slice(t0, t0 + C)
+        for t0 in range(0, f.shape[1], chunk):
+            sl = slice(t0, t0 + chunk)
             mlgru.scan_recurrent_into(f[:, sl].contiguous(), i[:, sl].contiguous(), torch.zeros_like(h0),
                                       hs := torch.empty_like(h[:, sl]), h_last)
             h[:, sl] = hs
-    msg = rejects("mlgru_scan_two_phase", no_carry, cases=[Case("3 chunks", dict(B=1, T=2 * C + 4, D=5))])
+    msg = rejects("mlgru_scan_two_phase", no_carry, cases=[Case("3 chunks", dict(B=1, T=2 * chunk + 4, D=5))])
     assert "output `h` is wrong" in msg and "every chunk of time steps starts from 0" in msg
 
 

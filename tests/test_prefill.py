@@ -16,6 +16,7 @@ import gpulab
 from gpulab import attention, paged, prefill
 from gpulab.grading import prefill as G
 from gpulab.harness.checking import Guarded, rejects
+from gpulab.harness.spec import Case
 
 from helpers import on_gpu
 
@@ -429,6 +430,31 @@ def test_check_rejects_wrong_kernels(mutant, labels, expect):
     with pytest.raises(gpulab.CheckFailure) as info:
         G.check_append_attention(fn, cases=_mutant_cases(*labels), dtypes=[torch.float32], quiet=True)
     assert expect in str(info.value), str(info.value)
+
+
+def test_missing_row_mask_is_named_when_only_surplus_items_write_outside():
+    """Compiled, the GPU case's last request filled whole tiles: the only stores outside o
+    and lse were those of the work list's surplus items (request -1, tile index < 0), rows
+    before the start. Here the same on the interpreter's tiles (16 tokens for G = 2): the
+    last request has 16 new tokens, and 38 tokens in 4 tiles leave 2 surplus items."""
+    fn = _mutant_module("no_tail_mask", *KERNEL_MUTANTS["no_tail_mask"])
+    whole_tiles = Case("ragged, last request whole tiles",
+                       dict(new=[5, 17, 16], hist=[7, 0, 20], page=8, hq=4, hkv=2, d=16))
+    if on_gpu():   # the GPU's float32 tile is 16 tokens as well (BLOCK_M 64, G = 4)
+        whole_tiles = _mutant_cases("ragged, longest fills its table")[0]
+    msg = rejects("append_attention", fn, cases=[whole_tiles], dtypes=[torch.float32])
+    assert "before the start of output `o`" in msg and "past the end" not in msg, msg
+    assert "mask the tile's rows" in msg and "surplus item" in msg, msg
+
+
+def test_a_shifted_store_is_still_named_a_wrong_base_pointer():
+    """Rows stored one row early: one row before o's start, and o's last row never written:
+    a shifted pointer, not extra rows."""
+    fn = _mutant_module("o_row_minus_one", ("tl.store(o_ptr + row[:, None] * stride_ot",
+                                            "tl.store(o_ptr + (row[:, None] - 1) * stride_ot"))
+    msg = rejects("append_attention", fn, cases=_mutant_cases(*_RAGGED), dtypes=[torch.float32])
+    assert "before the start of output `o`: a negative offset or a wrong base pointer" in msg, msg
+    assert "mask the tile's rows" not in msg, msg
 
 
 def _torch_mutant(**mistake):

@@ -22,7 +22,7 @@ from ..engine.block_manager import BlockManager, chain_hash
 from ..engine.engine import LLM, EngineConfig
 from ..engine.model import TINY, TernaryTransformer, encode_prompt, reference_generate
 from ..engine.sequence import SamplingParams, Sequence
-from ..harness.checking import CheckFailure, scenario_check
+from ..harness.checking import CheckFailure, new_memory_is_nan, scenario_check
 from ..paged import OutOfPages, paged_decode_reference
 
 _ids = itertools.count()
@@ -464,7 +464,8 @@ def _hook_direct(hook) -> None:
     block_table = torch.tensor([[6, 2, 8], [3, 0, 0], [1, 7, 4]], dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([11, 3, 9], dtype=torch.int32, device=dev)
     args = (q.clone(), k_cache.clone(), v_cache.clone(), block_table.clone(), seq_lens.clone())
-    o = hook(*args)
+    with new_memory_is_nan():   # an o never written is NaN (on a GPU it could hold a freed right answer)
+        o = hook(*args)
     sig = "decode_hook(q, k_cache, v_cache, block_table, seq_lens)"
     _expect(o is not None, part, f"{sig} returned None", "return o (the attention output), not only fill it")
     _expect(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(q.shape), part,
@@ -492,6 +493,10 @@ def _hook_direct(hook) -> None:
     if any(ok) and all(x == (not lg) for x, lg in zip(ok, long)):
         _fail(part, what + ": right for the sequence that fits one page, wrong for longer ones",
               "pass the whole block_table: the kernel must read every page of each sequence")
+    if o.is_floating_point() and bool(o.isnan().all()):
+        _fail(part, what + ": every element is NaN, and the check fills new tensors with NaN",
+              "most likely nothing wrote the o you return: pass that very tensor to the launcher as its "
+              "output (if it does, look for a 0/0 in the kernel)")
     if not any(ok):
         _fail(part, what + ": no sequence's output is attention's (nor one token short, nor with k and v "
               "swapped)", "check that the launcher writes the o you return (same tensor, same dtype and shape)")

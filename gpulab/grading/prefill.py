@@ -8,8 +8,7 @@ import math
 import torch
 
 from .. import prefill
-from ..harness.checking import CheckFailure
-from ..harness.checking import check
+from ..harness.checking import check, format_ranges
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import gather_kv, to_flashinfer
 from .paged import make_page_pool
@@ -253,6 +252,33 @@ def boundary_rows_hint(got, expected, inputs, dtype):
             "(token < n_b), not just the KV columns.")
 
 
+def stray_rows_hint(output, rows, unwritten, inputs):
+    """Stores outside o or lse (spec ``stray_write_hint``): whole token rows right next to
+    the output while every element of it was written are extra rows, the rows of a q tile
+    beyond its request's new tokens: past the end from the last request's last tile, before
+    the start from a work item without a request (a surplus item of the work list, whose
+    tile index is negative). Stores that also left part of the output unwritten, or that
+    land away from its ends, are shifted ones: the generic message (a wrong base pointer
+    or offset) stands."""
+    total_q = inputs["q"].shape[0]
+    before = [r for r in rows if r < 0]
+    after = [r for r in rows if r >= total_q]
+    if unwritten or not rows or before != list(range(-len(before), 0)) or \
+            after != list(range(total_q, total_q + len(after))):
+        return None
+    where = []
+    if before:
+        where.append(f"token rows {format_ranges(before)} before the start: a work item without a request "
+                     f"(a surplus item of the work list, its tile index negative) stored its tile")
+    if after:
+        where.append(f"token rows {format_ranges(after)} past the end: the last request's last tile")
+    return (f"the stores outside the output are whole token rows next to it, and every row of it was written "
+            f"as well, so its base pointer is right: they are rows of q tiles beyond their request's new tokens "
+            f"({'; '.join(where)}). In append attention the q axis is ragged: mask the tile's rows "
+            f"(token < n_b, and no row for an item without a request) in the loads of q and the stores, "
+            f"not just the KV columns.")
+
+
 # =========================================================================================
 # Cases and specs
 # =========================================================================================
@@ -317,6 +343,7 @@ _COMMON = dict(
     output_tolerances={"lse": APPEND_LSE_TOL},
     read_inputs=("q", "k_cache", "v_cache"),
     hint=append_attention_hint,
+    stray_write_hint=stray_rows_hint,
     axes={"o": ("token", "head", "dim"), "lse": ("token", "head")},
     strided=("q", "k_cache", "v_cache", "block_tables", "o", "lse"),
     fresh_case=fresh_append_case,
@@ -372,15 +399,7 @@ APPEND_KV = KernelSpec(
 def check_append_attention(fn, **kw):
     """Check a launcher ``fn(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal,
     sm_scale, o, lse)`` writing o [total_q, Hq, D] and lse [total_q, Hq] (natural log)."""
-    try:
-        return check(APPEND_ATTENTION, fn, **kw)
-    except CheckFailure as e:
-        msg = str(e)
-        if "past the end of output `o`" in msg or "past the end of output `lse`" in msg:
-            msg += ("\n  Hint: in append attention this is the ragged q axis: the last request's last "
-                    "q tile covers rows past its n_b new tokens; mask the tile's rows (token < n_b).")
-            raise CheckFailure(msg) from None
-        raise
+    return check(APPEND_ATTENTION, fn, **kw)
 
 
 def check_append_kv(fn, **kw):

@@ -65,6 +65,16 @@ class CheckFailure(AssertionError):
     """Raised by a check with a diagnosis of what is wrong."""
 
 
+class DeviceFault(CheckFailure):
+    """The GPU stopped the learner's kernel (an access outside every buffer): the check
+    ends there, since the process's CUDA context cannot run anything after it."""
+
+
+# What CUDA reports when a kernel touches memory that is not mapped (a sticky error: every
+# later CUDA call of the process fails with it too).
+_ILLEGAL_ACCESS = "illegal memory access"
+
+
 @dataclass
 class CheckReport:
     name: str
@@ -162,6 +172,16 @@ class Guarded:
         """Changed elements in the padding between rows (strided views only)."""
         changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
         return int(changed[self.guard:self.guard + self.extent].sum())
+
+    def stray_rows(self) -> list[int]:
+        """Indices along the tensor's first axis of the elements changed outside it:
+        negative before its start, its length or more past its end (not the padding
+        between its rows)."""
+        changed = (~_same_bits(self.buf, self.pristine)).cpu() & ~self.valid
+        pos = changed.nonzero().reshape(-1) - self.guard        # from the tensor's first element
+        pos = pos[(pos < 0) | (pos >= self.extent)]
+        stride = self.inner.stride(0) if self.inner.dim() else 1
+        return sorted(set(torch.div(pos, stride, rounding_mode="floor").tolist()))
 
     def last_damaged_after(self) -> int:
         changed = (~_same_bits(self.buf, self.pristine)).cpu()
@@ -266,6 +286,28 @@ def learner_kernel_rule_active() -> bool:
         return _ENFORCE_OVERRIDE[-1]
     ipython = sys.modules.get("IPython")
     return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+@contextlib.contextmanager
+def new_memory_is_nan():
+    """Within this block ``torch.empty`` (and ``empty_like``, ``new_empty``) returns NaN
+    (floats) or the largest integer, so a tensor a learner's function allocates and never
+    writes is recognisable. Outside it, on a GPU the caching allocator hands back a freed
+    block as it is, which may hold an earlier call's right answer. PyTorch's deterministic
+    mode does the filling (``warn_only``: operations without a deterministic version run
+    as usual, their warnings silenced)."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
 
 
 # -- watching the learner's call -------------------------------------------------------------
@@ -530,6 +572,8 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
         label = f"{case}, {str(dtype).replace('torch.', '')}" + (f", {variant}" if variant else "")
         try:
             err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant)
+        except DeviceFault:
+            raise           # nothing more can run on this GPU
         except CheckFailure as f:
             text = str(f)
             failures.append((getattr(f, "telling", 1 if "Hint:" in text else 0), i, text, label))
@@ -623,18 +667,25 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
 
     guarded_in, guarded_out, result, watch = _guarded_call(spec, fn, inputs, dtype, device, pads, where)
     problems = watch.load_problems()
+    stray_hints = []
     for k, g in guarded_out.items():
         before, after = g.guard_damage()
         gap = g.gap_damage()
         after -= gap
+        cause = None        # the spec's own reading of the stray stores (then given as the hint)
+        if (before or after) and spec.stray_write_hint is not None:
+            cause = spec.stray_write_hint(k, g.stray_rows(), int(_poisoned(g.inner).sum()), inputs)
+            if cause and cause not in stray_hints:
+                stray_hints.append(cause)
         if after:
             problems.append(
                 f"wrote {after} element(s) past the end of output `{k}` (up to "
-                f"{g.last_damaged_after()} elements beyond it): a store is missing its mask, "
-                f"or the mask lets through offsets ≥ the length (mask = offsets < n).")
+                f"{g.last_damaged_after()} elements beyond it)" + (": see the hint." if cause else
+                ": a store is missing its mask, or the mask lets through offsets ≥ the length "
+                "(mask = offsets < n)."))
         if before:
-            problems.append(f"wrote {before} element(s) before the start of output `{k}`: "
-                            f"a negative offset or a wrong base pointer.")
+            problems.append(f"wrote {before} element(s) before the start of output `{k}`"
+                            + (": see the hint." if cause else ": a negative offset or a wrong base pointer."))
         if gap:
             problems.append(f"wrote {gap} element(s) into the padding between the rows of output `{k}`: "
                             f"it is a strided view here (row stride {g.inner.stride(-2)}); index its rows "
@@ -647,6 +698,7 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
         if not bool(_same_bits(g.inner, inputs[k]).all()):
             problems.append(f"input `{k}` was modified: a kernel must not write to its inputs.")
     problems += [f"{b}: write a result of the output's exact shape." for b in watch.broadcast.found]
+    problems += [f"Hint: {h}" for h in stray_hints]
     if problems:
         failure = CheckFailure(f"{spec.name}: {where}:\n  " + "\n  ".join(problems))
         failure.telling = 3
@@ -733,6 +785,15 @@ def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=Fals
             if runtime.mode() == "compiled":
                 torch.cuda.synchronize()
     except Exception as e:  # keep the learner's own error type, add where it happened
+        if _ILLEGAL_ACCESS in str(e):
+            raise DeviceFault(
+                f"{spec.name}: {where}:\n  the GPU stopped the call: an {_ILLEGAL_ACCESS} (CUDA). A load or "
+                f"store went far outside every buffer, beyond the guard regions around the inputs and outputs: "
+                f"typically a missing mask, or an index meant for a larger tensor (one row per input row "
+                f"where the output has fewer rows, say).\n  This Python process cannot use the GPU any "
+                f"more: restart it (in Jupyter, restart the kernel). To see which access, run the check "
+                f"on a CPU (Triton's interpreter, smaller cases), where stray stores land in the guard "
+                f"regions and are reported.") from e
         if hasattr(e, "add_note") and not zero_guards:
             e.add_note(f"gpulab: raised while checking {spec.name}, {where}")
         raise

@@ -73,6 +73,12 @@ class KernelSpec:
     # Spec-specific diagnosis, tried before the generic hints:
     # hint(output_name, got, expected, inputs) -> str | None
     hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
+    # Spec-specific diagnosis of stores outside an output, added to the generic message:
+    # stray_write_hint(output_name, rows, unwritten, inputs) -> str | None, with ``rows``
+    # the indices along the output's first axis that were written outside it (negative:
+    # before its start; >= its length: past its end) and ``unwritten`` the number of its
+    # own elements never written (0 when the stray stores are extra ones, not shifted).
+    stray_write_hint: Callable[[str, list, int, dict], str | None] | None = None
     # Time with CUDA graphs (no Python launch overhead): for kernels of a few µs, such as
     # decode, whose launch cost would otherwise dominate (see gpulab.harness.bench.time_graph_ms).
     graph_timing: bool = False
