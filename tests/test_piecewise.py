@@ -225,19 +225,28 @@ def test_engine_with_captured_piecewise_graphs_serves_what_the_eager_engine_does
 def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypatch):
     """The runner builds the append kernel's work list once per step (plan_append_attention)
     and every layer only launches the kernel: the same output as the reference, written
-    into ``out`` when given. (The kernel runs in Triton's interpreter here.)"""
+    into ``out`` when given. (The kernel runs in Triton's interpreter on a CPU, compiled on
+    a GPU: the inputs live on gpulab's device either way.)"""
     from gpulab.engine import batch_attention
     torch.manual_seed(3)
+    dev = gpulab.device()
     hq, hkv, d, pages, page = 4, 2, 16, 12, 4
-    kc, vc = torch.randn(pages, page, hkv, d), torch.randn(pages, page, hkv, d)
-    indptr = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32)
-    lens = torch.tensor([7, 4, 11], dtype=torch.int32)
-    q = torch.randn(9, hq, d)
+    kc, vc = torch.randn(pages, page, hkv, d, device=dev), torch.randn(pages, page, hkv, d, device=dev)
+    indptr_host = torch.tensor([0, 3, 4, 9], dtype=torch.int32)             # as a plan has it
+    indptr = indptr_host.to(dev)
+    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([7, 4, 11], dtype=torch.int32, device=dev)
+    q = torch.randn(9, hq, d, device=dev)
     want = batch_attention.append_attention_reference(q, kc, vc, indptr, table, lens)
     monkeypatch.setattr(batch_attention.runtime, "mode", lambda: "compiled")
-    work = batch_attention.plan_append_attention(indptr, 9, q.dtype, hq, hkv, d)
-    out = torch.full((9, hq, d), float("nan"))
+    # built from a host indptr, the list still lands on q's device
+    work = batch_attention.plan_append_attention(indptr_host, 9, q.dtype, hq, hkv, d, device=q.device)
+    assert all(t.device == q.device for t in work[1:]), [t.device for t in work[1:]]
+    out = torch.full((9, hq, d), float("nan"), device=dev)
     got = batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=work)
     assert got is out
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a work list on another device than q is refused before any launch
+    elsewhere = (work[0], *(t.to("meta") for t in work[1:]))
+    with pytest.raises(ValueError, match="one device.*work_req on meta"):
+        batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=elsewhere)
