@@ -15,6 +15,7 @@ from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sampling import filter_top_k_top_p
 from gpulab.engine.sequence import RequestError, SamplingParams, Sequence
 from gpulab.engine.static import StaticBatchLLM
+from helpers import assert_tokens_match
 
 SYSTEM = "You are a poet of the old school. Answer in verse: "
 PROMPTS = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day? Thou art more",
@@ -31,28 +32,6 @@ def model():
 @pytest.fixture(scope="module")
 def expected(model):
     return [reference_generate(model, encode_prompt(p), n) for p, n in zip(PROMPTS, MAX_TOKENS)]
-
-
-def logits_after(model, tokens):
-    with torch.no_grad():
-        h = model.hidden_states(torch.tensor(tokens, device=model.rope_cos.device),
-                                torch.arange(len(tokens), device=model.rope_cos.device),
-                                lambda layer, q, k, v: attention_with_history(q, k, v), reference=True)
-        return model.logits(h[-1])
-
-
-def assert_tokens_match(model, prompts, got, want, near_tie=1e-3):
-    """Equal tokens; on a GPU (Triton kernels vs PyTorch reference: other rounding), a
-    difference is accepted only where the reference's two candidates are a near tie."""
-    for p, g, w in zip(prompts, got, want):
-        if g == w:
-            continue
-        i = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-        assert gpulab.mode() == "compiled" and i < min(len(g), len(w)), f"{p!r}: {g} != reference {w}"
-        logits = logits_after(model, encode_prompt(p) + w[:i])
-        gap = float(logits[w[i]] - logits[g[i]])
-        assert gap < near_tie * max(1.0, float(logits.abs().max())), \
-            f"{p!r}: token {i} is {g[i]}, the reference's {w[i]} leads by {gap:.3g} (not a near tie)"
 
 
 def serve(model, prompts=PROMPTS, max_tokens=MAX_TOKENS, **cfg):
