@@ -14,6 +14,7 @@ from gpulab.engine.piecewise import PiecewiseGraphs, token_buckets
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sequence import SamplingParams, Sequence
 from gpulab.parallel.tensor_parallel_model import TensorParallelTransformer
+from helpers import assert_tokens_match
 
 ON_GPU = gpulab.mode() == "compiled" and torch.cuda.is_available()
 BS = 4                                   # tokens per page
@@ -137,20 +138,26 @@ def test_padded_rows_hold_stale_tokens_and_change_nothing(model):
 def test_engine_greedy_output_under_piecewise_emulation_equals_reference(model):
     """The whole engine with every step that a decode graph does not run going through
     the piecewise path (emulated): the reference decoder's tokens, under chunked prefill
-    mixed with decodes, and the piecewise path really ran."""
+    mixed with decodes, and steps with prompt chunks ran in both buckets.
+
+    Prompts of 2, 28, 40 and 33 tokens under a budget of 24: four full steps, then one of
+    3 decodes and the last 12 prompt tokens (bucket 16). Only steps with prompt rows
+    count: decode-only steps replay decode graphs on a GPU (the piecewise path sees them
+    only on a CPU, where there are no graphs)."""
     prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?",
-               "0123456789abcdef0123456789abcdef0123456789"]
+               "0123456789abcdef0123456789abcdef"]
     max_tokens = [7, 6, 5, 6]
     want = [reference_generate(model, encode_prompt(p), n) for p, n in zip(prompts, max_tokens)]
     llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
     assert llm.runner.piecewise is None or ON_GPU          # nothing captured on a CPU by itself
     assert llm.runner.capture_piecewise(24, emulate=True) and llm.runner.piecewise.buckets == [16, 24]
-    calls = []
+    calls = []                                             # (rows, decode rows) of each piecewise step
     run = llm.runner.piecewise.run
-    llm.runner.piecewise.run = lambda plan: calls.append(plan.input_ids.shape[0]) or run(plan)
+    llm.runner.piecewise.run = lambda plan: calls.append((plan.input_ids.shape[0], plan.num_decode)) or run(plan)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
-    assert [o.token_ids for o in outs] == want
-    assert calls and max(calls) > 16 and min(calls) <= 16, calls
+    assert_tokens_match(model, prompts, [o.token_ids for o in outs], want)
+    chunked = [rows for rows, nd in calls if rows > nd]    # steps that carry prompt chunks
+    assert chunked == [24, 24, 24, 24, 15], calls          # the schedule is the same on a CPU and a GPU
     assert llm.idle()
 
 
