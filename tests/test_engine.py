@@ -331,6 +331,30 @@ def test_frozen_heap_keeps_the_start_up_heap_out_of_collections_and_nests():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.parametrize("budget, block_size, num_blocks", [(48, 4, 48), (2, 4, 8), (40, 8, 5)])
+def test_warm_up_plants_no_layout_fault(model, monkeypatch, budget, block_size, num_blocks):
+    """Every step of the warm-up has a valid layout: each length within its block table's
+    capacity, each page used a page of the pool (the checks validate=True runs), for the
+    decode rows and the append rows alike; gpulab's decode kernel (interpreted here) and
+    the eager decode plan, which reports recorded faults, run as on the GPU, and nothing
+    is recorded. For the speculative tests' engine (48 tokens, pages of 4), a budget below
+    a page, and a pool smaller than the budget."""
+    from gpulab import paged, prefill
+    runner = ModelRunner(model, num_blocks, block_size, max_num_seqs=8, attention="triton", linear="torch")
+    plans, forward = [], runner.forward
+    monkeypatch.setattr(runner, "forward", lambda plan: plans.append(plan) or forward(plan))
+    runner.warm_up(budget)
+    pages = runner.k_cache.shape[1]
+    mixed = any(p.num_decode and p.append_lens.numel() for p in plans)
+    assert mixed == (budget > 2), "the mixed step: a decode row beside a prompt chunk (two 1-token rows below 3)"
+    for plan in plans:
+        paged.require_paged_layout(plan.decode_table, plan.decode_lens, block_size, pages)
+        if plan.append_lens.numel():
+            prefill.require_append_layout(plan.append_indptr, plan.append_table, plan.append_lens, pages,
+                                          block_size, plan.input_ids.shape[0] - plan.num_decode)
+    paged.raise_recorded_faults(runner.device)             # raises LayoutFault if a kernel met one
+
+
 def test_warm_up_runs_every_prefill_size_and_changes_no_output(model, expected):
     """The start-up warm-up (compiled mode: so that autotuning happens before the first
     request) runs prefills of 1, 2, 4, ... tokens and a mixed step; afterwards the engine
