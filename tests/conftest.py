@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("GPULAB_AUTOTUNE", "0")
 
 import gpulab  # noqa: E402,F401  (sets the Triton mode before any test defines a kernel)
+from gpulab import paged  # noqa: E402
 
 
 @pytest.fixture
@@ -54,6 +55,26 @@ def pytest_runtest_logfinish(nodeid, location):
         sys.stderr.flush()
         os._exit(70)
     pytest.exit(msg, returncode=1)
+
+
+# A bad paged layout met by an unvalidated kernel is recorded in the device's fault flag
+# (gpulab.paged.fault_flag) and reported by the next plan or validating call anywhere in
+# the process: a fault one test leaves behind fails a later one in the same pytest worker
+# (on the H200 the engine's warm-up reported one that test_prefill's off-by-one mutant had
+# planted). So a test that plants a fault on purpose consumes it, and one left behind
+# fails the test that left it, here, on a CPU (the interpreter records faults too) as on a GPU.
+@pytest.fixture(autouse=True)
+def _no_layout_fault_left_behind(request):
+    yield
+    if _poisoned_by is not None:          # the CUDA context is gone; the worker restarts
+        return
+    try:
+        paged.raise_recorded_faults(gpulab.device())          # reports and clears
+        return
+    except paged.LayoutFault as e:
+        left = str(e)
+    pytest.fail(f"{request.node.nodeid} left a layout fault recorded (consume a planted one with "
+                f"pytest.raises(LayoutFault) around gpulab.paged.raise_recorded_faults): {left}", pytrace=False)
 
 
 # GPULAB_SHARD=k/n runs the k-th of n disjoint parts of the suite (tests spread by a hash of

@@ -14,6 +14,7 @@ from gpulab.engine.piecewise import PiecewiseGraphs, token_buckets
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sequence import SamplingParams, Sequence
 from gpulab.parallel.tensor_parallel_model import TensorParallelTransformer
+from helpers import assert_tokens_match
 
 ON_GPU = gpulab.mode() == "compiled" and torch.cuda.is_available()
 BS = 4                                   # tokens per page
@@ -137,20 +138,26 @@ def test_padded_rows_hold_stale_tokens_and_change_nothing(model):
 def test_engine_greedy_output_under_piecewise_emulation_equals_reference(model):
     """The whole engine with every step that a decode graph does not run going through
     the piecewise path (emulated): the reference decoder's tokens, under chunked prefill
-    mixed with decodes, and the piecewise path really ran."""
+    mixed with decodes, and steps with prompt chunks ran in both buckets.
+
+    Prompts of 2, 28, 40 and 33 tokens under a budget of 24: four full steps, then one of
+    3 decodes and the last 12 prompt tokens (bucket 16). Only steps with prompt rows
+    count: decode-only steps replay decode graphs on a GPU (the piecewise path sees them
+    only on a CPU, where there are no graphs)."""
     prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?",
-               "0123456789abcdef0123456789abcdef0123456789"]
+               "0123456789abcdef0123456789abcdef"]
     max_tokens = [7, 6, 5, 6]
     want = [reference_generate(model, encode_prompt(p), n) for p, n in zip(prompts, max_tokens)]
     llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
     assert llm.runner.piecewise is None or ON_GPU          # nothing captured on a CPU by itself
     assert llm.runner.capture_piecewise(24, emulate=True) and llm.runner.piecewise.buckets == [16, 24]
-    calls = []
+    calls = []                                             # (rows, decode rows) of each piecewise step
     run = llm.runner.piecewise.run
-    llm.runner.piecewise.run = lambda plan: calls.append(plan.input_ids.shape[0]) or run(plan)
+    llm.runner.piecewise.run = lambda plan: calls.append((plan.input_ids.shape[0], plan.num_decode)) or run(plan)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
-    assert [o.token_ids for o in outs] == want
-    assert calls and max(calls) > 16 and min(calls) <= 16, calls
+    assert_tokens_match(model, prompts, [o.token_ids for o in outs], want)
+    chunked = [rows for rows, nd in calls if rows > nd]    # steps that carry prompt chunks
+    assert chunked == [24, 24, 24, 24, 15], calls          # the schedule is the same on a CPU and a GPU
     assert llm.idle()
 
 
@@ -225,19 +232,28 @@ def test_engine_with_captured_piecewise_graphs_serves_what_the_eager_engine_does
 def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypatch):
     """The runner builds the append kernel's work list once per step (plan_append_attention)
     and every layer only launches the kernel: the same output as the reference, written
-    into ``out`` when given. (The kernel runs in Triton's interpreter here.)"""
+    into ``out`` when given. (The kernel runs in Triton's interpreter on a CPU, compiled on
+    a GPU: the inputs live on gpulab's device either way.)"""
     from gpulab.engine import batch_attention
     torch.manual_seed(3)
+    dev = gpulab.device()
     hq, hkv, d, pages, page = 4, 2, 16, 12, 4
-    kc, vc = torch.randn(pages, page, hkv, d), torch.randn(pages, page, hkv, d)
-    indptr = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32)
-    lens = torch.tensor([7, 4, 11], dtype=torch.int32)
-    q = torch.randn(9, hq, d)
+    kc, vc = torch.randn(pages, page, hkv, d, device=dev), torch.randn(pages, page, hkv, d, device=dev)
+    indptr_host = torch.tensor([0, 3, 4, 9], dtype=torch.int32)             # as a plan has it
+    indptr = indptr_host.to(dev)
+    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([7, 4, 11], dtype=torch.int32, device=dev)
+    q = torch.randn(9, hq, d, device=dev)
     want = batch_attention.append_attention_reference(q, kc, vc, indptr, table, lens)
     monkeypatch.setattr(batch_attention.runtime, "mode", lambda: "compiled")
-    work = batch_attention.plan_append_attention(indptr, 9, q.dtype, hq, hkv, d)
-    out = torch.full((9, hq, d), float("nan"))
+    # built from a host indptr, the list still lands on q's device
+    work = batch_attention.plan_append_attention(indptr_host, 9, q.dtype, hq, hkv, d, device=q.device)
+    assert all(t.device == q.device for t in work[1:]), [t.device for t in work[1:]]
+    out = torch.full((9, hq, d), float("nan"), device=dev)
     got = batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=work)
     assert got is out
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a work list on another device than q is refused before any launch
+    elsewhere = (work[0], *(t.to("meta") for t in work[1:]))
+    with pytest.raises(ValueError, match="one device.*work_req on meta"):
+        batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=elsewhere)

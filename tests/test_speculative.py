@@ -475,9 +475,42 @@ def test_checks_are_called_by_name_like_kernel_checks(capsys):
     assert "✔ rollback" in capsys.readouterr().out
 
 
+def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
+    """tools/speculative_bench.py compares each configuration's greedy tokens with the
+    target alone's through gpulab.engine.model.first_flip (the tests' comparison): equal
+    outputs pass, a flip at a near tie of the target's logits is reported and counted, any
+    other difference fails the run."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from gpulab.engine import model as engine_model
+    from gpulab.engine.model import encode_prompt, next_token_logits, reference_generate
+    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompt = encode_prompt("Tyger Tyger")
+    want = reference_generate(target, prompt, 6)
+    logits = next_token_logits(target, prompt + want[:3])
+    second = int(logits.topk(2).indices[1])              # the target's runner-up at token 3
+    flipped = want[:3] + [second] + want[4:]
+    out = lambda tokens: SimpleNamespace(prompt_token_ids=prompt, token_ids=tokens)   # noqa: E731
+    assert bench.near_tie_flips(target, [out(want)], [out(want)], "same") == []
+    with pytest.raises(AssertionError, match="changed the tokens of request 1: token 3 is .*NOT a near tie"):
+        bench.near_tie_flips(target, [out(want), out(flipped)], [out(want), out(want)], "flip")
+    monkeypatch.setitem(engine_model.NEAR_TIE, next(target.parameters()).dtype, 10.0)   # all ties near
+    with pytest.raises(AssertionError, match="agree up to token 4, then one of them stops"):
+        bench.near_tie_flips(target, [out(want[:4])], [out(want)], "short")     # no flip: not a tie
+    flips = bench.near_tie_flips(target, [out(want), out(flipped)], [out(want), out(want)], "tie")
+    assert [(f["request"], f["position"], f["got"], f["want"]) for f in flips] == [(1, 3, second, want[3])]
+    assert flips[0]["gap"] == pytest.approx(flips[0]["margin"]) and "a near tie" in capsys.readouterr().out
+
+
 def test_results_table_marks_adaptive_rows():
     from gpulab.engine.speculative import format_results
     row = dict(batch=1, draft="mlgru", k=4, tokens_per_s=100.0, speedup=1.5, acceptance=0.7, tokens_per_pass=2.1)
     text = format_results(dict(gpu="GPU", date="d", versions={}, max_tokens=8,
-                               rows=[row, dict(row, adaptive=True)]))
+                               rows=[row, dict(row, adaptive=True), dict(row, near_tie_flips=2)]))
     assert "   4 " in text and "<=4" in text
+    assert text.count("near-tie flip") == 1 and "(2 near-tie flips)" in text

@@ -3,7 +3,9 @@
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
-configuration must produce the same tokens, which is asserted):
+configuration must produce the target's tokens: issue 15 accepts a difference only where
+a near tie of the target's logits flipped, which bf16 rounding in another kernel or GEMM
+shape may do; each one is printed and counted in the JSON, any other fails the run):
 
 * tokens/s of the target alone (its decode CUDA graphs) and of speculative decoding with
   the shipped MLGRU draft, drafting and verifying in CUDA graphs (``graphs="auto"``), for
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import socket
@@ -36,7 +39,7 @@ from gpulab import runtime  # noqa: E402
 from gpulab.harness import bench  # noqa: E402
 from gpulab.engine import speculative as spec  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
-from gpulab.engine.model import TINY, load_checkpoint, prepare_for_serving  # noqa: E402
+from gpulab.engine.model import NEAR_TIE, TINY, first_flip, load_checkpoint, prepare_for_serving  # noqa: E402
 from gpulab.engine.sequence import SamplingParams  # noqa: E402
 from gpulab.engine.train import train_model  # noqa: E402
 
@@ -95,6 +98,22 @@ def graph_times(llm, batch) -> dict:
     return out
 
 
+def near_tie_flips(target, outs, want, label: str) -> list[dict]:
+    """Where ``outs`` differ from the target alone's ``want``, request by request: the
+    first differing token and the target's logits there (reference forward,
+    :func:`gpulab.engine.model.first_flip`, the tests' comparison too). Returns the
+    near-tie flips; any other difference fails the benchmark."""
+    flips = []
+    for i, (o, w) in enumerate(zip(outs, want)):
+        flip = first_flip(target, o.prompt_token_ids, o.token_ids, w.token_ids)
+        if flip is None:
+            continue
+        print(f"    {label}, request {i}: {flip.describe()}", flush=True)
+        assert flip.near_tie, f"{label} changed the tokens of request {i}: {flip.describe()}"
+        flips.append(dict(request=i, **dataclasses.asdict(flip)))
+    return flips
+
+
 def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None):
     """Rows for one batch size: the target alone, then each (draft, k, graphs)."""
     waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
@@ -113,7 +132,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
                                   graphs=graphs)
         outs, tps = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in want], f"{name} k={k} changed tokens"
+        flips = near_tie_flips(target, outs, want, f"batch {batch} {name} k={k} graphs={graphs}")
         steps = llm.metrics.steps
         stats = llm.stats
         rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
@@ -123,7 +142,8 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_verify=llm.verify_graphs is not None,
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
-                         mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps))))
+                         mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
+                         near_tie_flips=len(flips), flips=flips))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}: {tps:.0f} tok/s "
@@ -207,7 +227,7 @@ def main(argv=None) -> int:
     ks = (2, 4) if args.quick else (2, 4, 6)
     repeats = 1 if args.quick else 2
     result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
-                  max_tokens=args.max_tokens, rows=[])
+                  max_tokens=args.max_tokens, near_tie_rel_tol=NEAR_TIE[dtype], rows=[])
 
     def save():   # after every stage: a run cut short keeps what it measured
         result["seconds"] = time.perf_counter() - t_start

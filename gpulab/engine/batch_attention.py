@@ -27,6 +27,7 @@ from ..paged import fault_flag, gather_kv, paged_decode_attention, paged_decode_
 from ..prefill import append_attention as append_attention_kernel
 from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .. import runtime
+from ..validate import require_same_device
 
 
 def append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
@@ -69,6 +70,10 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
             return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
                                            sm_scale=scale, out=out)
         tiles, work_req, work_tile = work
+        # attribute reads only (no sync): a list left on another device than q is an
+        # error here, not a launch on host memory or another GPU's
+        require_same_device(q=q, k_cache=k_cache, qo_indptr=qo_indptr, block_tables=block_tables,
+                            kv_lens=kv_lens, work_req=work_req, work_tile=work_tile, out=out)
         o = torch.empty_like(q) if out is None else out
         launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
                                 o, None, fault_flag(q.device), True, scale, tiles)
@@ -78,10 +83,16 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
 
 
 def plan_append_attention(qo_indptr: torch.Tensor, total_q: int, dtype: torch.dtype, n_heads: int,
-                          n_kv_heads: int, head_dim: int) -> tuple:
+                          n_kv_heads: int, head_dim: int, device=None) -> tuple:
     """The append kernel's tile sizes and work list for a step's ``total_q`` append rows
     (what :func:`gpulab.prefill.append_attention` builds at every call), built on the
-    device without a host sync: (tiles, work_req, work_tile)."""
+    device without a host sync: (tiles, work_req, work_tile).
+
+    ``device``: where the step's q and caches live (default: ``qo_indptr``'s). The work
+    list is built there; an indptr on another device (the host) is copied there first,
+    once per step (non-blocking), so that every layer's launch finds the list beside q."""
+    if device is not None and qo_indptr.device != torch.device(device):
+        qo_indptr = qo_indptr.to(device, non_blocking=True)
     group = n_heads // n_kv_heads
     tiles = append_tile_config(dtype, head_dim, group)
     return (tiles, *append_schedule_device(qo_indptr, total_q, tiles["BLOCK_M"] // group))

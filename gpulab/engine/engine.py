@@ -308,19 +308,27 @@ def frozen_heap():
     """Serve with the objects that exist now (model, PyTorch, Triton, the engine) frozen
     out of the garbage collector (``gc.freeze``, as vLLM does after start-up): a full
     collection during serving then walks only what serving allocated, instead of
-    stalling one step for a tenth of a second or more. Unfrozen when the outermost
-    ``with`` exits (nothing leaks)."""
-    FREEZE_DEPTH[0] += 1
+    stalling one step for a tenth of a second or more.
+
+    Blocks nest: the outermost one unfreezes when it exits, and only if the heap held no
+    frozen objects when it entered. ``gc`` can only thaw everything at once, so when
+    someone else (the host program, a library) had frozen objects first, they stay
+    frozen, with ours, for that owner's ``gc.unfreeze``: unfreezing here would undo a
+    freeze that is not ours."""
+    if FREEZE["depth"] == 0:
+        FREEZE["found"] = gc.get_freeze_count()
+    FREEZE["depth"] += 1
     gc.freeze()
     try:
         yield
     finally:
-        FREEZE_DEPTH[0] -= 1
-        if not FREEZE_DEPTH[0]:
+        FREEZE["depth"] -= 1
+        if FREEZE["depth"] == 0 and FREEZE["found"] == 0:
             gc.unfreeze()
 
 
-FREEZE_DEPTH = [0]          # nested frozen_heap() blocks open now
+# nested frozen_heap() blocks open now, and the freeze count the outermost one found
+FREEZE = {"depth": 0, "found": 0}
 
 
 def generate_all(engine, prompts, params=None, progress: bool = False) -> list[RequestOutput]:

@@ -321,3 +321,65 @@ def attention_with_history(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     allowed = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
     p = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
     return torch.einsum("htn,nhd->thd", p, v.float().repeat_interleave(g, 1)).to(q.dtype)
+
+
+# -- comparing greedy outputs -----------------------------------------------------------------
+# Greedy tokens are an argmax: where the model's two best candidates are nearly tied, any
+# other rounding (another kernel, reduction order or GEMM shape; bf16 activations) may pick
+# the other one, and from there the outputs part. What counts as "nearly" is relative to
+# the largest logit there: 1e-3 for float32 work (TF32 dots, reordered sums), and for
+# 16-bit activations about four roundings of the largest logit (a rounding is at most
+# 2^-8 of a value in bf16, 2^-11 in fp16).
+NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
+
+
+@torch.no_grad()
+def next_token_logits(model: TernaryTransformer, tokens: list[int]) -> torch.Tensor:
+    """Logits [vocab] (float32) of the token after ``tokens``: the reference forward
+    (PyTorch ops only, contiguous attention), in the model's own dtype."""
+    dev = model.rope_cos.device
+    h = model.hidden_states(torch.tensor(tokens, device=dev), torch.arange(len(tokens), device=dev),
+                            lambda layer, q, k, v: attention_with_history(q, k, v), reference=True)
+    return model.logits(h[-1])
+
+
+@dataclass
+class TokenFlip:
+    """Where two greedy outputs for one prompt first differ, judged by the reference
+    logits after the prompt and the tokens both share."""
+    position: int             # index into the generated tokens
+    got: int | None           # None: one output is a prefix of the other (no token flipped)
+    want: int | None
+    gap: float                # reference logit of ``want`` minus that of ``got`` (nan if no flip)
+    margin: float             # the reference's best minus its second-best logit there
+    tolerance: float          # the largest |gap| that counts as a near tie there
+
+    @property
+    def near_tie(self) -> bool:
+        return self.got is not None and abs(self.gap) <= self.tolerance
+
+    def describe(self) -> str:
+        if self.got is None:
+            return f"the outputs agree up to token {self.position}, then one of them stops"
+        kind = "a near tie" if self.near_tie else "NOT a near tie"
+        return (f"token {self.position} is {self.got}, not {self.want}: the reference's logits differ by "
+                f"{self.gap:.3g} there (top-2 margin {self.margin:.3g}, tolerance {self.tolerance:.3g}): {kind}")
+
+
+def first_flip(model: TernaryTransformer, prompt: list[int], got: list[int], want: list[int],
+               rel_tol: float | None = None) -> TokenFlip | None:
+    """None if ``got == want`` (generated tokens after ``prompt``); else where they first
+    differ, with the reference's logits there. ``rel_tol``: a near tie is a gap of at
+    most rel_tol · max(1, max |logit|) (default :data:`NEAR_TIE` of the model's dtype)."""
+    if got == want:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    logits = next_token_logits(model, list(prompt) + list(want[:i]))
+    if rel_tol is None:
+        rel_tol = NEAR_TIE.get(model.embed.weight.dtype, NEAR_TIE[torch.float32])
+    tolerance = rel_tol * max(1.0, float(logits.abs().max()))
+    top = logits.topk(2).values
+    margin = float(top[0] - top[1])
+    if i == min(len(got), len(want)):
+        return TokenFlip(i, None, None, float("nan"), margin, tolerance)
+    return TokenFlip(i, got[i], want[i], float(logits[want[i]] - logits[got[i]]), margin, tolerance)

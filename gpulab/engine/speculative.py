@@ -570,15 +570,18 @@ def load_results(path=RESULTS) -> dict | None:
 
 def format_results(result: dict) -> str:
     """One line per (batch size, draft, k): tokens/s, speed-up over the target alone,
-    acceptance, tokens per pass; then the server's overhead."""
+    acceptance, tokens per pass (and the requests whose greedy tokens left the target's
+    at a near tie of its logits, if any); then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
     lines.append(f"{'batch':>5} {'draft':>14} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
+        flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         lines.append(f"{r['batch']:>5} {draft:>14} {k:>4} {r['tokens_per_s']:>9.0f} "
-                     f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}")
+                     f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}"
+                     + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
     if "server" in result:
         sv = result["server"]
         lines.append(f"server: {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s through HTTP "
