@@ -1,6 +1,6 @@
 """The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
 
-    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC]
+    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--piecewise]
 
 Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
 configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
@@ -15,6 +15,8 @@ configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
 The default model is a random-weight ternary transformer of ~0.7 B ternary weights
 (timing only: weights do not change the work); ``--model shipped`` times the shipped
 checkpoint. ``--quick`` shrinks every workload (a smoke test, minutes less).
+``--piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=True)``: steps
+that carry a prompt chunk replay piecewise CUDA graphs instead of running eagerly.
 """
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--model", default=BIG)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="steps with prompt chunks replay piecewise CUDA graphs (EngineConfig.piecewise_graphs)")
     a = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         print("engine_bench needs a CUDA GPU (compiled mode)")
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
     model = build_model(a.model)
     sizes = model_sizes(model)
     res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "date": time.strftime("%Y-%m-%d"),
-           "model_spec": a.model, "model": asdict(model.cfg), "sizes": sizes}
+           "model_spec": a.model, "piecewise_graphs": a.piecewise, "model": asdict(model.cfg), "sizes": sizes}
     print(gpulab.env_report(), "\n", res["model"], sizes, flush=True)
 
     def save():
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
     # 1. continuous vs static, mixed workload, equal KV memory
     w = Workload(requests=64 if q else 400, rate=math.inf, prompt_len=(32, 512), output_len=(16, 512),
                  shared=0.0, system_len=0, seed=0)
-    cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048)
+    cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
+                       piecewise_graphs=a.piecewise)
     r = compare(model, cfg, w, static=True)
     print(format_comparison(r), flush=True)
     plot_comparison(r, out / "engine_throughput.png")
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
     res["ttft"] = {}
     for caching in (True, False):
         cfg = EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
-                           prefix_caching=caching)
+                           prefix_caching=caching, piecewise_graphs=a.piecewise)
         r = compare(model, cfg, w, static=False)
         print(format_comparison(r), flush=True)
         res["ttft"]["on" if caching else "off"] = r["continuous"]
