@@ -422,6 +422,78 @@ def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
              y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+# Prefill with the weights unpacked once. At M in the thousands the kernels above unpack
+# every weight tile again for each row tile, in registers, and their dots take the weights
+# from registers; a plain int8 GEMM loads both operands straight into shared memory, where
+# the tensor cores read them while the next tiles arrive. So unpack the whole weight once
+# (one pass: 2 bits in, 8 bits out) and run that GEMM on it.
+@triton.jit
+def unpack_ternary_int8_kernel(w_ptr, out_ptr, N, K, Q, stride_wn, stride_on,
+                               BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """out[n, i·Q + j] = ((w[n, j] >> 2i) & 3) − 1 as int8, for k = i·Q + j < K."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    n_mask = rn < N
+    j_mask = j < Q
+    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + j[None, :],
+                mask=n_mask[:, None] & j_mask[None, :], other=0).to(tl.int32)
+    for i in tl.static_range(4):
+        k = i * Q + j
+        tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + k[None, :],
+                 (((b >> (2 * i)) & 3) - 1).to(tl.int8), mask=n_mask[:, None] & (j_mask & (k < K))[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def int8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K,
+                   stride_xm, stride_wn, stride_ym, M_BUCKET,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
+    """y = (x · wᵀ) / (xs[:, None] · ws) for int8 x [M, K] and int8 w [N, K]: tile
+    [BLOCK_M, BLOCK_N] of y, grouped order as in ternary_mm_kernel."""
+    pid = tl.program_id(0)
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0)             # int8 [BLOCK_M, BLOCK_K]
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0)             # int8 [BLOCK_K, BLOCK_N]
+        if DOT_INT8:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a.to(tl.float16), b.to(tl.float16), acc, out_dtype=tl.float32)
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _int8_mm_configs():
+    if runtime.interpreting():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            # tiles up to 128x128x128: Turing (no int8 dot) stages them as fp16 in its 64 KB
+            for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                                     (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4))]
+
+
+_int8_mm_tuned = triton.autotune(configs=runtime.tuning_configs(_int8_mm_configs()), key=["M_BUCKET", "N", "K"])(
+    int8_mm_kernel)
+
+
 def _mm_x16_configs():
     if runtime.interpreting():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_G": 32, "GROUP_M": 8}, num_warps=4)]
@@ -544,6 +616,32 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
                             DOT_INT8=_int8_dot())
 
 
+UNPACK_BLOCK_N, UNPACK_BLOCK_Q = 32, 128
+
+
+def unpack_ternary_int8_into(w_packed, w_int8):
+    """w_packed uint8 [N, Q] (layout uint8x4) -> w_int8 int8 [N, K] with K <= 4Q: every
+    weight as -1, 0 or 1 (one pass over the weights)."""
+    n, q = w_packed.shape
+    k = w_int8.shape[1]
+    grid = (triton.cdiv(n, UNPACK_BLOCK_N), triton.cdiv(q, UNPACK_BLOCK_Q))
+    unpack_ternary_int8_kernel[grid](w_packed, w_int8, n, k, q, w_packed.stride(0), w_int8.stride(0),
+                                     BLOCK_N=UNPACK_BLOCK_N, BLOCK_Q=UNPACK_BLOCK_Q)
+
+
+def ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y):
+    """Prefill launcher (check calling convention): unpack the weights to int8 once into
+    a scratch buffer ([N, K] bytes, from PyTorch's caching allocator, so no host sync),
+    then one int8 GEMM that reads them."""
+    m, k = x_q.shape
+    n = w_packed.shape[0]
+    w_int8 = torch.empty((n, k), dtype=torch.int8, device=x_q.device)
+    unpack_ternary_int8_into(w_packed, w_int8)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _int8_mm_tuned[grid](x_q, x_scale, w_int8, w_scale, y, m, n, k,
+                         x_q.stride(0), w_int8.stride(0), y.stride(0), _m_bucket(m), DOT_INT8=_int8_dot())
+
+
 def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
     """Prefill launcher on the int32x16 layout (check calling convention)."""
     m, k = x_q.shape
@@ -562,6 +660,12 @@ def _int8_dot() -> bool:
     return cc is not None and cc >= (8, 0)
 
 
+# From this many rows on, the byte layout's prefill unpacks the weights once and runs a
+# plain int8 GEMM (ternary_mm_unpacked_into). None: never, until the two paths are timed
+# against each other on the H200 (`gpulab bench ternary_mm_unpacked`).
+UNPACK_MIN_M: int | None = None
+
+
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
     """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill."""
     if w_packed.dtype == torch.int32:
@@ -571,6 +675,8 @@ def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
             ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
     elif x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
         ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
+    elif UNPACK_MIN_M is not None and x_q.shape[0] >= UNPACK_MIN_M:
+        ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y)
     else:
         ternary_mm_into(x_q, x_scale, w_packed, w_scale, y)
 

@@ -74,6 +74,46 @@ def test_tensor_core_path_passes_its_check():
     gpulab.check("ternary_mm", bl.ternary_mm_into)
 
 
+def test_unpacked_prefill_path_passes_its_check():
+    gpulab.check("ternary_mm_unpacked", bl.ternary_mm_unpacked_into)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 7), (5, 16), (33, 130), (2, 1001)])
+def test_unpack_to_int8_is_exact_and_stays_in_its_buffer(device, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w_t = (torch.randint(0, 3, (n, k), generator=gen) - 1).to(torch.int8).to(device)
+    w_t[0, -1] = 1                                        # a weight in the last column
+    out = torch.full((n, k + 5), 77, dtype=torch.int8, device=device)
+    bl.unpack_ternary_int8_into(bl.pack_ternary(w_t), out[:, :k])
+    assert torch.equal(out[:, :k], w_t)
+    assert (out[:, k:] == 77).all()                       # the padding weights are not written
+
+
+def test_dispatcher_takes_the_unpacked_path_from_its_threshold(device, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bl, "ternary_mm_unpacked_into", lambda *a: calls.append(a[0].shape[0]))
+    monkeypatch.setattr(bl, "UNPACK_MIN_M", 8)
+    w_packed = bl.pack_ternary(torch.ones(5, 12, dtype=torch.int8, device=device))
+    for m in (7, 8):
+        x = torch.ones(m, 12, dtype=torch.int8, device=device)
+        bl.ternary_matmul_into(x, torch.ones(m, device=device), w_packed, torch.ones(1, device=device),
+                               torch.empty(m, 5, device=device))
+    assert calls == [8]
+
+
+def test_unpacked_and_per_tile_prefill_agree_exactly(device):
+    gen = torch.Generator().manual_seed(3)
+    m, k, n = 70, 257, 45
+    x_q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8).to(device)
+    x_scale = (torch.rand(m, generator=gen) + 0.5).to(device)
+    w_t = (torch.randint(0, 3, (n, k), generator=gen) - 1).to(torch.int8).to(device)
+    w_packed, w_scale = bl.pack_ternary(w_t), torch.tensor([0.7], device=device)
+    ys = [torch.empty(m, n, device=device) for _ in range(2)]
+    bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[0])
+    bl.ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, ys[1])
+    assert torch.equal(ys[0], ys[1])         # the same integer sums, the same scaling
+
+
 @pytest.mark.parametrize("lead, k, n", [((1,), 5, 3), ((2, 3), 301, 40), ((20,), 130, 17)]
                          + ([((4, 1000), 4099, 3001)] if on_gpu() else []))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

@@ -12,7 +12,8 @@ import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
                          ternary_gemv_x16_into, ternary_matmul_into, ternary_matmul_ref, ternary_mm_into,
-                         ternary_mm_x16_into, ternary_quantize, unpack_ternary, unpack_ternary_x16)
+                         ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize, unpack_ternary,
+                         unpack_ternary_x16)
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
@@ -170,6 +171,15 @@ def _bf16_linear(inp):
     return F.linear(inp["x_bf16"], inp["w_bf16"])
 
 
+def _int_mm_unpacked(inp):
+    """cuBLAS's int8 GEMM (torch._int_mm) on weights unpacked beforehand, outside the
+    timing, then the same scaling: the peer for the GEMM part of the unpacked path."""
+    if "_w_int8" not in inp:
+        inp["_w_int8"] = unpack_ternary(inp["w_packed"], inp["x_q"].shape[1]).to(torch.int8).t()
+    acc = torch._int_mm(inp["x_q"], inp["_w_int8"])
+    return (acc.float() / (inp["x_scale"][:, None] * inp["w_scale"])).to(torch.bfloat16)
+
+
 def _bench_with(launcher):
     """Benchmark callable: bf16 output allocated once per input dict, outside the timing
     (the default would take the output dtype from x_q, which is int8)."""
@@ -224,7 +234,7 @@ _MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), 
 
 
 def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_matmul_inputs,
-                 bytes_moved=_matmul_bytes, **extra) -> KernelSpec:
+                 bytes_moved=_matmul_bytes, baselines=None, **extra) -> KernelSpec:
     """The matmul specs differ only in which launcher runs, on which shapes, and (int32x16)
     in how the weights are packed."""
     return KernelSpec(
@@ -235,7 +245,7 @@ def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_ma
         dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
         tolerances=_MATMUL_TOLERANCES, bytes_moved=bytes_moved, **extra,
         flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
-        baselines={"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
+        baselines=baselines or {"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
         bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 
 
@@ -264,6 +274,15 @@ TERNARY_MM = _matmul_spec(
      "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
              Case("ragged", dict(m=1000, k=4099, n=3001))],
      "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
+
+TERNARY_MM_UNPACKED = _matmul_spec(
+    "ternary_mm_unpacked", "int8 × 2-bit ternary matmul, weights unpacked to int8 once, then an int8 GEMM "
+    "(prefill at large M)", ternary_mm_unpacked_into,
+    {"cpu": TERNARY_MM.cases["cpu"] + [Case("two K steps, ragged", dict(m=45, k=97, n=33))],
+     "gpu": TERNARY_MM.cases["gpu"] + [Case("M=4099", dict(m=4099, k=2048, n=1000))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (256, 1024, 4096)]},
+    baselines={"torch bf16 F.linear": _bf16_linear, "ternary_mm (unpacks per tile)": _bench_with(ternary_mm_into),
+               "cuBLAS int8 on unpacked weights (torch._int_mm)": _int_mm_unpacked})
 
 TERNARY_GEMV_X16 = _matmul_spec(
     "ternary_gemv_x16", "int8 × ternary GEMV on the int32x16 layout (16 weights per word, dp4a)",
