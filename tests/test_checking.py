@@ -406,6 +406,20 @@ def test_a_hypothesis_names_the_mistake_it_reproduces_and_nothing_else():
     assert not checking.Hypothesis("all", lambda inp: {"y": inp["x"] * 3}).explains("y", nearly, {"x": x}, expected)
 
 
+def test_of_two_matching_hypotheses_the_closer_one_is_named():
+    """Two mistakes whose answers lie within tolerance of each other (a split-decode
+    partition of 32 tokens against the 33 that floor(capacity / splits) gives, when the
+    33rd weighs little): the hint names the one that reproduces the output, whichever
+    comes first."""
+    x = torch.linspace(1, 3, 40, dtype=torch.float64).reshape(4, 10)
+    got = x * 4 + 2e-4                                       # the second mistake, exactly
+    hint = checking.hypotheses_hint(
+        checking.Hypothesis("near", lambda inp: {"y": inp["x"] * 4}),
+        checking.Hypothesis("exact", lambda inp: {"y": inp["x"] * 4 + 2e-4}))
+    assert hint("y", got, x * 2, {"x": x}) == "exact"
+    assert hint("y", x * 4, x * 2, {"x": x}) == "near"        # and the first on its own output
+
+
 @pytest.mark.parametrize("dtype, bits", [(torch.float32, 0x7FFFFFFF), (torch.float32, 0x7FC00000),
                                          (torch.bfloat16, 0x7FFF), (torch.bfloat16, 0x7FC0),
                                          (torch.float16, 0x7FFF), (torch.float16, 0x7E00)])

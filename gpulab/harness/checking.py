@@ -31,6 +31,7 @@ Beyond the spec's cases, a spec may ask for extra runs: row-padded strided buffe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import sysconfig
@@ -484,7 +485,8 @@ def _swapped_strides(t: torch.Tensor, offsets: np.ndarray, name: str) -> str:
     stride) is one that rows · stride(1) + cols · stride(0) reaches for some row < M and
     column < N: the two strides used the wrong way round. (Many such offsets are asked
     for, so that a read just past the end, which fits the pattern by chance, does not.)"""
-    if t.dim() != 2 or min(t.shape) < 2 or t.stride(1) != 1 or t.stride(0) <= 1:
+    # (one row is enough: swapped, its reads land on multiples of the row length)
+    if t.dim() != 2 or t.shape[1] < 2 or t.stride(1) != 1 or t.stride(0) <= 1:
         return ""
     (m, n), row_stride = t.shape, t.stride(0)
     o = np.unique(offsets)
@@ -587,8 +589,9 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
             report.extra_runs.append(variant)
     if failures:
         total = len(runs)
-        # Explain the most telling failure: one with a hint, from the largest case.
-        best = max(failures, key=lambda f: (f[0], f[1]))
+        # Explain the most telling failure: one with a hint, from the largest listed case
+        # (the random-size case only when it alone tells: its size may be too small to).
+        best = max(failures, key=lambda f: (f[0], f[1] < len(cases), f[1]))
         head = (f"{spec.name}: {len(failures)} of {total} runs failed: "
                 + "; ".join(f[3] for f in failures[:6]) + ("; ..." if len(failures) > 6 else ""))
         raise CheckFailure(head + "\n" + best[2])
@@ -876,10 +879,15 @@ class Hypothesis:
     zeros_count: bool = False
 
     def explains(self, output: str, got, inputs: dict, expected=None) -> bool:
+        return self.mismatch(output, got, inputs, expected) is not None
+
+    def mismatch(self, output: str, got, inputs: dict, expected=None) -> float | None:
+        """How far the wrong output is from this mistake's answer (the mean absolute
+        difference of the closest answer that explains it), or None if none does."""
         if self.outputs and output not in self.outputs:
-            return False
+            return None
         if not isinstance(got, torch.Tensor) or got.numel() == 0:
-            return False
+            return None
         try:
             # references on the CPU: an answer builds index tensors without a device
             alts = self.answer({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
@@ -887,9 +895,10 @@ class Hypothesis:
             # one answer, or several (a mistake with a free parameter, e.g. the block size)
             alts = [alts] if alts is None or isinstance(alts, dict) else list(alts)
         except Exception:
-            return False
+            return None
         g = got.detach().double().cpu()
         e = expected.detach().double().cpu() if isinstance(expected, torch.Tensor) else None
+        best = None
         for alt in alts:
             value = alt.get(output) if isinstance(alt, dict) else None
             if not isinstance(value, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
@@ -902,8 +911,10 @@ class Hypothesis:
                 continue    # all zero: the generic "all zeros" and "never loaded" diagnoses say more
             close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
             if float(close.double().mean()) >= self.share and (expected is None or self._closer(g, v, expected)):
-                return True
-        return False
+                d = (g - v).abs().masked_fill(torch.isnan(g) & torch.isnan(v), 0.0)
+                d = float(torch.nan_to_num(d, nan=math.inf).mean())
+                best = d if best is None else min(best, d)
+        return best
 
     @staticmethod
     def _closer(g, v, expected) -> bool:
@@ -919,12 +930,19 @@ class Hypothesis:
 
 
 def hypotheses_hint(*hypotheses: Hypothesis, then=None):
-    """A spec ``hint`` that names the first of ``hypotheses`` whose recomputed answer
-    matches the wrong output (then asks ``then``, another hint, if none does)."""
+    """A spec ``hint`` that names the one of ``hypotheses`` whose recomputed answer is
+    closest to the wrong output among those that match it (the first, on a tie), then
+    asks ``then``, another hint, if none does. Closest, not first: two mistakes can
+    give answers within tolerance of each other (a partition of 32 tokens against one
+    of 33 when the 33rd token weighs little), and the exact one is the cause."""
     def hint(output, got, expected, inputs):
+        best = None
         for h in hypotheses:
-            if h.explains(output, got, inputs, expected):
-                return h.cause
+            d = h.mismatch(output, got, inputs, expected)
+            if d is not None and (best is None or d < best[0]):
+                best = (d, h.cause)
+        if best is not None:
+            return best[1]
         return then(output, got, expected, inputs) if then is not None else None
     return hint
 
