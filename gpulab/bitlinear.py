@@ -335,6 +335,20 @@ def ternary_gemv_x16_reduce_kernel(part_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLIT,
 
 
 # -- Triton kernels: the prefill matmul, int8 tensor-core dots on unpacked tiles -----------
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column indices of output tile ``pid`` in grouped order: GROUP_M row tiles
+    in turn take each column tile, so a weight tile is reused while it is in L2."""
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_pid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
 @triton.jit(do_not_specialize=["M"])
 def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                        stride_xm, stride_wn, stride_ym, M_BUCKET,
@@ -342,18 +356,7 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                        GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
     """Tile [BLOCK_M, BLOCK_N] of y; each step reads BLOCK_Q packed bytes per output
     column (4·BLOCK_Q weights) and issues four int8 dots (one per quarter)."""
-    pid = tl.program_id(0)
-    n_pid_m = tl.cdiv(M, BLOCK_M)
-    n_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row-tiles share each weight tile while it is in L2
-    width = GROUP_M * n_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
@@ -387,17 +390,7 @@ def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
     per (quarter i, byte lane t). A dot sums over k in any order, so the k's of one
     (i, t), k = 4(iG + g) + t, are taken together: weights ((word >> (8t + 2i)) & 3) − 1,
     x the byte t of x words iG + g (x viewed as int32, as in the GEMV)."""
-    pid = tl.program_id(0)
-    n_pid_m = tl.cdiv(M, BLOCK_M)
-    n_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * n_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
@@ -450,17 +443,7 @@ def int8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K,
                    GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
     """y = (x · wᵀ) / (xs[:, None] · ws) for int8 x [M, K] and int8 w [N, K]: tile
     [BLOCK_M, BLOCK_N] of y, grouped order as in ternary_mm_kernel."""
-    pid = tl.program_id(0)
-    n_pid_m = tl.cdiv(M, BLOCK_M)
-    n_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * n_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
