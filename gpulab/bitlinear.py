@@ -349,6 +349,15 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
+@triton.jit
+def store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym):
+    """y[rm, rn] = acc / (x_scale[rm] · w_scale): the integer sums scaled once, stored."""
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                        stride_xm, stride_wn, stride_ym, M_BUCKET,
@@ -374,10 +383,7 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                 acc = tl.dot(a, wi.to(tl.int8), acc, out_dtype=tl.int32)
             else:            # sm_75 has no int8 dot in Triton: fp16 is exact up to |acc| < 2^24
                 acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
-    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -409,10 +415,7 @@ def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
                     acc = tl.dot(a, wi, acc, out_dtype=tl.int32)
                 else:
                     acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
-    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
 # Prefill with the weights unpacked once. At M in the thousands the kernels above unpack
@@ -458,10 +461,7 @@ def int8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K,
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a.to(tl.float16), b.to(tl.float16), acc, out_dtype=tl.float32)
-    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-    y = acc.to(tl.float32) / (xs[:, None] * tl.load(ws_ptr))
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
 def _int8_mm_configs():
