@@ -178,7 +178,7 @@ class _Worker:
             self.kill()
             raise EvaluatorError("a worker process died or misbehaved while starting")
         self.ready = True
-        self.rss_ready = worker._rss_mb(self.process.pid)
+        self.rss_ready = worker.rss_mb(self.process.pid)
         return True
 
     def alive(self) -> bool:
@@ -478,7 +478,7 @@ class Evaluator:
                     if counted(i, r, now) > timeout:
                         finish(i, "timeout", timeout)
                         continue
-                    rss = worker._rss_mb(w.process.pid)
+                    rss = worker.rss_mb(w.process.pid)
                     if rss - w.rss_ready > self.memory_mb:
                         finish(i, "memory", rss - w.rss_ready)
                 if holder is None and queue:

@@ -213,7 +213,7 @@ def install_audit(candidate_file: str, allowed_dirs) -> None:
 
 
 # -- the process --------------------------------------------------------------------------------
-def _rss_mb(pid="self") -> float:
+def rss_mb(pid="self") -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
