@@ -29,7 +29,7 @@ if [ -n "$nbs" ]; then
       -rfE --tb=short --durations=30 $nbs > "$out/notebooks.txt" 2>&1
     echo "exit $?" >> "$out/notebooks.txt" ) &
 fi
-timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist load -rfEs \
+timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist worksteal -rfEs \
     --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
 echo "exit $?" >> "$out/tests.txt"
 wait
