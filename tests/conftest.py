@@ -37,13 +37,40 @@ if not gpulab.runtime._cuda_available():
 _poisoned_by = None
 
 
+_BROKEN_CONTEXT = ("device-side assert", "illegal memory access")
+
+
+def _cuda_context_error() -> str:
+    """The sticky CUDA error this process carries, or "" (also without a GPU)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return ""
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:          # a kernel of this test faulted and nothing synced since
+        return str(e)
+    return ""
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     global _poisoned_by
-    yield
-    if call.excinfo is not None and _poisoned_by is None and \
-            any(f in str(call.excinfo.value) for f in ("device-side assert", "illegal memory access")):
+    outcome = yield
+    if _poisoned_by is not None or call.when != "call":
+        return
+    if call.excinfo is not None and any(f in str(call.excinfo.value) for f in _BROKEN_CONTEXT):
         _poisoned_by = item.nodeid
+        return
+    # A test can break the context and still pass, skip or xfail (a planted mistake whose
+    # check reported the fault, say): then it, not the next test, is the one to blame.
+    error = _cuda_context_error()
+    if any(f in error for f in _BROKEN_CONTEXT):
+        _poisoned_by = item.nodeid
+        report = outcome.get_result()
+        report.outcome, report.longrepr = "failed", (
+            f"{item.nodeid} left this process's CUDA context broken ({error.splitlines()[0]}); "
+            "a kernel that faults on purpose must run in a subprocess (tests/helpers.py)")
+        if hasattr(report, "wasxfail"):
+            del report.wasxfail
 
 
 def pytest_runtest_logfinish(nodeid, location):

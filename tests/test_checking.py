@@ -2,9 +2,10 @@
 import pytest
 import torch
 
+from gpulab import runtime
 from gpulab.harness import checking
 from gpulab.harness.checking import CheckFailure, Guarded, diagnose
-from gpulab.harness.spec import Case, KernelSpec, randn
+from gpulab.harness.spec import Case, KernelSpec, get, randn
 
 
 def _copy_spec(**kw):
@@ -438,3 +439,26 @@ def test_arithmetic_nans_are_not_blamed_on_a_read_past_the_end(dtype, bits):
     guard.view(view)[1, 3:] = checking._signed(checking._GUARD_BITS[dtype], view)
     msg, _ = diagnose("y", guard, torch.ones(4, 8, dtype=dtype), 1e-3, 1e-3, poisoned=False)
     assert "bit pattern gpulab puts around every input" in msg, msg
+
+
+def test_compiled_diagnosis_tells_a_read_between_the_rows_from_one_past_the_end(monkeypatch):
+    """Compiled, loads are not watched: a re-run with zeros only in the padding between a strided
+    input's rows (and one with zeros only before and after it) tells a read between the rows
+    (offsets that assume contiguous rows) from one past the end."""
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    spec = get("row_sum")
+
+    def n_as_row_stride(x, y):
+        M, N = x.shape
+        y.copy_(torch.as_strided(x, (M, N), (N, 1)).float().sum(1).to(y.dtype))
+
+    def four_columns_too_many(x, y):
+        M, N = x.shape
+        y.copy_(torch.as_strided(x, (M, N + 4), (x.stride(0), 1)).float().sum(1).to(y.dtype))
+
+    with pytest.raises(checking.CheckFailure) as e:
+        checking.run_check(spec, n_as_row_stride, quiet=True)
+    assert "between the rows" in str(e.value)
+    with pytest.raises(checking.CheckFailure) as e:
+        checking.run_check(spec, four_columns_too_many, quiet=True)
+    assert "a load read past the end of an input" in str(e.value) and "between the rows" not in str(e.value)

@@ -40,7 +40,7 @@ def twice(x, y):
 '''
 
 
-def test_notebook_functions_runs_imports_and_exercise_cells_only(tmp_path, capsys):
+def test_notebook_functions_runs_imports_and_exercise_cells_only(tmp_path, capsys, device):
     path = _notebook(tmp_path, [
         ("markdown", "# title", None),
         ("code", "import gpulab\ngpulab.setup()\nimport torch\nimport triton\nimport triton.language as tl", None),
@@ -52,7 +52,7 @@ def test_notebook_functions_runs_imports_and_exercise_cells_only(tmp_path, capsy
     out = capsys.readouterr().out
     assert "ex2-broken raised SyntaxError" in out and "demo cell" not in out
     assert found["broken"] is None and found["absent"] is None
-    x = torch.arange(70, dtype=torch.float32)
+    x = torch.arange(70, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     found["twice"](x, y)                         # a @triton.jit kernel from exec'd source
     assert torch.equal(y, 2 * x)

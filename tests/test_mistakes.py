@@ -1,11 +1,14 @@
 """Every mistake of the catalogue (tests/mistakes/) is caught and its cause named.
 Entries that need a spec field the exercise's spec does not set yet run against
 ``spec.variant(**needs)``: they prove the harness catches them once the spec opts in."""
+from pathlib import Path
+
 import pytest
 
 import gpulab
 
-from mistakes import catalogue, run
+from helpers import subprocess_env
+from mistakes import catalogue, run, run_in_subprocess
 
 CATALOGUE = catalogue()
 
@@ -14,7 +17,10 @@ CATALOGUE = catalogue()
 def test_mistake_is_caught_with_the_right_cause(mistake):
     if mistake.interpreter_only and gpulab.mode() == "compiled":
         pytest.skip(f"compiled, this mistake leaves no trace: {mistake.interpreter_only}")
-    outcome = run(mistake)
+    if mistake.faults_compiled and gpulab.mode() == "compiled":
+        outcome = run_in_subprocess(mistake, subprocess_env(Path(__file__).resolve().parent.parent))
+    else:
+        outcome = run(mistake)
     assert outcome.caught, f"{mistake.id}: the check accepted it"
     weak = mistake.weak or (mistake.weak_compiled if gpulab.mode() == "compiled" else "")
     if weak:

@@ -3,7 +3,6 @@ engine serves it with rank-local KV caches, and every rank's greedy tokens (and 
 bit for bit) equal the unsharded model's at TP=1."""
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -39,12 +38,12 @@ def check_served(res, n, cfg):
 
 @pytest.mark.parametrize("cfg,n", [(TINY, 2), (SIX_HEADS, 3)], ids=["tiny-tp2", "six-heads-tp3"])
 def test_engine_at_tp_n_serves_the_tokens_of_tp1_and_frees_every_page(cfg, n):
-    t = time.monotonic()
     # on a GPU machine the ranks use the GPU: spawned, not forked
+    # spawned ranks import torch and gpulab: on a loaded GPU host (the compiled suite's 16
+    # workers) that alone took over a minute, so the bound is a hang guard, not a timing
     res = launch.run_ranks(tp_engine_rank, n, PROMPTS, 6, cfg, 3, torch.float32, TORCH_PATHS, backend="gloo",
-                           start_method=launch.kernel_start_method())
+                           start_method=launch.kernel_start_method(), timeout_s=300)
     check_served(res, n, cfg)
-    assert time.monotonic() - t < 60
 
 
 def test_engine_at_tp2_on_gpulabs_kernels_matches_tp1():

@@ -134,7 +134,7 @@ class Guarded:
 
     @classmethod
     def wrap(cls, shape, dtype, device, *, like: torch.Tensor | None = None, pad: int = 0,
-             zero_guards: bool = False) -> "Guarded":
+             zero_guards: bool | str = False) -> "Guarded":
         shape = tuple(int(s) for s in shape)
         pad = pad if len(shape) >= 2 and shape[-1] > 0 else 0
         n = 1
@@ -145,6 +145,12 @@ class Guarded:
         buf = torch.empty(extent + 2 * g, dtype=dtype, device=device)
         if like is None:        # an output: poison everything
             _fill_bits(buf, _POISON_BITS, _INT_POISON)
+        elif zero_guards == "gaps":     # zeros only in the padding between rows
+            _fill_bits(buf, _GUARD_BITS, None)
+            buf[g:g + extent].zero_()
+        elif zero_guards == "ends":     # zeros only before the first row and after the last
+            buf.zero_()
+            _fill_bits(buf[g:g + extent], _GUARD_BITS, None)
         elif zero_guards:       # an input with harmless guards (to test whether they are read)
             buf.zero_()
         else:                   # an input: guards around a copy of the data
@@ -728,19 +734,28 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None) -> tuple
                     f"(convert with .to({exp_dt})).")
     worst = 0.0
 
-    def guards_matter(name: str) -> bool:
+    def guards_matter(name: str) -> bool | str:
         """Does output ``name`` change when only the inputs' guard values change? Then
-        the kernel read outside its inputs (the interpreter's load watch says so directly)."""
+        the kernel read outside its inputs (the interpreter's load watch says so directly):
+        "gaps" if the padding between the rows of a strided input alone changes it, else True."""
         if runtime.interpreting():
             return False
-        _, alt_out, alt_result, _ = _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=True)
-        alt = ({k: g.inner for k, g in alt_out.items()} if spec.outputs is not None else
-               dict(zip(spec.returns, alt_result if isinstance(alt_result, (tuple, list)) else (alt_result,))))
-        a, b = alt.get(name), got.get(name)
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+
+        def changes(zero_guards) -> bool:
+            _, alt_out, alt_result, _ = _guarded_call(spec, fn, inputs, dtype, device, pads, where,
+                                                      zero_guards=zero_guards)
+            alt = ({k: g.inner for k, g in alt_out.items()} if spec.outputs is not None else
+                   dict(zip(spec.returns, alt_result if isinstance(alt_result, (tuple, list)) else (alt_result,))))
+            a, b = alt.get(name), got.get(name)
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+                return False
+            atol, rtol = spec.tolerance(dtype, name)
+            return not bool(torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=True).all())
+
+        if not changes(True):
             return False
-        atol, rtol = spec.tolerance(dtype, name)
-        return not bool(torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=True).all())
+        # only between the rows: the padding matters, what lies before and after does not
+        return "gaps" if pads and changes("gaps") and not changes("ends") else True
 
     named = []   # the spec's own diagnosis named a cause (it says more than a generic hint)
 
@@ -951,7 +966,7 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
              unread: Callable[[], list[str]] | None = None,
              custom_hint: Callable[[], str | None] | None = None,
              axes: tuple[str, ...] | None = None,
-             reads_outside: Callable[[], bool] | None = None,
+             reads_outside: Callable[[], bool | str] | None = None,
              poisoned: bool = True) -> tuple[str | None, float]:
     """Compare one output with its reference. Returns (message or None, max abs error).
     ``poisoned``: the output was allocated by the check and filled with poison (False for
@@ -1022,12 +1037,18 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                             rows="check the grid size and how program_id maps to rows")
     nonfinite = bad & ~torch.isfinite(g) & torch.isfinite(e)
     guard = _guard_derived(raw).cpu() & nonfinite if raw is not None else nonfinite & False
+    # compiled (no load watch): re-run with other guard values to see where a stray load read
+    outside = _safely(reads_outside) if reads_outside is not None else False
+    if outside == "gaps":
+        return ("the wrong elements change when only the padding between the rows of a strided input "
+                "changes: a load between the rows. The offsets assume contiguous rows (row · N); step "
+                "from row to row by the input's own row stride (x.stride(0)).")
     if bool(guard.any()):
         return (f"{int(guard.sum())} element(s) are NaN where the answer is finite, and they carry the "
                 f"bit pattern gpulab puts around every input: a load read past the end of an input (a "
                 f"missing mask, or masked-out lanes without a safe `other=`) and its value reached the "
                 f"output.")
-    if reads_outside is not None and _safely(reads_outside):
+    if outside:
         return ("the wrong elements change when only the values around the inputs change: a load "
                 "read past the end of an input (a missing mask, or an offset beyond the tensor) and "
                 "its value reached the output.")
@@ -1145,9 +1166,9 @@ def _rows_differ_in_factor(g: torch.Tensor, e: torch.Tensor, big: torch.Tensor,
     return max(medians) - min(medians) > 4 * spread + 2 * eps * max(abs(m) for m in medians)
 
 
-def _safely(probe: Callable[[], bool]) -> bool:
+def _safely(probe: Callable[[], bool | str]) -> bool | str:
     try:
-        return bool(probe())
+        return probe()
     except Exception:
         return False
 

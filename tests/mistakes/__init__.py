@@ -18,6 +18,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
+import subprocess
+import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,6 +45,8 @@ class Mistake:
     args: tuple = ()  # a scenario check's positional arguments, as in the grade cell
     interpreter_only: str = ""    # why a compiled run cannot see it (it leaves no trace in any output)
     weak_compiled: str = ""       # why, compiled, the diagnosis cannot name the cause (a miss there)
+    faults_compiled: str = ""     # why, compiled, its kernel faults (it then runs in a fresh process:
+                                  # an illegal address ends the CUDA context of the process it hits)
 
     @property
     def id(self) -> str:
@@ -67,6 +73,26 @@ def run(m: Mistake, with_needs: bool = True) -> Outcome:
         text = f"{type(e).__name__}: {e}"
         return Outcome(True, any(x in text for x in expected_phrases(m)), text)
     return Outcome(False, False, "")
+
+
+def run_in_subprocess(m: Mistake, env: dict, timeout_s: float = 600) -> Outcome:
+    """:func:`run` in a fresh Python process: for a mistake whose kernel faults compiled,
+    which would leave the calling process unable to use the GPU."""
+    tests = Path(__file__).resolve().parent.parent
+    code = ("import json, sys\n"
+            f"sys.path.insert(0, {str(tests)!r})\n"
+            "import gpulab\n"
+            "from mistakes import catalogue, run\n"
+            f"m = next(x for x in catalogue() if x.id == {m.id!r})\n"
+            "o = run(m)\n"
+            "print('OUTCOME ' + json.dumps([o.caught, o.right_cause, o.message]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("OUTCOME "):
+            return Outcome(*json.loads(line[len("OUTCOME "):]))
+    raise RuntimeError(f"{m.id}: the subprocess reported no outcome (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 def _run_scenario(m: Mistake) -> Outcome:

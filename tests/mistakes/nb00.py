@@ -213,7 +213,9 @@ MISTAKES += [
     Mistake("00/check-row-sum", "row_sum", "row and column strides swapped", _row_sum_launcher(6),
             ("strides look swapped",),
             weak_compiled="the swapped offsets read past the end of x; without the interpreter's load "
-                          "watch only the stray values are seen, not the offsets that read them"),
+                          "watch only the stray values are seen, not the offsets that read them",
+            faults_compiled="on the wide case (3 x 12345) the swapped offsets reach 600 MB past x: "
+                            "an illegal address on the H200 (2026-12-01)"),
     Mistake("00/check-row-sum", "row_sum", "store without the row mask", _row_sum_launcher(7),
             ("past the end of output `y`",)),
     Mistake("00/check-row-sum", "row_sum", "grid M // BLOCK_M", _row_sum_launcher(grid=lambda m: m // 16),

@@ -192,7 +192,9 @@ def _cascade(kind):
 
 MISTAKES += [
     Mistake("06/check-prefix", "shared_prefix_attention", "page table loaded without its mask", _prefix_launcher(1),
-            ("a load past the end of input `prefix_pages`",)),
+            ("a load past the end of input `prefix_pages`",),
+            interpreter_only="the stray page ids belong to keys past prefix_len, whose K and V loads are "
+                             "masked: the value read never reaches an address or the output"),
     Mistake("06/check-prefix", "shared_prefix_attention", "page table skipped", _prefix_launcher(2),
             ("page table is skipped",)),
     Mistake("06/check-prefix", "shared_prefix_attention", "every query head reads KV head 0", _prefix_launcher(3),
