@@ -107,7 +107,18 @@ def _no_layout_fault_left_behind(request):
 # GPULAB_SHARD=k/n runs the k-th of n disjoint parts of the suite (tests spread by a hash of
 # their id, so each part gets a share of every heavy file). A compiled run of the whole
 # suite outlasts one call of the GPU tool; n calls with k = 1..n cover it exactly once.
+# GPULAB_PASSED=FILE leaves out the node ids listed in FILE (one per line): the tests that
+# already passed compiled in earlier GPU calls (tools/compiled_ledger.py writes it).
 def pytest_collection_modifyitems(config, items):
+    passed = os.environ.get("GPULAB_PASSED")
+    if passed:
+        try:
+            done = set(open(passed).read().split("\n"))
+        except OSError as e:
+            raise pytest.UsageError(f"GPULAB_PASSED: cannot read {passed}: {e}") from None
+        drop = [item for item in items if item.nodeid in done]
+        items[:] = [item for item in items if item.nodeid not in done]
+        config.hook.pytest_deselected(items=drop)
     shard = os.environ.get("GPULAB_SHARD")
     if not shard:
         return

@@ -11,7 +11,9 @@
 #   of the tests (compiled, the whole of tests/ outlasts one 10-minute call: 339 of 938
 #   tests in 530 s on 2026-12-01, before autotuning was turned off in tests). A test whose
 #   CUDA context breaks (device-side assert) stops its worker; xdist restarts it
-#   (tests/conftest.py).
+#   (tests/conftest.py). GPULAB_PASSED=FILE leaves out the node ids that already passed
+#   compiled (tools/compiled_ledger.py writes FILE from earlier calls' junit.xml): the
+#   whole suite compiled is about 20 000 worker-seconds, more than one session's GPU time.
 # Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
 # peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
 # Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
