@@ -17,18 +17,24 @@
 # Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
 # peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
 # Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
-# time limit stopped the run), notebooks.txt and bench.txt.
+# time limit stopped the run), notebooks.txt (+ notebooks_junit.xml) and bench.txt.
 set -uo pipefail
 out=${1:?usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]}; shift
 mkdir -p "$out"
+nbs=${NBS-solutions}
+for nb in $nbs; do   # a misspelt notebook would cost a whole call's notebook workers
+  [ -e "$nb" ] || { echo "NBS: no such notebook or folder: $nb" | tee "$out/notebooks.txt"; exit 2; }
+done
+if [ -n "${GPULAB_PASSED:-}" ] && [ ! -r "$GPULAB_PASSED" ]; then
+  echo "GPULAB_PASSED: cannot read $GPULAB_PASSED" | tee "$out/tests.txt"; exit 2
+fi
 source tools/gpu-env.sh
 t0=$(date +%s)
 python3 -m gpulab env > "$out/env.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
-nbs=${NBS-solutions}
 if [ -n "$nbs" ]; then
   ( timeout -s INT "${NBT:-500}" python3 -m pytest -p no:cacheprovider -n "${NBN:-4}" --dist loadfile \
-      -rfE --tb=short --durations=30 $nbs > "$out/notebooks.txt" 2>&1
+      -rfE --tb=short --durations=30 --junitxml="$out/notebooks_junit.xml" $nbs > "$out/notebooks.txt" 2>&1
     echo "exit $?" >> "$out/notebooks.txt" ) &
 fi
 timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist worksteal -rfEs \
