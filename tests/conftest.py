@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 import tempfile
@@ -107,6 +108,23 @@ def _no_layout_fault_left_behind(request):
 # GPULAB_SHARD=k/n runs the k-th of n disjoint parts of the suite (tests spread by a hash of
 # their id, so each part gets a share of every heavy file). A compiled run of the whole
 # suite outlasts one call of the GPU tool; n calls with k = 1..n cover it exactly once.
+# GPULAB_DURATIONS=FILE.json ({node id: seconds} from earlier GPU calls, tools/compiled_ledger.py)
+# starts the longest tests first (with `--dist load`): a call cut at its time limit then
+# loses a few short tests instead of a long one begun near the end. Unknown tests count as
+# the median.
+def order_by_duration(items):
+    path = os.environ.get("GPULAB_DURATIONS")
+    if not path:
+        return
+    try:
+        took = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise pytest.UsageError(f"GPULAB_DURATIONS: cannot read {path}: {e}") from None
+    known = sorted(took.values())
+    typical = known[len(known) // 2] if known else 0.0
+    items.sort(key=lambda item: -took.get(item.nodeid, typical))
+
+
 # GPULAB_PASSED=FILE leaves out the node ids listed in FILE (one per line): the tests that
 # already passed compiled in earlier GPU calls (tools/compiled_ledger.py writes it).
 def pytest_collection_modifyitems(config, items):
@@ -119,6 +137,7 @@ def pytest_collection_modifyitems(config, items):
         drop = [item for item in items if item.nodeid in done]
         items[:] = [item for item in items if item.nodeid not in done]
         config.hook.pytest_deselected(items=drop)
+    order_by_duration(items)
     shard = os.environ.get("GPULAB_SHARD")
     if not shard:
         return

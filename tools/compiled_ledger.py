@@ -10,16 +10,19 @@ so tests that exist only there are included.
 
 usage:
     python tools/compiled_ledger.py RUN_DIR [RUN_DIR ...] --commit SHA [--keep FILE ...]
-                                    [--out .gpurun/passed.txt]
+                                    [--out .gpurun/passed.txt] [--durations-out FILE.json]
 
 ``--commit``: the commit the runs tested (a test file changed since then runs again);
 ``--keep tests/x.py``: a changed test file whose passes still stand (say why in the run's
 README). Prints passed / failed / skipped per test file and what must run again.
+``--durations-out``: each test's longest time in the runs, for ``GPULAB_DURATIONS``: a call
+cut at its time limit then loses short tests, not a 6-minute one begun at the end.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -50,6 +53,18 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
+def read_durations(dirs: list[Path]) -> dict[str, float]:
+    """node id -> the longest time it took in the runs (setup, call and teardown)."""
+    took: dict[str, float] = {}
+    for d in dirs:
+        for xml in sorted(d.glob("*junit*.xml")):
+            for case in ET.parse(xml).getroot().iter("testcase"):
+                nid = node_id(case)
+                if nid is not None:
+                    took[nid] = max(took.get(nid, 0.0), float(case.get("time") or 0))
+    return took
+
+
 def read_runs(dirs: list[Path]) -> dict[str, str]:
     """node id -> its best outcome over the runs (a pass anywhere counts)."""
     rank = {"passed": 3, "xfailed": 2, "skipped": 2, "failed": 0}
@@ -78,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True)
     ap.add_argument("--keep", action="append", default=[])
     ap.add_argument("--out", type=Path, default=ROOT / ".gpurun" / "passed.txt")
+    ap.add_argument("--durations-out", type=Path,
+                    help="also write {node id: seconds} (GPULAB_DURATIONS: longest tests start first)")
     args = ap.parse_args(argv)
     best = read_runs(args.runs)
     changed = changed_test_files(args.commit) - set(args.keep)
@@ -95,6 +112,10 @@ def main(argv=None) -> int:
         print("  " + n)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(n + "\n" for n in done))
+    if args.durations_out:
+        took = read_durations(args.runs)
+        args.durations_out.write_text(json.dumps(dict(sorted(took.items())), indent=0) + "\n")
+        print(f"wrote {args.durations_out}: {len(took)} tests, {sum(took.values()):.0f} s in all")
     print(f"\nwrote {args.out} (GPULAB_PASSED={args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out})")
     return 0
 

@@ -14,6 +14,8 @@
 #   (tests/conftest.py). GPULAB_PASSED=FILE leaves out the node ids that already passed
 #   compiled (tools/compiled_ledger.py writes FILE from earlier calls' junit.xml): the
 #   whole suite compiled is about 20 000 worker-seconds, more than one session's GPU time.
+#   GPULAB_DURATIONS=FILE.json (the same tool, --durations-out) starts the longest tests
+#   first, so that the time limit cuts short tests rather than a long one begun late.
 # Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
 # peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
 # Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
@@ -37,7 +39,9 @@ if [ -n "$nbs" ]; then
       -rfE --tb=short --durations=30 --junitxml="$out/notebooks_junit.xml" $nbs > "$out/notebooks.txt" 2>&1
     echo "exit $?" >> "$out/notebooks.txt" ) &
 fi
-timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist worksteal -rfEs \
+# longest first (GPULAB_DURATIONS) needs xdist's round-robin `load`; else steal work
+dist=$([ -n "${GPULAB_DURATIONS:-}" ] && echo load || echo worksteal)
+timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist $dist -rfEs \
     --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
 echo "exit $?" >> "$out/tests.txt"
 wait
