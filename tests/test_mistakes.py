@@ -33,3 +33,19 @@ def test_every_graded_exercise_of_the_catalogue_has_at_least_five_mistakes():
     for m in CATALOGUE:
         counts[m.exercise] = counts.get(m.exercise, 0) + 1
     assert all(n >= 5 for n in counts.values()), counts
+
+
+def test_compiled_diagnosis_rehearsed_on_the_cpu(capsys):
+    """tools/catalogue_as_compiled.py runs entries with the check's compiled-mode diagnosis
+    (no load watch, guard re-runs) in the interpreter: notebook 00's entries all pass it."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "catalogue_as_compiled.py"
+    spec = importlib.util.spec_from_file_location("catalogue_as_compiled", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    if gpulab.mode() == "compiled":
+        pytest.skip("compiled, the catalogue itself runs with this diagnosis")
+    assert tool.main(["00/check-row-sum"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "00/check-row-sum: N as the row stride" in out and "0 entries would fail compiled" in out

@@ -162,7 +162,9 @@ MISTAKES = [
     Mistake("03/check-recurrent", _REC, "h0 forgotten (starts at 0)", _rec_launcher(1), ("h0 set to zero",)),
     Mistake("03/check-recurrent", _REC, "batch offset b·D, not b·T·D", _rec_launcher(2), ("batch 1",)),
     Mistake("03/check-recurrent", _REC, "walks time backwards", _rec_launcher(3), ("backwards in time",)),
-    Mistake("03/check-recurrent", _REC, "no mask on the loads", _rec_launcher(4), ("a load past the end of input",)),
+    Mistake("03/check-recurrent", _REC, "no mask on the loads", _rec_launcher(4), ("a load past the end of input",),
+            interpreter_only="the stray lanes (columns past D) are loaded but never stored: each lane's "
+                             "recurrence stays in its own lane"),
     Mistake("03/check-recurrent", _REC, "stores h before the update", _rec_launcher(5), ("before step t",)),
     Mistake("03/check-recurrent", _REC, "GRU-style (1 - f)·i", _rec_launcher(6), ("GRU-style",)),
     Mistake("03/check-recurrent", _REC, "h_last never stored", _rec_launcher(7), ("nothing was written",)),
