@@ -30,3 +30,55 @@ def test_shards_are_disjoint_and_cover_the_suite(monkeypatch):
 def test_a_bad_shard_is_a_usage_error(monkeypatch, bad):
     with pytest.raises(pytest.UsageError, match="GPULAB_SHARD must be k/n"):
         _shard([SimpleNamespace(nodeid="x")], monkeypatch, bad)
+
+
+def _select(items, monkeypatch, **env):
+    monkeypatch.delenv("GPULAB_SHARD", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    dropped = []
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items)))
+    kept = list(items)
+    conftest.pytest_collection_modifyitems(config, kept)
+    return [it.nodeid for it in kept], [it.nodeid for it in dropped]
+
+
+def test_passed_ledger_leaves_those_tests_out_and_durations_put_the_longest_first(monkeypatch, tmp_path):
+    items = [SimpleNamespace(nodeid=f"tests/test_a.py::test_{i}") for i in range(5)]
+    ledger = tmp_path / "passed.txt"
+    ledger.write_text("tests/test_a.py::test_1\ntests/test_a.py::test_3\n")
+    kept, dropped = _select(items, monkeypatch, GPULAB_PASSED=ledger)
+    assert kept == ["tests/test_a.py::test_0", "tests/test_a.py::test_2", "tests/test_a.py::test_4"]
+    assert dropped == ["tests/test_a.py::test_1", "tests/test_a.py::test_3"]
+    took = tmp_path / "durations.json"
+    took.write_text('{"tests/test_a.py::test_4": 300, "tests/test_a.py::test_0": 1, "tests/test_a.py::test_2": 9}')
+    kept, _ = _select(items, monkeypatch, GPULAB_PASSED=ledger, GPULAB_DURATIONS=took)
+    assert kept == ["tests/test_a.py::test_4", "tests/test_a.py::test_2", "tests/test_a.py::test_0"]
+    with pytest.raises(pytest.UsageError, match="GPULAB_PASSED"):
+        _select(items, monkeypatch, GPULAB_PASSED=tmp_path / "missing.txt")
+
+
+def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "compiled_ledger.py"
+    spec = importlib.util.spec_from_file_location("compiled_ledger", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "junit.xml").write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_a" name="test_ok[x-1]" time="2.5"/>'
+        '<testcase classname="tests.test_a" name="test_bad" time="1"><failure message="no"/></testcase>'
+        '<testcase classname="tests.test_b.TestK" name="test_skip" time="0.1">'
+        '<skipped type="pytest.skip" message="GPU only"/></testcase>'
+        '<testcase classname="" name="tests.test_c" time="0"/>'
+        '</testsuite></testsuites>')
+    earlier = tmp_path / "earlier.txt"
+    earlier.write_text("tests/test_z.py::test_old\n")
+    out, took = tmp_path / "passed.txt", tmp_path / "took.json"
+    assert tool.main([str(run), "--include", str(earlier), "--out", str(out), "--durations-out", str(took)]) == 0
+    assert out.read_text().split() == ["tests/test_a.py::test_ok[x-1]", "tests/test_b.py::TestK::test_skip",
+                                       "tests/test_z.py::test_old"]
+    assert '"tests/test_a.py::test_ok[x-1]": 2.5' in took.read_text()

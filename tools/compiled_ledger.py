@@ -9,12 +9,17 @@ with ``GPULAB_PASSED=FILE`` then runs everything else, which the GPU host collec
 so tests that exist only there are included.
 
 usage:
-    python tools/compiled_ledger.py RUN_DIR [RUN_DIR ...] --commit SHA [--keep FILE ...]
-                                    [--out .gpurun/passed.txt] [--durations-out FILE.json]
+    python tools/compiled_ledger.py RUN_DIR [RUN_DIR ...] [--commit SHA] [--keep FILE ...]
+                                    [--include LEDGER ...] [--out .gpurun/passed.txt]
+                                    [--durations-out FILE.json]
 
 ``--commit``: the commit the runs tested (a test file changed since then runs again);
 ``--keep tests/x.py``: a changed test file whose passes still stand (say why in the run's
 README). Prints passed / failed / skipped per test file and what must run again.
+``--include``: an earlier ledger to extend. Chained calls on one warm GPU host: each call of
+``tools/gpu-suite.sh`` also leaves its junit.xml in ``/tmp/gpulab-runs/``, so the next call
+can start with ``python3 tools/compiled_ledger.py /tmp/gpulab-runs/* --include LEDGER --out
+/tmp/passed.txt`` (no git there: leave out ``--commit``).
 ``--durations-out``: each test's longest time in the runs, for ``GPULAB_DURATIONS``: a call
 cut at its time limit then loses short tests, not a 6-minute one begun at the end.
 """
@@ -90,15 +95,21 @@ def changed_test_files(commit: str) -> set[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--commit", required=True)
+    ap.add_argument("--commit", help="the runs' commit: test files changed since then run again "
+                                      "(needs git; left out, every pass stands)")
+    ap.add_argument("--include", action="append", default=[], type=Path,
+                    help="an earlier ledger whose node ids stand as done (chained GPU calls)")
     ap.add_argument("--keep", action="append", default=[])
     ap.add_argument("--out", type=Path, default=ROOT / ".gpurun" / "passed.txt")
     ap.add_argument("--durations-out", type=Path,
                     help="also write {node id: seconds} (GPULAB_DURATIONS: longest tests start first)")
     args = ap.parse_args(argv)
     best = read_runs(args.runs)
-    changed = changed_test_files(args.commit) - set(args.keep)
-    done = sorted(n for n, o in best.items() if o != "failed" and n.split("::")[0] not in changed)
+    changed = changed_test_files(args.commit) - set(args.keep) if args.commit else set()
+    done = {n for n, o in best.items() if o != "failed" and n.split("::")[0] not in changed}
+    for ledger in args.include:
+        done |= {line for line in ledger.read_text().splitlines() if line}
+    done = sorted(done)
     per_file = collections.defaultdict(collections.Counter)
     for n, o in best.items():
         per_file[n.split("::")[0]][o] += 1

@@ -44,6 +44,8 @@ dist=$([ -n "${GPULAB_DURATIONS:-}" ] && echo load || echo worksteal)
 timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist $dist -rfEs \
     --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
 echo "exit $?" >> "$out/tests.txt"
+# kept on the host while it stays warm: the next call's ledger (tools/compiled_ledger.py)
+keep=/tmp/gpulab-runs/$(date +%s) && mkdir -p "$keep" && cp "$out/junit.xml" "$keep/" 2>/dev/null
 wait
 if [ -n "${BENCH:-}" ]; then
   python3 -m gpulab bench $BENCH --save > "$out/bench.txt" 2>&1
