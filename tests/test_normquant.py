@@ -268,6 +268,7 @@ def test_bwd_check_rejects(bug, words):
 _PTX_PROBE = r'''
 import os, re
 os.environ["TRITON_INTERPRET"] = "0"; os.environ["GPULAB_COMPILE_ONLY"] = "1"
+os.environ["TRITON_STORE_BINARY_ONLY"] = "0"     # the PTX is read below (tools/gpu-suite.sh sets 1)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -11,3 +11,11 @@ done
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# A Triton cache packed by an earlier session (tools/gpu-suite.sh with PACK_CACHE=1, carried
+# as .tritoncache/): unpacked once into an empty cache, so that kernels whose source did not
+# change are not compiled again (compiling is most of a compiled test run's time).
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if ls .tritoncache/triton-cache.tar.xz.part* >/dev/null 2>&1 && [ -z "$(ls -A "$cache" 2>/dev/null)" ]; then
+  mkdir -p "$cache" && cat .tritoncache/triton-cache.tar.xz.part* | tar -xJ -C "$cache" \
+    && echo "unpacked a carried Triton cache: $(ls "$cache" | wc -l) kernels"
+fi

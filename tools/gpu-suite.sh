@@ -16,6 +16,9 @@
 #   whole suite compiled is about 20 000 worker-seconds, more than one session's GPU time.
 #   GPULAB_DURATIONS=FILE.json (the same tool, --durations-out) starts the longest tests
 #   first, so that the time limit cuts short tests rather than a long one begun late.
+#   PACK_CACHE=1 brings the Triton cache back in $OUT (triton-cache.tar.xz.part*); copied to
+#   .tritoncache/ and carried, it spares the next session's first call the compiling
+#   (tools/gpu-env.sh unpacks it).
 # Wheels carried beforehand: .whl/ (nbval & co.: ../shared/gpu/wheels.sh .whl) and, for
 # peer baselines, .peers/ (../shared/gpu/peers.sh .peers).
 # Writes OUTDIR/env.txt, tests.txt (+ junit.xml: every test's outcome, also when the
@@ -31,6 +34,9 @@ if [ -n "${GPULAB_PASSED:-}" ] && [ ! -r "$GPULAB_PASSED" ]; then
   echo "GPULAB_PASSED: cannot read $GPULAB_PASSED" | tee "$out/tests.txt"; exit 2
 fi
 source tools/gpu-env.sh
+# the cache keeps binaries only (no IR): a quarter of the size, so a session's cache fits
+# in what a call can bring back (PACK_CACHE=1 below)
+export TRITON_STORE_BINARY_ONLY=${TRITON_STORE_BINARY_ONLY:-1}
 t0=$(date +%s)
 python3 -m gpulab env > "$out/env.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
@@ -50,6 +56,14 @@ wait
 if [ -n "${BENCH:-}" ]; then
   python3 -m gpulab bench $BENCH --save > "$out/bench.txt" 2>&1
   cp gpulab/results/*.json "$out/" 2>/dev/null
+fi
+if [ -n "${PACK_CACHE:-}" ]; then
+  # at most 3 parts of 15 MiB: with the 5 logs, the 8 files a call can bring back
+  cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+  tar -C "$cache" -cf - . | xz -T0 -6 | split -b 15M -a 1 - "$out/triton-cache.tar.xz.part"
+  n=$(ls "$out"/triton-cache.tar.xz.part* | wc -l)
+  echo "packed the Triton cache ($(du -sh "$cache" | cut -f1)) into $n part(s)" >> "$out/env.txt"
+  [ "$n" -le 3 ] || { rm -f "$out"/triton-cache.tar.xz.part*; echo "too big to bring back: not packed" >> "$out/env.txt"; }
 fi
 echo "wall $(( $(date +%s) - t0 )) s" >> "$out/env.txt"
 tail -n 3 "$out"/tests.txt "$out"/notebooks.txt 2>/dev/null
