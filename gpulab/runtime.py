@@ -168,7 +168,8 @@ def tuning_configs(configs: list) -> list:
 
 def fast() -> bool:
     """True under CI (``CI`` set) or ``GPULAB_FAST=1``: notebooks shorten long demos
-    such as training runs; checks and results are unchanged."""
+    such as training runs, and benchmarks run on a GPU leave out the ``torch.compile``
+    baselines; checks are unchanged."""
     return bool(os.environ.get("CI")) or os.environ.get("GPULAB_FAST") == "1"
 
 

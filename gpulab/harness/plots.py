@@ -17,8 +17,13 @@ from .. import runtime
 
 
 def benchmark(name: str, extra: dict[str, Callable[[dict], object]] | None = None, cases=None,
-          dtypes=None, metric: str = "auto", compile_baselines: bool = True, show: bool = True) -> dict | None:
-    """Benchmark (GPU) or load saved results (CPU), print the table and plot it."""
+          dtypes=None, metric: str = "auto", compile_baselines: bool | None = None,
+          show: bool = True) -> dict | None:
+    """Benchmark (GPU) or load saved results (CPU), print the table and plot it.
+    ``compile_baselines``: also time the baselines under ``torch.compile`` (default: yes,
+    except in fast mode, ``runtime.fast()``, where compiling them would dominate a CI run)."""
+    if compile_baselines is None:
+        compile_baselines = not runtime.fast()
     if runtime.mode() == "compiled":
         result = _bench.run(name, cases=cases, dtypes=dtypes, extra=extra,
                             compile_baselines=compile_baselines)
