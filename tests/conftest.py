@@ -56,10 +56,12 @@ def _cuda_context_error() -> str:
 def pytest_runtest_makereport(item, call):
     global _poisoned_by
     outcome = yield
-    if _poisoned_by is not None or call.when != "call":
+    if _poisoned_by is not None:
         return
     if call.excinfo is not None and any(f in str(call.excinfo.value) for f in _BROKEN_CONTEXT):
         _poisoned_by = item.nodeid
+        return
+    if call.when != "call":
         return
     # A test can break the context and still pass, skip or xfail (a planted mistake whose
     # check reported the fault, say): then it, not the next test, is the one to blame.
@@ -69,7 +71,8 @@ def pytest_runtest_makereport(item, call):
         report = outcome.get_result()
         report.outcome, report.longrepr = "failed", (
             f"{item.nodeid} left this process's CUDA context broken ({error.splitlines()[0]}); "
-            "a kernel that faults on purpose must run in a subprocess (tests/helpers.py)")
+            "a kernel that faults on purpose must run in a subprocess, as the mistake "
+            "catalogue's faults_compiled entries do (tests/mistakes/__init__.py)")
         if hasattr(report, "wasxfail"):
             del report.wasxfail
 
