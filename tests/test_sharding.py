@@ -82,3 +82,20 @@ def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
     assert out.read_text().split() == ["tests/test_a.py::test_ok[x-1]", "tests/test_b.py::TestK::test_skip",
                                        "tests/test_z.py::test_old"]
     assert '"tests/test_a.py::test_ok[x-1]": 2.5' in took.read_text()
+
+
+def test_the_test_that_breaks_the_cuda_context_is_the_one_that_fails(monkeypatch):
+    """A test can xfail (or pass) and still leave an illegal address behind: the context
+    probe after its call fails *it*, and the worker stops before the next test runs."""
+    monkeypatch.setattr(conftest, "_poisoned_by", None)
+    monkeypatch.setattr(conftest, "_cuda_context_error",
+                        lambda: "CUDA error: an illegal memory access was encountered\nmore")
+    report = SimpleNamespace(outcome="skipped", longrepr=None, wasxfail="hint not specific")
+    hook = conftest.pytest_runtest_makereport(SimpleNamespace(nodeid="tests/t.py::test_culprit"),
+                                              SimpleNamespace(when="call", excinfo=None))
+    next(hook)
+    with pytest.raises(StopIteration):
+        hook.send(SimpleNamespace(get_result=lambda: report))
+    assert report.outcome == "failed" and not hasattr(report, "wasxfail")
+    assert "test_culprit left this process's CUDA context broken" in report.longrepr
+    assert conftest._poisoned_by == "tests/t.py::test_culprit"
