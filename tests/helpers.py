@@ -24,6 +24,17 @@ def subprocess_env(root) -> dict:
     return {**os.environ, "PYTHONPATH": str(root) + (os.pathsep + path if path else "")}
 
 
+def load_tool(name: str):
+    """A script of tools/ as a module (tools/ is not a package): ``load_tool("compiled_ledger")``."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def assert_tokens_match(model, prompts, got, want, near_tie=NEAR_TIE[torch.float32]):
     """Equal greedy tokens; on a GPU (Triton kernels vs PyTorch reference: other rounding),
     a difference is accepted only where the reference's two candidates are a near tie

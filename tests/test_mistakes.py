@@ -7,7 +7,7 @@ import pytest
 
 import gpulab
 
-from helpers import subprocess_env
+from helpers import load_tool, subprocess_env
 from mistakes import catalogue, run, run_in_subprocess
 
 CATALOGUE = catalogue()
@@ -38,12 +38,7 @@ def test_every_graded_exercise_of_the_catalogue_has_at_least_five_mistakes():
 def test_compiled_diagnosis_rehearsed_on_the_cpu(capsys):
     """tools/catalogue_as_compiled.py runs entries with the check's compiled-mode diagnosis
     (no load watch, guard re-runs) in the interpreter: notebook 00's entries all pass it."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "tools" / "catalogue_as_compiled.py"
-    spec = importlib.util.spec_from_file_location("catalogue_as_compiled", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("catalogue_as_compiled")
     if gpulab.mode() == "compiled":
         pytest.skip("compiled, the catalogue itself runs with this diagnosis")
     assert tool.main(["00/check-row-sum"]) == 0, capsys.readouterr().out

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 import conftest
+from helpers import load_tool
 
 
 def _shard(items, monkeypatch, shard):
@@ -59,12 +60,7 @@ def test_passed_ledger_leaves_those_tests_out_and_durations_put_the_longest_firs
 
 
 def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "tools" / "compiled_ledger.py"
-    spec = importlib.util.spec_from_file_location("compiled_ledger", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("compiled_ledger")
     run = tmp_path / "run"
     run.mkdir()
     (run / "junit.xml").write_text(

@@ -21,7 +21,7 @@ def benchmark(name: str, extra: dict[str, Callable[[dict], object]] | None = Non
           show: bool = True) -> dict | None:
     """Benchmark (GPU) or load saved results (CPU), print the table and plot it.
     ``compile_baselines``: also time the baselines under ``torch.compile`` (default: yes,
-    except in fast mode, ``runtime.fast()``, where compiling them would dominate a CI run)."""
+    except in fast mode, ``runtime.fast()``: test and CI runs check answers, not timings)."""
     if compile_baselines is None:
         compile_baselines = not runtime.fast()
     if runtime.mode() == "compiled":
