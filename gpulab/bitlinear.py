@@ -644,9 +644,10 @@ def _int8_dot() -> bool:
 
 
 # From this many rows on, the byte layout's prefill unpacks the weights once and runs a
-# plain int8 GEMM (ternary_mm_unpacked_into). None: never, until the two paths are timed
-# against each other on the H200 (`gpulab bench ternary_mm_unpacked`).
-UNPACK_MIN_M: int | None = None
+# plain int8 GEMM (ternary_mm_unpacked_into). On the H200 (K = N = 8192, `gpulab bench
+# ternary_mm_unpacked`, 2026-12-01) that was 1.24x faster than unpacking per tile at
+# M = 256 and 1.9x at M = 1024 and 4096; below 256 rows it was not timed. None: never.
+UNPACK_MIN_M: int | None = 256
 
 
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):

@@ -369,6 +369,14 @@ def test_compiled_mode_tells_reads_outside_from_arithmetic(monkeypatch):
     msg = checking.rejects(_copy_spec(name="test-probe2"), lambda x, y: y.copy_(2 * x).view(-1).__setitem__(-1, float("nan")))
     assert "arithmetic" in msg and "past the end" not in msg
 
+    def nan_and_zero_look_alike(x, y):
+        # as an RMS norm's floored scale on a GPU: a row of NaNs and a row of zeros give one answer
+        beyond = torch.as_strided(x, (x.numel() + 1,), (1,))[-1]
+        y.copy_(2 * x)
+        y.view(-1)[-1] = torch.nan_to_num(beyond, nan=0.0) + 7
+    msg = checking.rejects(_copy_spec(name="test-probe3"), nan_and_zero_look_alike)
+    assert "read past the end of an input" in msg
+
 
 def test_fresh_case_defeats_a_hard_coded_grid():
     spec = _copy_spec(name="test-fresh", fresh_case=lambda g: Case(

@@ -1,6 +1,6 @@
 """The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
 
-    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--piecewise]
+    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise]
 
 Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
 configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
@@ -15,8 +15,9 @@ configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
 The default model is a random-weight ternary transformer of ~0.7 B ternary weights
 (timing only: weights do not change the work); ``--model shipped`` times the shipped
 checkpoint. ``--quick`` shrinks every workload (a smoke test, minutes less).
-``--piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=True)``: steps
-that carry a prompt chunk replay piecewise CUDA graphs instead of running eagerly.
+``--no-piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=False)``: steps
+that carry a prompt chunk run eagerly instead of replaying piecewise CUDA graphs (the
+engine's default since 2026-12-01).
 """
 from __future__ import annotations
 
@@ -99,9 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--model", default=BIG)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--piecewise", action="store_true",
-                    help="steps with prompt chunks replay piecewise CUDA graphs (EngineConfig.piecewise_graphs)")
+    ap.add_argument("--no-piecewise", action="store_true",
+                    help="steps with prompt chunks run eagerly (EngineConfig(piecewise_graphs=False))")
+    ap.add_argument("--piecewise", action="store_true", help=argparse.SUPPRESS)   # the default now
     a = ap.parse_args(argv)
+    a.piecewise = not a.no_piecewise
     if runtime.mode() != "compiled":
         print("engine_bench needs a CUDA GPU (compiled mode)")
         return 2

@@ -3,8 +3,8 @@
 # own time limit, packed after every job into OUTDIR/bench.tgz (one file to bring back).
 #
 # usage: tools/gpu-bench.sh OUTDIR [JOB ...]
-# jobs (default: engine attention speculative): engine (tools/engine_bench.py; engine-piecewise:
-#   the same with piecewise CUDA graphs), host
+# jobs (default: engine attention speculative): engine (tools/engine_bench.py; engine-eager-prefill:
+#   the same with steps that carry a prompt chunk run eagerly, not from piecewise graphs), host
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
@@ -31,7 +31,7 @@ for job in "${@:-engine attention speculative}"; do
   for j in $job; do
     case $j in
       engine) run engine "${ET:-330}" python3 tools/engine_bench.py "$b/engine" ;;
-      engine-piecewise) run engine-piecewise "${ET:-330}" python3 tools/engine_bench.py "$b/engine-piecewise" --piecewise ;;
+      engine-eager-prefill) run engine-eager-prefill "${ET:-330}" python3 tools/engine_bench.py "$b/engine-eager-prefill" --no-piecewise ;;
       host) mkdir -p "$b/host"
             run host "${HT:-240}" bash -c 'for m in "" "--finished-only"; do python3 tools/engine_host_overhead.py \
               --batch 1 64 256 --prompt 512 --static $m --json "$0/tiny${m:+_finished}.json" || exit 1; done

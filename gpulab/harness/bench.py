@@ -132,7 +132,7 @@ _CEILINGS: dict | None = None
 
 
 def ceilings() -> dict:
-    """Measured bandwidth (device copy, read + write) and bf16 matmul throughput."""
+    """Measured bandwidth (device copy, read + write) and bf16 and int8 matmul throughput."""
     global _CEILINGS
     if _CEILINGS is None:
         require_gpu()
@@ -146,7 +146,14 @@ def ceilings() -> dict:
         t_mm = time_ms(lambda: x @ y, rep=50) * 1e-3
         del a, b, x, y
         _CEILINGS = {"bytes_per_s": 2 * n / t_copy, "flops_per_s": 2 * m ** 3 / t_mm,
-                     "how": "device copy of 1 GiB (read+write); bf16 8192^3 matmul"}
+                     "how": "device copy of 1 GiB (read+write); bf16 and int8 (cuBLAS) 8192^3 matmuls"}
+        try:    # the int8 ternary matmuls' compute roof (int8 tensor cores)
+            x8 = torch.randint(-127, 128, (m, m), device="cuda", dtype=torch.int8)
+            t_mm8 = time_ms(lambda: torch._int_mm(x8, x8), rep=50) * 1e-3
+            _CEILINGS["int8_ops_per_s"] = 2 * m ** 3 / t_mm8
+            del x8
+        except RuntimeError:       # no int8 GEMM in this torch/GPU: bf16's roof stands in
+            pass
     return _CEILINGS
 
 
@@ -275,7 +282,8 @@ def table_heading(result: dict) -> str:
     c = result["ceilings"]
     return (f"{result['kernel']} on {result['gpu']} ({result['date']}; torch "
             f"{result['versions']['torch']}, triton {result['versions']['triton']}); measured "
-            f"ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)")
+            f"ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)"
+            + (f", {c['int8_ops_per_s'] / 1e12:.0f} TOPS (int8)" if c.get("int8_ops_per_s") else ""))
 
 
 def format_table(result: dict, width: int = TABLE_WIDTH) -> str:
@@ -345,7 +353,8 @@ def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"### {result['kernel']}",
              f"{result['gpu']}, {result['date']}, torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}; "
-             f"measured ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s bf16.",
+             f"measured ceilings {c['bytes_per_s'] / 1e12:.2f} TB/s, {c['flops_per_s'] / 1e12:.0f} TFLOP/s bf16"
+             + (f", {c['int8_ops_per_s'] / 1e12:.0f} TOPS int8." if c.get("int8_ops_per_s") else "."),
              "", "| case | dtype | implementation | median | GB/s | TFLOP/s | % of roofline | gpulab is × faster |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
