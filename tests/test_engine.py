@@ -355,6 +355,44 @@ def test_warm_up_plants_no_layout_fault(model, monkeypatch, budget, block_size, 
     paged.raise_recorded_faults(runner.device)             # raises LayoutFault if a kernel met one
 
 
+def _append_alignment(plan, runner) -> tuple:
+    """What the append kernel is specialised on that can change from step to step: whether
+    each of its index arrays, and q and o (after the decode rows), start 16-byte aligned.
+    (On a CPU the plan's arrays are views of its host buffer, laid out as on the GPU.)"""
+    if not plan.append_lens.numel():
+        return ()
+    c = runner.cfg
+    q_offset = plan.num_decode * c.n_heads * c.head_dim * runner.k_cache.element_size()
+    return tuple(t.data_ptr() % 16 == 0 for t in (plan.append_indptr, plan.append_table, plan.append_lens)) \
+        + (q_offset % 16 == 0,)
+
+
+def test_warm_up_meets_every_alignment_of_the_append_kernels_arrays(model, monkeypatch):
+    """Steps with decode rows beside prompt chunks start the append rows' block table and
+    lengths at addresses Triton sees as 16-byte aligned or not (it compiles once per
+    class): the warm-up must meet each class a served step can, or the first request to
+    meet another compiles the kernel while serving (one step of a second on the H200)."""
+    import random
+    bs = 4
+    runner = ModelRunner(model, 64, bs, max_num_seqs=8, attention="torch", linear="torch", cuda_graphs=False)
+    seen = set()
+    monkeypatch.setattr(runner, "forward", lambda plan: seen.add(_append_alignment(plan, runner)))
+    runner.warm_up(40)
+    warm, seen = set(seen), set()
+
+    def item(total, new):
+        seq = Sequence(-1, "t", [0] * total, total, SamplingParams(max_tokens=1), 0,
+                       num_computed_tokens=total - new, block_table=list(range(-(-total // bs))))
+        return seq, new
+    rng = random.Random(0)
+    for _ in range(400):            # as the scheduler builds steps: decode rows first, then chunks
+        decode = [item(rng.randint(1, 60), 1) for _ in range(rng.randint(0, 6))]
+        total = rng.randint(3, 60)
+        chunk = item(total, rng.randint(2, min(total, 36)))
+        seen.add(_append_alignment(runner.plan(decode + [chunk]), runner))
+    assert seen <= warm, f"served steps met alignments {seen - warm} that the warm-up never ran"
+
+
 def test_warm_up_runs_every_prefill_size_and_changes_no_output(model, expected):
     """The start-up warm-up (compiled mode: so that autotuning happens before the first
     request) runs prefills of 1, 2, 4, ... tokens and a mixed step; afterwards the engine

@@ -385,7 +385,7 @@ class ModelRunner:
     # -- CUDA graphs --------------------------------------------------------------------------
     def warm_up(self, max_tokens: int) -> list[int]:
         """Run one prefill of each size a step can bring (1, 2, 4, ... tokens, up to
-        ``max_tokens``) and one step mixing a decode with a prefill, so that Triton
+        ``max_tokens``) and steps mixing a decode with a prefill, so that Triton
         compiles and autotunes every kernel shape here, at start-up, and not inside the
         first requests. (On the H200, a fresh engine served its first two requests at 42
         tok/s and the third at 2460: each new prefill length met new autotuning keys.)
@@ -403,8 +403,17 @@ class ModelRunner:
             for n in sizes:
                 self.forward(self.plan([prefill(n)]))
             if limit > 1:     # a decode row next to a prefill chunk: the eager decode path
-                self.forward(self.plan([prefill(min(limit, bs) + 1, computed=min(limit, bs)),
-                                        prefill(limit - 1)]))
+                decode_row = prefill(min(limit, bs) + 1, computed=min(limit, bs))
+                self.forward(self.plan([decode_row, prefill(limit - 1)]))
+                # The append rows' block table starts after the decode rows' in one buffer: at
+                # an address Triton sees as 16-byte aligned or not, with the decode rows ×
+                # the step's table width. Both classes here, or the first request to meet the
+                # other compiles the append kernel again (a second on the H200, 2026-12-01).
+                # A chunk of 2 tokens after a history sets the width whatever the budget.
+                width = -(-max(min(limit, bs) + 1, limit - 1) // bs)
+                other = 2 if width % 4 == 0 else 4
+                if limit > 2 and other < self.k_cache.shape[1] and other * bs <= self.cfg.max_seq_len:
+                    self.forward(self.plan([decode_row, prefill(other * bs, computed=other * bs - 2)]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return sizes
