@@ -151,8 +151,8 @@ class Guarded:
         elif zero_guards == "ends":     # zeros only before the first row and after the last
             buf.zero_()
             _fill_bits(buf[g:g + extent], _GUARD_BITS, None)
-        elif zero_guards == "ones":     # finite guards that are not zero (see guards_matter)
-            buf.fill_(1)
+        elif zero_guards == "ones":     # finite guards that are not zero (see guards_matter);
+            buf.fill_(1 if dtype.is_floating_point else 0)   # indices stay 0: a valid page, row...
         elif zero_guards:       # an input with harmless guards (to test whether they are read)
             buf.zero_()
         else:                   # an input: guards around a copy of the data
