@@ -13,6 +13,7 @@ import sys
 from typing import Callable
 
 from . import bench as _bench
+from .spec import get as get_spec
 from .. import runtime
 
 
@@ -21,13 +22,18 @@ def benchmark(name: str, extra: dict[str, Callable[[dict], object]] | None = Non
           show: bool = True) -> dict | None:
     """Benchmark (GPU) or load saved results (CPU), print the table and plot it.
     ``compile_baselines``: also time the baselines under ``torch.compile`` (default: yes,
-    except in fast mode, ``runtime.fast()``: test and CI runs check answers, not timings)."""
+    except in fast mode, ``runtime.fast()``: test and CI runs check answers, not timings,
+    and time only the first two of the spec's benchmark cases)."""
     if compile_baselines is None:
         compile_baselines = not runtime.fast()
     if runtime.mode() == "compiled":
+        source = "measured now"
+        all_cases = get_spec(name).cases["bench"]
+        if cases is None and runtime.fast() and len(all_cases) > 2:
+            cases = all_cases[:2]
+            source += f" (fast mode: {len(cases)} of the {len(all_cases)} cases)"
         result = _bench.run(name, cases=cases, dtypes=dtypes, extra=extra,
                             compile_baselines=compile_baselines)
-        source = "measured now"
     else:
         result = _bench.load(name)
         if result is None:
