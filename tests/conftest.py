@@ -2,6 +2,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import zlib
 
 import pytest
@@ -126,6 +127,23 @@ def order_by_duration(items):
     known = sorted(took.values())
     typical = known[len(known) // 2] if known else 0.0
     items.sort(key=lambda item: -took.get(item.nodeid, typical))
+    EXPECTED_S.update({item.nodeid: took.get(item.nodeid, typical) for item in items})
+
+
+# GPULAB_DEADLINE=epoch seconds (tools/gpu-suite.sh: the call's time limit): a test whose
+# known duration (GPULAB_DURATIONS) would carry it past the deadline is skipped as
+# DEADLINE_SKIP, not started and then killed, so that the worker runs shorter ones in that
+# time. tools/compiled_ledger.py does not count such a skip as done.
+DEADLINE_SKIP = "gpulab-deadline: would not finish before the call's time limit"
+EXPECTED_S: dict[str, float] = {}        # node id -> seconds (GPULAB_DURATIONS)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    deadline = os.environ.get("GPULAB_DEADLINE")
+    expected = EXPECTED_S.get(item.nodeid)
+    if deadline and expected is not None and time.time() + expected > float(deadline):
+        pytest.skip(DEADLINE_SKIP)
 
 
 # GPULAB_PASSED=FILE leaves out the node ids listed in FILE (one per line): the tests that

@@ -1,5 +1,6 @@
 """GPULAB_SHARD=k/n (tests/conftest.py) splits the suite into n disjoint parts whose union
 is the whole suite: a compiled run spread over several GPU calls runs every test once."""
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +71,8 @@ def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
         '<testcase classname="tests.test_b.TestK" name="test_skip" time="0.1">'
         '<skipped type="pytest.skip" message="GPU only"/></testcase>'
         '<testcase classname="" name="tests.test_c" time="0"/>'
+        f'<testcase classname="tests.test_d" name="test_late" time="0"><skipped type="pytest.skip" '
+        f'message="{conftest.DEADLINE_SKIP}"/></testcase>'
         '</testsuite></testsuites>')
     earlier = tmp_path / "earlier.txt"
     earlier.write_text("tests/test_z.py::test_old\n")
@@ -78,6 +81,22 @@ def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
     assert out.read_text().split() == ["tests/test_a.py::test_ok[x-1]", "tests/test_b.py::TestK::test_skip",
                                        "tests/test_z.py::test_old"]
     assert '"tests/test_a.py::test_ok[x-1]": 2.5' in took.read_text()
+
+
+def test_a_test_that_cannot_finish_before_the_deadline_is_skipped_not_begun(monkeypatch, tmp_path):
+    """GPULAB_DEADLINE (tools/gpu-suite.sh): a test whose known duration outlasts the call's
+    time limit is skipped with DEADLINE_SKIP (the ledger above does not count it as done);
+    one that fits runs, and without a deadline nothing is skipped."""
+    took = tmp_path / "durations.json"
+    took.write_text('{"tests/test_a.py::test_long": 300, "tests/test_a.py::test_short": 2}')
+    items = [SimpleNamespace(nodeid=f"tests/test_a.py::test_{n}") for n in ("short", "long")]
+    _select(items, monkeypatch, GPULAB_DURATIONS=took)
+    monkeypatch.setenv("GPULAB_DEADLINE", str(time.time() + 60))
+    with pytest.raises(pytest.skip.Exception, match="gpulab-deadline"):
+        conftest.pytest_runtest_setup(items[1])
+    conftest.pytest_runtest_setup(items[0])
+    monkeypatch.delenv("GPULAB_DEADLINE")
+    conftest.pytest_runtest_setup(items[1])
 
 
 def test_the_test_that_breaks_the_cuda_context_is_the_one_that_fails(monkeypatch):

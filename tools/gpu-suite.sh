@@ -15,7 +15,8 @@
 #   compiled (tools/compiled_ledger.py writes FILE from earlier calls' junit.xml): the
 #   whole suite compiled is about 20 000 worker-seconds, more than one session's GPU time.
 #   GPULAB_DURATIONS=FILE.json (the same tool, --durations-out) starts the longest tests
-#   first, so that the time limit cuts short tests rather than a long one begun late.
+#   first, and skips a test whose known duration would outlast the time limit (the ledger
+#   leaves it for the next call), so that workers spend the last minutes on short tests.
 #   PACK_CACHE=1 brings the Triton cache back in $OUT (triton-cache.tar.xz.part*); copied to
 #   .tritoncache/ and carried, it spares the next session's first call the compiling
 #   (tools/gpu-env.sh unpacks it).
@@ -50,8 +51,10 @@ if [ -n "$nbs" ]; then
       -rfE --tb=short --durations=30 --junitxml="$out/notebooks_junit.xml" $nbs > "$out/notebooks.txt" 2>&1
     echo "exit $?" >> "$out/notebooks.txt" ) &
 fi
-# longest first (GPULAB_DURATIONS) needs xdist's round-robin `load`; else steal work
+# longest first (GPULAB_DURATIONS) needs xdist's round-robin `load`; else steal work. A test
+# whose known duration outlasts the limit is skipped, not begun (GPULAB_DEADLINE, conftest)
 dist=$([ -n "${GPULAB_DURATIONS:-}" ] && echo load || echo worksteal)
+export GPULAB_DEADLINE=$(( $(date +%s) + ${TT:-505} - 5 ))
 timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist $dist -rfEs \
     --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
 echo "exit $?" >> "$out/tests.txt"
