@@ -650,6 +650,13 @@ def _int8_dot() -> bool:
 UNPACK_MIN_M: int | None = 256
 
 
+def unpack_min_m() -> int | None:
+    """:data:`UNPACK_MIN_M`, on a GPU. In the interpreter the unpacking pass costs several
+    times the per-tile kernel (its grid has a program per 32 x 512 weights), so there the
+    prefill always unpacks per tile."""
+    return None if runtime.interpreting() else UNPACK_MIN_M
+
+
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
     """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill."""
     if w_packed.dtype == torch.int32:
@@ -659,7 +666,7 @@ def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
             ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
     elif x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
         ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
-    elif UNPACK_MIN_M is not None and x_q.shape[0] >= UNPACK_MIN_M:
+    elif (threshold := unpack_min_m()) is not None and x_q.shape[0] >= threshold:
         ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y)
     else:
         ternary_mm_into(x_q, x_scale, w_packed, w_scale, y)

@@ -92,7 +92,7 @@ def test_unpack_to_int8_is_exact_and_stays_in_its_buffer(device, n, k):
 def test_dispatcher_takes_the_unpacked_path_from_its_threshold(device, monkeypatch):
     calls = []
     monkeypatch.setattr(bl, "ternary_mm_unpacked_into", lambda *a: calls.append(a[0].shape[0]))
-    monkeypatch.setattr(bl, "UNPACK_MIN_M", 8)
+    monkeypatch.setattr(bl, "unpack_min_m", lambda: 8)
     w_packed = bl.pack_ternary(torch.ones(5, 12, dtype=torch.int8, device=device))
     for m in (7, 8):
         x = torch.ones(m, 12, dtype=torch.int8, device=device)
