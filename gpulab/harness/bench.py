@@ -146,11 +146,12 @@ def ceilings() -> dict:
         t_mm = time_ms(lambda: x @ y, rep=50) * 1e-3
         del a, b, x, y
         _CEILINGS = {"bytes_per_s": 2 * n / t_copy, "flops_per_s": 2 * m ** 3 / t_mm,
-                     "how": "device copy of 1 GiB (read+write); bf16 and int8 (cuBLAS) 8192^3 matmuls"}
+                     "how": "device copy of 1 GiB (read+write); bf16 8192^3 matmul"}
         try:    # the int8 ternary matmuls' compute roof (int8 tensor cores)
             x8 = torch.randint(-127, 128, (m, m), device="cuda", dtype=torch.int8)
             t_mm8 = time_ms(lambda: torch._int_mm(x8, x8), rep=50) * 1e-3
             _CEILINGS["int8_ops_per_s"] = 2 * m ** 3 / t_mm8
+            _CEILINGS["how"] += "; int8 8192^3 matmul (torch._int_mm)"
             del x8
         except RuntimeError:       # no int8 GEMM in this torch/GPU: bf16's roof stands in
             pass
