@@ -102,7 +102,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-piecewise", action="store_true",
                     help="steps with prompt chunks run eagerly (EngineConfig(piecewise_graphs=False))")
-    ap.add_argument("--piecewise", action="store_true", help=argparse.SUPPRESS)   # the default now
     a = ap.parse_args(argv)
     a.piecewise = not a.no_piecewise
     if runtime.mode() != "compiled":
