@@ -81,6 +81,9 @@ def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
     assert out.read_text().split() == ["tests/test_a.py::test_ok[x-1]", "tests/test_b.py::TestK::test_skip",
                                        "tests/test_z.py::test_old"]
     assert '"tests/test_a.py::test_ok[x-1]": 2.5' in took.read_text()
+    # --drop: code a test runs changed outside tests/, so its pass no longer stands
+    assert tool.main([str(run), "--include", str(earlier), "--out", str(out), "--drop", "test_z.py::"]) == 0
+    assert out.read_text().split() == ["tests/test_a.py::test_ok[x-1]", "tests/test_b.py::TestK::test_skip"]
 
 
 def test_a_test_that_cannot_finish_before_the_deadline_is_skipped_not_begun(monkeypatch, tmp_path):

@@ -10,12 +10,13 @@ so tests that exist only there are included.
 
 usage:
     python tools/compiled_ledger.py RUN_DIR [RUN_DIR ...] [--commit SHA] [--keep FILE ...]
-                                    [--include LEDGER ...] [--out .gpurun/passed.txt]
+                                    [--drop TEXT ...] [--include LEDGER ...] [--out .gpurun/passed.txt]
                                     [--durations-out FILE.json]
 
 ``--commit``: the commit the runs tested (a test file changed since then runs again);
 ``--keep tests/x.py``: a changed test file whose passes still stand (say why in the run's
-README). Prints passed / failed / skipped per test file and what must run again.
+README); ``--drop TEXT``: node ids containing TEXT run again, because code they run changed
+outside tests/ (say what in the run's README). Prints passed / failed / skipped per test file and what must run again.
 ``--include``: an earlier ledger to extend. Chained calls on one warm GPU host: each call of
 ``tools/gpu-suite.sh`` also leaves its junit.xml in ``/tmp/gpulab-runs/``, so the next call
 can start with ``python3 tools/compiled_ledger.py /tmp/gpulab-runs/* --include LEDGER --out
@@ -105,6 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--include", action="append", default=[], type=Path,
                     help="an earlier ledger whose node ids stand as done (chained GPU calls)")
     ap.add_argument("--keep", action="append", default=[])
+    ap.add_argument("--drop", action="append", default=[],
+                    help="node ids containing this text run again (code they run changed outside "
+                         "tests/; say what in the run's README)")
     ap.add_argument("--out", type=Path, default=ROOT / ".gpurun" / "passed.txt")
     ap.add_argument("--durations-out", type=Path,
                     help="also write {node id: seconds} (GPULAB_DURATIONS: longest tests start first)")
@@ -114,7 +118,8 @@ def main(argv=None) -> int:
     done = {n for n, o in best.items() if o != "failed" and n.split("::")[0] not in changed}
     for ledger in args.include:
         done |= {line for line in ledger.read_text().splitlines() if line}
-    done = sorted(done)
+    dropped = {n for n in done if any(text in n for text in args.drop)}
+    done = sorted(done - dropped)
     per_file = collections.defaultdict(collections.Counter)
     for n, o in best.items():
         per_file[n.split("::")[0]][o] += 1
@@ -122,6 +127,8 @@ def main(argv=None) -> int:
     for f, c in sorted(per_file.items()):
         mark = "  (changed since: runs again)" if f in changed else ""
         print(f"{f:42} {c['passed']:6} {c['skipped'] + c['xfailed']:11} {c['failed']:7}{mark}")
+    if dropped:
+        print(f"\n{len(dropped)} node ids dropped (--drop): they run again")
     failed = sorted(n for n, o in best.items() if o == "failed")
     print(f"\n{len(done)} node ids stand as done compiled; {len(failed)} failed and run again:")
     for n in failed:

@@ -35,6 +35,11 @@ if [ -n "${GPULAB_PASSED:-}" ] && [ ! -r "$GPULAB_PASSED" ]; then
   echo "GPULAB_PASSED: cannot read $GPULAB_PASSED" | tee "$out/tests.txt"; exit 2
 fi
 source tools/gpu-env.sh
+# One CPU thread per process: a dozen test workers, notebook kernels and the processes they
+# start share 16 cores, and torch's OpenMP threads, 16 per process by default, then wait on
+# each other. On 2026-12-01 (16 threads each) two `import gpulab` took 200 s and MLGRU
+# mistake tests 300-450 s (1 s on a CPU).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the cache keeps binaries only (no IR): a quarter of the size, so a session's cache fits
 # in what a call can bring back (PACK_CACHE=1 below)
 export TRITON_STORE_BINARY_ONLY=${TRITON_STORE_BINARY_ONLY:-1}

@@ -17,24 +17,49 @@ from __future__ import annotations
 import torch
 
 
+_CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def capture_stream() -> "torch.cuda.Stream":
+    """The side stream on which the engine warms up and captures every graph (one per GPU)."""
+    index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[index]
+
+
+def capture(fn, pool=None, warmups: int = 2):
+    """``(graph, out)``: ``fn()`` called ``warmups`` times, then captured.
+
+    PyTorch's recipe: the warm-up calls run on the stream the capture then uses, so that
+    whatever is set up lazily on first use (Triton compiling and loading a kernel,
+    autotuning, a library's per-stream workspace) happens there and not inside the
+    capture, where it would invalidate the graph."""
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+    return graph, out
+
+
 class CapturedStep:
     """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
 
     ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
-    then a ``torch.cuda.CUDAGraph`` capture; ``replay()`` relaunches the recorded kernels
+    then a ``torch.cuda.CUDAGraph`` capture (:func:`capture`); ``replay()`` relaunches the recorded kernels
     and returns the same output tensors, rewritten. Without ``cuda``, ``replay()`` calls
     ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
 
     def __init__(self, fn, cuda: bool, pool=None):
         self.fn, self.graph, self.out = fn, None, None
         if cuda:
-            with torch.no_grad():
-                for _ in range(2):
-                    fn()
-                torch.cuda.synchronize()
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
-                    self.out = fn()
+            self.graph, self.out = capture(fn, pool)
 
     @property
     def pool(self):

@@ -37,6 +37,7 @@ and replay copies nothing.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -49,6 +50,7 @@ from .. import runtime
 from ..paged import PagedDecodeWrapper
 from .batch_attention import (append_attention, append_attention_reference, decode_attention,
                               plan_append_attention, shared_prefix_pages)
+from .graph_capture import capture
 from .model import TernaryTransformer
 from .piecewise import PiecewiseGraphs
 from .sequence import SamplingParams, Sequence
@@ -428,13 +430,8 @@ class ModelRunner:
             views = self.graph_views[b]
             plan = StepPlan(views["ids"], views["pos"], views["slots"], b, views["table"], views["lens"], None,
                             self.no_indptr, self.no_table, self.no_lens, views["all"], [])
-            with torch.no_grad():
-                for _ in range(2):            # warm-up: autotuning and lazy init happen outside the graph
-                    self.forward(plan)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.forward(plan)
+            # warmed up on the capture's stream: autotuning and lazy set-up stay outside the graph
+            graph, out = capture(functools.partial(self.forward, plan), pool)
             pool = graph.pool()
             # the graph reads the plan's tensors (sample_rows, the empty append ones) at
             # every replay: keep them alive, or their memory is reused and read as indices

@@ -228,6 +228,10 @@ _SWEEP = [_case(f"S={s // 1024}K" + (" causal" if c else ""), 4, 32, s, s, 128, 
 
 
 # -- diagnoses: what a wrong attention output most likely means ---------------------------
+# Tile widths a learner's kernel may use (mistakes that depend on a tile try each).
+KEY_TILES = (16, 32, 64, 128)
+
+
 def _with_scale(factor):
     return lambda inp: attention_reference(inp["q"], inp["k"], inp["v"], inp["causal"],
                                            scale=factor / math.sqrt(inp["q"].shape[-1]))
@@ -238,15 +242,22 @@ def _causal_flipped(inp):
 
 
 def _causal_top_left(inp):
-    q, k, v = inp["q"], inp["k"], inp["v"]
-    if not inp["causal"] or q.shape[2] == k.shape[2]:
-        return None
-    s = (q.double() @ repeat_kv(k.double(), q.shape[1]).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    i = torch.arange(q.shape[2], device=q.device)[:, None]
-    j = torch.arange(k.shape[2], device=q.device)[None, :]
-    s = s.masked_fill(j > i, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return {"o": torch.softmax(s, -1).nan_to_num(0.0) @ repeat_kv(v.double(), q.shape[1]), "lse": lse}
+    """The mask j ≤ i (aligned top-left). Alone, or inside a key loop that still ends
+    where the bottom-right mask needs it, at min(S_kv, (pid_m + 1)·BLOCK_M + S_kv - S_q)
+    walked in whole key tiles (each query and key tile width a learner may use): with
+    S_q > S_kv that loop skips keys the top-left mask lets through."""
+    s_q, s_kv = inp["q"].shape[2], inp["k"].shape[2]
+    if not inp["causal"] or s_q == s_kv:
+        return
+    yield attention_variant(inp, keep=lambda i, j: j <= i)
+    if s_kv > s_q:      # the loop then ends past every j ≤ i: the mask alone decides
+        return
+    for bm in KEY_TILES:
+        for bn in KEY_TILES:
+            def keep(i, j, bm=bm, bn=bn):
+                end = ((i // bm + 1) * bm + s_kv - s_q).clamp(0, s_kv)
+                return (j <= i) & (j < (end + bn - 1) // bn * bn)
+            yield attention_variant(inp, keep=keep)
 
 
 def _gqa_modulo(inp):
@@ -277,10 +288,6 @@ def attention_variant(inp, keep=None, zero_keys=0, scale_factor=1.0):
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return {"o": torch.exp(s - safe[..., None]) @ v, "lse": lse, "s": s}
-
-
-# Key-tile widths a learner's kernel may use (mistakes that depend on the tile try each).
-KEY_TILES = (16, 32, 64, 128)
 
 
 def _unmasked_key_padding(inp):

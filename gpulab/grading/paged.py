@@ -467,6 +467,7 @@ _GPU_DECODE = [
     Case("GQA 6/2, D=24, page 5", dict(lens=[13, 5, 310], page=5, hq=6, hkv=2, d=24)),
     Case("MHA, empty sequence", dict(lens=[0, 9, 4000], page=8, hq=12, hkv=12, d=64)),
     Case("few long", dict(lens=[20000, 777], page=16, hq=32, hkv=8, d=128)),
+    Case("a full block table, capacity 70", dict(lens=[70, 3], page=7, hq=8, hkv=2, d=64, pad=0)),
 ]
 
 PAGED_DECODE_ATTENTION = KernelSpec(
@@ -520,9 +521,9 @@ PAGED_DECODE_SPLIT = KernelSpec(
     outputs=decode_outputs,
     implementation=paged_decode_split_into,
     cases={
-        # the last: 3 splits of a capacity of 35, which they do not divide
+        # the last: splits that do not divide a block table the longest sequence fills
         "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4, 3]),
-        "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16]),
+        "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16, 8]),
     },
     # float16 inputs are checked by paged_decode_attention; the partitions and the reduce
     # work in float32 whatever the input dtype, so the interpreter runs float32 only here.
