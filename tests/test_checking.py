@@ -470,3 +470,24 @@ def test_compiled_diagnosis_tells_a_read_between_the_rows_from_one_past_the_end(
     with pytest.raises(checking.CheckFailure) as e:
         checking.run_check(spec, four_columns_too_many, quiet=True)
     assert "a load read past the end of an input" in str(e.value) and "between the rows" not in str(e.value)
+
+
+def test_only_the_reported_failure_is_diagnosed_and_it_is_the_most_telling():
+    """A wrong kernel fails every run; recomputing a mistake's answer can take seconds a
+    run on the GPU's cases, so the check diagnoses the failure it reports, not every one.
+    The choice is the one diagnosing every run would make: here the largest case, where
+    the spec's own hint speaks (the small cases have no hint)."""
+    asked = []
+
+    def hint(output, got, expected, inputs):
+        asked.append(inputs["x"].shape[0])
+        return "y is 3x: the factor is 2" if inputs["x"].shape[0] > 2 else None
+
+    cases = [Case(f"{r} rows", dict(rows=r, cols=9)) for r in (1, 2, 5, 7)]
+    spec = _copy_spec(name="test-lazy-hint", hint=hint, cases={"cpu": cases, "gpu": cases},
+                      dtypes={"cpu": [torch.float32, torch.float64], "gpu": [torch.float32, torch.float64]},
+                      tolerances={torch.float32: (1e-6, 1e-6), torch.float64: (1e-9, 1e-9)})
+    msg = checking.rejects(spec, lambda x, y: y.copy_(3 * x))
+    assert "8 of 8 runs failed" in msg and "case 7 rows" in msg and "float32" in msg.split("\n")[1]
+    assert "the factor is 2" in msg
+    assert asked == [7]          # one diagnosis: the first run of the largest case
