@@ -575,18 +575,22 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
         runs.append((len(cases), fresh, dtypes[0], "random size"))
     if spec.edge_rows or spec.edge_data is not None:
         runs += [(i, case, dtypes[0], "edge data") for i, case in enumerate(cases)]
-    failures = []   # (how telling, case index, message, short label, the run, its seed)
+    # Every run is compared with its tolerances; only the failure reported is diagnosed
+    # (recomputing a mistake's answer can take seconds a run on the GPU's cases). The run
+    # likeliest to be reported, the first of the largest listed case, is diagnosed as it runs.
+    first_choice = max(range(len(runs)), key=lambda n: (runs[n][0] < len(cases), runs[n][0], -n))
+    failures: list[RunFailure] = []
     own_kernel_seen = False
     for n_run, (i, case, dtype, variant) in enumerate(runs):
         s = base + 1000 * i + (dtypes.index(dtype) if variant is None else 500 + n_run)
         label = f"{case}, {str(dtype).replace('torch.', '')}" + (f", {variant}" if variant else "")
+        hints = n_run == first_choice
         try:
-            # no hints yet: only the failure explained below needs its diagnosis
-            err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant, hints=False)
+            err, launched = _check_one(spec, fn, case, dtype, device, s, base, variant, hints=hints)
         except DeviceFault:
             raise           # nothing more can run on this GPU
         except CheckFailure as f:
-            failures.append((_telling(f), i, str(f), label, (i, case, dtype, variant), s))
+            failures.append(RunFailure(_telling(f), i < len(cases), i, str(f), label, runs[n_run], s, hints))
             continue
         if must_be_own and not own_kernel_seen:
             if not any(kernel_origin(k) is None for k in launched):
@@ -597,9 +601,9 @@ def run_check(spec: KernelSpec | str, fn: Callable, *, cases: list[Case] | None 
             report.extra_runs.append(variant)
     if failures:
         total = len(runs)
-        best = _most_telling(spec, fn, device, base, failures, len(cases))
+        best = _most_telling(spec, fn, device, base, failures)
         head = (f"{spec.name}: {len(failures)} of {total} runs failed: "
-                + "; ".join(f[3] for f in failures[:6]) + ("; ..." if len(failures) > 6 else ""))
+                + "; ".join(f.label for f in failures[:6]) + ("; ..." if len(failures) > 6 else ""))
         raise CheckFailure(head + "\n" + best)
     if not quiet:
         print(report.summary())
@@ -616,35 +620,46 @@ def _telling(failure: CheckFailure) -> float:
     return getattr(failure, "telling", 1 if "Hint:" in str(failure) else 0)
 
 
-def _most_telling(spec, fn, device, base, failures, n_cases) -> str:
-    """The message of the failure that explains best: the most telling, then a listed case
-    before the random-size one (its size may be too small to tell), then the largest case,
-    then the first run. The runs were checked without hints (recomputing a mistake's answer
-    can take seconds a run); here they run again with them, best candidates first, until one
-    is as telling as a failure can be: the same choice as diagnosing every run, at the cost
-    of one or a few."""
-    def rank(f):
-        return f[1] < n_cases, f[1]
+@dataclass
+class RunFailure:
+    telling: float
+    listed: bool            # a listed case, not the random-size one (its size may be too small to tell)
+    index: int              # the case's index: larger cases tell more
+    message: str
+    label: str
+    run: tuple              # (case index, case, dtype, variant)
+    seed: int
+    diagnosed: bool         # the message has its hint, if any
 
-    def key(f):
-        return (f[0], *rank(f))
+    def rank(self) -> tuple:
+        return self.listed, self.index
 
-    outside = [f for f in failures if f[0] >= 3]       # their message is complete already
+    def key(self) -> tuple:
+        return self.telling, self.listed, self.index
+
+
+def _most_telling(spec, fn, device, base, failures: list[RunFailure]) -> str:
+    """The message of the failure that explains best: the most telling, then a listed case,
+    then the largest, then the first run. A failure not diagnosed yet runs again with its
+    hints, best candidates first, until one is as telling as a failure can be: the same
+    choice as diagnosing every run, at the cost of one or a few."""
+    outside = [f for f in failures if f.telling >= 3]       # their message is complete already
     if outside:
-        return max(outside, key=key)[2]
+        return max(outside, key=RunFailure.key).message
     best = None
-    for f in sorted(failures, key=rank, reverse=True):     # stable: equal ranks keep run order
-        i, case, dtype, variant = f[4]
-        try:
-            _check_one(spec, fn, case, dtype, device, f[5], base, variant)
-            diagnosed = f       # passed this time (a race in the kernel?): keep what was seen
-        except CheckFailure as again:
-            diagnosed = (_telling(again), f[1], str(again))
-        if best is None or key(diagnosed) > key(best):
-            best = diagnosed
-        if best[0] >= MOST_TELLING_OUTPUT:
+    for f in sorted(failures, key=RunFailure.rank, reverse=True):   # stable: equal ranks keep run order
+        if not f.diagnosed:
+            i, case, dtype, variant = f.run
+            try:
+                _check_one(spec, fn, case, dtype, device, f.seed, base, variant)
+            except CheckFailure as again:
+                f.telling, f.message = _telling(again), str(again)
+            # (it passed this time, a race in the kernel?: what was seen stands)
+        if best is None or f.key() > best.key():
+            best = f
+        if best.telling >= MOST_TELLING_OUTPUT:
             break
-    return best[2]
+    return best.message
 
 
 def _shortcut_message(spec: KernelSpec, launched: list) -> str:
