@@ -52,9 +52,9 @@ class CapturedStep:
     """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
 
     ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
-    then a ``torch.cuda.CUDAGraph`` capture (:func:`capture`); ``replay()`` relaunches the recorded kernels
-    and returns the same output tensors, rewritten. Without ``cuda``, ``replay()`` calls
-    ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
+    then a ``torch.cuda.CUDAGraph`` capture (:func:`capture`); ``replay()`` relaunches the
+    recorded kernels and returns the same output tensors, rewritten. Without ``cuda``,
+    ``replay()`` calls ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
 
     def __init__(self, fn, cuda: bool, pool=None):
         self.fn, self.graph, self.out = fn, None, None
