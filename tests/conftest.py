@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import sys
 import tempfile
@@ -117,8 +118,9 @@ def _no_layout_fault_left_behind(request):
 # suite outlasts one call of the GPU tool; n calls with k = 1..n cover it exactly once.
 # GPULAB_DURATIONS=FILE.json ({node id: seconds} from earlier GPU calls, tools/compiled_ledger.py)
 # starts the longest tests first (with `--dist load`): a call cut at its time limit then
-# loses a few short tests instead of a long one begun near the end. Unknown tests count as
-# the median.
+# loses a few short tests instead of a long one begun near the end. Tests with no known
+# duration start before them: most are tests an earlier call stopped at its limit, and
+# they need the whole of a call.
 def order_by_duration(items):
     path = os.environ.get("GPULAB_DURATIONS")
     if not path:
@@ -127,10 +129,9 @@ def order_by_duration(items):
         took = json.loads(open(path).read())
     except (OSError, ValueError) as e:
         raise pytest.UsageError(f"GPULAB_DURATIONS: cannot read {path}: {e}") from None
-    known = sorted(took.values())
-    typical = known[len(known) // 2] if known else 0.0
-    items.sort(key=lambda item: -took.get(item.nodeid, typical))
-    EXPECTED_S.update({item.nodeid: took.get(item.nodeid, typical) for item in items})
+    items.sort(key=lambda item: -took.get(item.nodeid, math.inf))
+    EXPECTED_S.clear()
+    EXPECTED_S.update({item.nodeid: took[item.nodeid] for item in items if item.nodeid in took})
 
 
 # GPULAB_DEADLINE=epoch seconds (tools/gpu-suite.sh: the call's time limit): a test whose

@@ -14,9 +14,10 @@
 #   (tests/conftest.py). GPULAB_PASSED=FILE leaves out the node ids that already passed
 #   compiled (tools/compiled_ledger.py writes FILE from earlier calls' junit.xml): the
 #   whole suite compiled is about 20 000 worker-seconds, more than one session's GPU time.
-#   GPULAB_DURATIONS=FILE.json (the same tool, --durations-out) starts the longest tests
-#   first, and skips a test whose known duration would outlast the time limit (the ledger
-#   leaves it for the next call), so that workers spend the last minutes on short tests.
+#   GPULAB_DURATIONS=FILE.json (the same tool, --durations-out) starts the tests with no
+#   known duration first (mostly tests an earlier call stopped), then the longest, and
+#   skips a test whose known duration would outlast the time limit (the ledger leaves it
+#   for the next call), so that workers spend the last minutes on short tests.
 #   PACK_CACHE=1 brings the Triton cache back in $OUT (triton-cache.tar.xz.part*); copied to
 #   .tritoncache/ and carried, it spares the next session's first call the compiling
 #   (tools/gpu-env.sh unpacks it).
