@@ -16,7 +16,8 @@ usage:
 ``--commit``: the commit the runs tested (a test file changed since then runs again);
 ``--keep tests/x.py``: a changed test file whose passes still stand (say why in the run's
 README); ``--drop TEXT``: node ids containing TEXT run again, because code they run changed
-outside tests/ (say what in the run's README). Prints passed / failed / skipped per test file and what must run again.
+outside tests/ (say what in the run's README). Prints passed / failed / skipped per test
+file and what must run again.
 ``--include``: an earlier ledger to extend. Chained calls on one warm GPU host: each call of
 ``tools/gpu-suite.sh`` also leaves its junit.xml in ``/tmp/gpulab-runs/``, so the next call
 can start with ``python3 tools/compiled_ledger.py /tmp/gpulab-runs/* --include LEDGER --out
