@@ -96,12 +96,11 @@ def attention_state_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[0] == 0:
         return (torch.zeros(q.shape, dtype=torch.float64, device=q.device),
                 torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device))
-    k = k.double().repeat_interleave(hq // hkv, dim=1)        # [N, Hq, D]
-    v = v.double().repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("hd,nhd->hn", q.double(), k) * scale   # [Hq, N]
+    qg = q.double().reshape(hkv, hq // hkv, -1)                # query heads grouped by kv head: [Hkv, G, D]
+    s = torch.einsum("kgd,nkd->kgn", qg, k.double()) * scale   # [Hkv, G, N]
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.einsum("hn,nhd->hd", torch.exp(s - lse[:, None]), v)
-    return o, lse
+    o = torch.einsum("kgn,nkd->kgd", torch.exp(s - lse[..., None]), v.double())
+    return o.reshape(hq, -1), lse.reshape(hq)
 
 
 def exp2_poly3_torch(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import platform
 
@@ -234,3 +235,24 @@ def count_compilations():
         yield seen
     finally:
         runtime_knobs.jit_post_compile_hook = previous
+
+
+@contextlib.contextmanager
+def cuda_graph_capture(graph, pool=None, stream=None):
+    """``torch.cuda.graph(graph, pool, stream)`` with Python's garbage collector held off.
+
+    A collection that runs inside a capture (any allocation of Python objects can start
+    one) may free an unreachable engine from earlier, and destroying its CUDA graphs is not
+    allowed while a stream captures: the new graph is invalidated (seen on the H200,
+    2026-12-01, when a worker's earlier test left an engine behind). PyTorch no longer
+    collects before a capture, as it once did: we collect once, then hold it off."""
+    import torch
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    finally:
+        if enabled:
+            gc.enable()

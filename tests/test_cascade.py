@@ -277,7 +277,7 @@ def test_cascade_graph_replay_equals_eager_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gpulab.runtime.cuda_graph_capture(graph):
         out = casc.run(inp["q"], inp["k_cache"], inp["v_cache"])
     for lens in ([2, 17, 201, 18] * 8, [0, 0, 220, 5] * 8):     # capacity: 14 pages of 16
         inp["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))

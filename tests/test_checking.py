@@ -491,3 +491,17 @@ def test_only_the_reported_failure_is_diagnosed_and_it_is_the_most_telling():
     assert "8 of 8 runs failed" in msg and "case 7 rows" in msg and "float32" in msg.split("\n")[1]
     assert "the factor is 2" in msg
     assert asked == [7]          # one diagnosis: the first run of the largest case
+
+
+def test_a_narrowed_hint_sees_the_same_part_of_the_output_the_answer_and_the_inputs():
+    from gpulab.harness.checking import narrowed_hint
+    seen = {}
+
+    def hint(output, got, expected, inputs):
+        seen.update(got=tuple(got.shape), expected=tuple(expected.shape),
+                    **{k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return "cause"
+    first_two = narrowed_hint(hint, lambda t: t[:2], inputs=("q",))
+    got = torch.zeros(5, 3)
+    assert first_two("o", got, got, {"q": torch.zeros(5, 4), "pages": torch.zeros(7), "n": 3}) == "cause"
+    assert seen == {"got": (2, 3), "expected": (2, 3), "q": (2, 4), "pages": (7,)}

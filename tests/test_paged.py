@@ -313,7 +313,7 @@ def test_graph_replay_equals_eager_while_lengths_change(splits):
     decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gpulab.runtime.cuda_graph_capture(graph):
         out = decode.run(inp["q"], inp["k_cache"], inp["v_cache"])
     eager = paged.PagedDecodeWrapper()
     for step, lens in enumerate(([5, 700, 3000, 64], [6, 701, 3001, 65], [0, 1, 2999, 400])):
@@ -415,3 +415,20 @@ def test_wrapper_docstring_example_runs():
         for test in doctest.DocTestFinder().find(obj, globs={}):
             runner.run(test)
         assert runner.failures == 0 and runner.tries > 0
+
+
+def test_a_cut_at_one_length_is_named_without_trying_every_length(monkeypatch):
+    """"Every sequence cut at one length c" has a free c: trying each c recomputed the whole
+    batch once per token, hours on the GPU's case of 20 000 tokens (2026-12-01). The cut is
+    read off the wrong output, and only a few cuts are recomputed."""
+    gen = torch.Generator().manual_seed(3)
+    inp = PG.make_paged_inputs(dict(lens=[3000, 41], page=16, hq=4, hkv=2, d=16), torch.float32, "cpu", gen)
+    ref = paged.paged_decode_reference(**inp)
+    for output in ("o", "lse"):
+        got = PG.decode_variant(inp, lens=inp["seq_lens"].long().clamp(max=1234))[output].float()
+        calls = []
+        monkeypatch.setattr(PG, "decode_variant", lambda *a, _real=PG.decode_variant, **kw: calls.append(1) or _real(*a, **kw))
+        cause = PG.DECODE_HINT(output, got, ref[output], inp)
+        monkeypatch.undo()
+        assert cause and "cut at one length" in cause, cause
+        assert len(calls) <= 20, f"{len(calls)} recomputations of the whole batch"

@@ -1,4 +1,5 @@
 """Mode selection, compile checks for real GPU targets, and benchmark honesty."""
+import gc
 import os
 import subprocess
 import sys
@@ -110,3 +111,34 @@ def test_count_compilations_records_each_compile_and_restores_the_hook():
         assert seen.count == 0
     else:                                                   # compiled at most once (a warm cache: 0)
         assert seen.count <= 1 and set(seen.names) <= {"add_kernel"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_survives_an_earlier_graph_left_to_the_garbage_collector():
+    """A collection inside a capture that destroys an unreachable graph invalidates the
+    capture (an engine left behind by a worker's earlier test, H200, 2026-12-01):
+    runtime.cuda_graph_capture collects first and holds the collector off."""
+    x = torch.zeros(8, device="cuda")
+
+    def leave_a_graph_behind():
+        g = torch.cuda.CUDAGraph()
+        with runtime.cuda_graph_capture(g):
+            x.add_(1)
+        cycle = {"graph": g}
+        cycle["self"] = cycle          # only the collector frees it
+    leave_a_graph_behind()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)                # a collection at almost every allocation
+    try:
+        g = torch.cuda.CUDAGraph()
+        with runtime.cuda_graph_capture(g):
+            for _ in range(50):
+                [object() for _ in range(20)]
+                x.mul_(2)
+        assert gc.isenabled()
+        x.fill_(1)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x, torch.full_like(x, 2.0 ** 50))
+    finally:
+        gc.set_threshold(*threshold)

@@ -18,6 +18,7 @@
 #   known duration first (mostly tests an earlier call stopped), then the longest, and
 #   skips a test whose known duration would outlast the time limit (the ledger leaves it
 #   for the next call), so that workers spend the last minutes on short tests.
+#   TEST_TIMEOUT=300 s per test (pytest-timeout, where installed: the H200 image has it).
 #   PACK_CACHE=1 brings the Triton cache back in $OUT (triton-cache.tar.xz.part*); copied to
 #   .tritoncache/ and carried, it spares the next session's first call the compiling
 #   (tools/gpu-env.sh unpacks it).
@@ -61,8 +62,13 @@ fi
 # whose known duration outlasts the limit is skipped, not begun (GPULAB_DEADLINE, conftest)
 dist=$([ -n "${GPULAB_DURATIONS:-}" ] && echo load || echo worksteal)
 export GPULAB_DEADLINE=$(( $(date +%s) + ${TT:-505} - 5 ))
+# A test past TEST_TIMEOUT s (300) fails with every thread's stack in tests.txt, and its
+# worker restarts: on 2026-12-01 twelve tests whose diagnoses ran for hours held every
+# worker of two calls, and nothing said where they were.
+per_test=()
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout="${TEST_TIMEOUT:-300}" --timeout-method=thread)
 timeout -s INT "${TT:-505}" python3 -m pytest -p no:cacheprovider -n "${TN:-10}" --dist $dist -rfEs \
-    --tb=short --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
+    --tb=short --durations=30 "${per_test[@]}" --junitxml="$out/junit.xml" "${@:-tests}" > "$out/tests.txt" 2>&1
 echo "exit $?" >> "$out/tests.txt"
 # kept on the host while it stays warm: the next call's ledger (tools/compiled_ledger.py)
 keep=/tmp/gpulab-runs/$(date +%s) && mkdir -p "$keep" && cp "$out/junit.xml" "$keep/" 2>/dev/null

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import cuda_graph_capture
 
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
@@ -34,7 +35,8 @@ def capture(fn, pool=None, warmups: int = 2):
     PyTorch's recipe: the warm-up calls run on the stream the capture then uses, so that
     whatever is set up lazily on first use (Triton compiling and loading a kernel,
     autotuning, a library's per-stream workspace) happens there and not inside the
-    capture, where it would invalidate the graph."""
+    capture, where it would invalidate the graph; no garbage collection inside it either
+    (:func:`gpulab.runtime.cuda_graph_capture`)."""
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.no_grad():
@@ -43,7 +45,7 @@ def capture(fn, pool=None, warmups: int = 2):
                 fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with cuda_graph_capture(graph, pool=pool, stream=stream):
             out = fn()
     return graph, out
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..harness.checking import Hypothesis, hypotheses_hint
+from ..harness.checking import Hypothesis, hypotheses_hint, narrowed_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..mlgru import (mlgru_scan, scan_backward_chunked_into, scan_backward_recurrent_into,
                      scan_backward_reference, scan_chunked_into, scan_into, scan_recurrent_into,
@@ -97,7 +97,13 @@ def _h_last_lost(inp):
 # Compared as closely as a bfloat16 output allows (its rounding alone is up to 0.4%).
 _CHUNK_TOL = dict(atol=1e-3, rtol=1e-2)
 
-SCAN_HINT = hypotheses_hint(
+def _first_channels(t: torch.Tensor) -> torch.Tensor:
+    """The first 16 channels: each channel runs the same scan, so a mistake shows there as
+    on all 512 of a GPU case, whose every mistake recomputed whole takes over a minute."""
+    return t[..., :16]
+
+
+SCAN_HINT = narrowed_hint(hypotheses_hint(
     Hypothesis("h follows h_t = f_t·h_(t-1) + (1 - f_t)·i_t, a GRU-style mix: here i_t already carries "
                "its gate, the recurrence is h_t = f_t·h_(t-1) + i_t.",
                lambda inp: _scan_variant(inp["f"], inp["i"], inp["h0"], step=lambda f, h, i: f * h + (1 - f) * i),
@@ -118,7 +124,7 @@ SCAN_HINT = hypotheses_hint(
     Hypothesis("h_last is zero: the masked time steps past T in the last chunk wiped the state; load f with "
                "other=1.0 (and i with 0.0) so padded steps leave h unchanged, and carry the chunk's last "
                "valid state.", _h_last_lost, outputs=("h_last",), zeros_count=True),
-)
+), _first_channels)
 
 
 def _bwd_variant(f, h0, h, dh, dh_last, *, h_for_df="prev", carry_f="next", dh0_f=True):
@@ -143,7 +149,7 @@ def _bwd(**kw):
     return lambda inp: _bwd_variant(inp["f"], inp["h0"], inp["h"], inp["dh"], inp["dh_last"], **kw)
 
 
-SCAN_BACKWARD_HINT = hypotheses_hint(
+SCAN_BACKWARD_HINT = narrowed_hint(hypotheses_hint(
     Hypothesis("df_t uses h_t: h_t = f_t·h_(t-1) + i_t, so df_t = g_t · h_(t-1) (h0 at t = 0).",
                _bwd(h_for_df="same"), outputs=("df",)),
     Hypothesis("the gradient is carried back without the forget gate: g_t = dh_t + f_(t+1)·g_(t+1).",
@@ -152,7 +158,7 @@ SCAN_BACKWARD_HINT = hypotheses_hint(
                "g_t = dh_t + f_(t+1)·g_(t+1) (keep the f of the step after).", _bwd(carry_f="same")),
     Hypothesis("dh0 misses the first forget gate: h_0 = f_0·h0 + i_0, so dh0 = f_0·g_0.",
                _bwd(dh0_f=False), outputs=("dh0",)),
-)
+), _first_channels)
 
 
 # -- inputs -------------------------------------------------------------------------------

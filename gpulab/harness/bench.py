@@ -107,7 +107,7 @@ def time_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 9) -
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             fn()                           # warm-up on the capture stream
-            with torch.cuda.graph(g, stream=stream):
+            with runtime.cuda_graph_capture(g, stream=stream):
                 for _ in range(calls):
                     _FLUSH.zero_()
                     if with_fn:

@@ -950,6 +950,9 @@ class Hypothesis:
     share: float = 1.0
     # an answer of all zeros counts too (else the generic "all zeros" diagnoses speak)
     zeros_count: bool = False
+    # ``answer(inputs, output, got)``: a mistake with a free parameter too costly to try
+    # value by value (a cut at any of 20 000 tokens) reads the likely values off the output
+    sees_output: bool = False
 
     def explains(self, output: str, got, inputs: dict, expected=None) -> bool:
         return self.mismatch(output, got, inputs, expected) is not None
@@ -963,8 +966,9 @@ class Hypothesis:
             return None
         try:
             # references on the CPU: an answer builds index tensors without a device
-            alts = self.answer({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                for k, v in inputs.items()})
+            cpu_inputs = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            alts = (self.answer(cpu_inputs, output, got.detach().cpu()) if self.sees_output
+                    else self.answer(cpu_inputs))
             # one answer, or several (a mistake with a free parameter, e.g. the block size)
             alts = [alts] if alts is None or isinstance(alts, dict) else list(alts)
         except Exception:
@@ -977,6 +981,8 @@ class Hypothesis:
             if not isinstance(value, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
                 continue
             v = value.detach().double().cpu()
+            if self.share == 1.0 and not _close_on_a_sample(g, v, self.atol, self.rtol):
+                continue    # already wrong on a sample: most hypotheses end here, at a tiny cost
             if e is not None and e.shape == v.shape and bool(torch.allclose(v, e, rtol=1e-9, atol=1e-12,
                                                                              equal_nan=True)):
                 continue    # the mistake gives the right answer here: it cannot explain a wrong one
@@ -1000,6 +1006,28 @@ class Hypothesis:
         ok = torch.isfinite(g) & torch.isfinite(v) & torch.isfinite(e) & \
             ~(torch.isclose(g, e, atol=1e-7, rtol=1e-7) & torch.isclose(v, e, atol=1e-7, rtol=1e-7))
         return float((g - v)[ok].abs().sum()) <= 1.05 * float((g - e)[ok].abs().sum())
+
+
+def _close_on_a_sample(g: torch.Tensor, v: torch.Tensor, atol: float, rtol: float, n: int = 4096) -> bool:
+    """Are ``n`` elements spread over the two tensors (all of them, if fewer) close?
+    Comparing tensors of millions of elements takes a second on one CPU thread."""
+    if g.numel() <= n:
+        return bool(torch.isclose(g, v, atol=atol, rtol=rtol, equal_nan=True).all())
+    idx = torch.linspace(0, g.numel() - 1, n).long()
+    return bool(torch.isclose(g.reshape(-1)[idx], v.reshape(-1)[idx], atol=atol, rtol=rtol, equal_nan=True).all())
+
+
+def narrowed_hint(hint, narrow: Callable[[torch.Tensor], torch.Tensor], inputs: tuple[str, ...] | None = None):
+    """``hint`` asked on a part of the problem: ``narrow`` slices the wrong output, the
+    answer and the tensor ``inputs`` (None: all of them) alike. For problems whose parts
+    all compute the same thing (the channels of an elementwise recurrence, the requests of
+    a batch), where a mistake shows on a few parts as on all and recomputing every mistake
+    on a GPU case costs a minute or more."""
+    def hint_on_a_part(output, got, expected, given):
+        part = {k: narrow(v) if isinstance(v, torch.Tensor) and v.dim() and (inputs is None or k in inputs)
+                else v for k, v in given.items()}
+        return hint(output, narrow(got), narrow(expected), part)
+    return hint_on_a_part
 
 
 def hypotheses_hint(*hypotheses: Hypothesis, then=None):
