@@ -426,8 +426,8 @@ def test_a_cut_at_one_length_is_named_without_trying_every_length(monkeypatch):
     ref = paged.paged_decode_reference(**inp)
     for output in ("o", "lse"):
         got = PG.decode_variant(inp, lens=inp["seq_lens"].long().clamp(max=1234))[output].float()
-        calls = []
-        monkeypatch.setattr(PG, "decode_variant", lambda *a, _real=PG.decode_variant, **kw: calls.append(1) or _real(*a, **kw))
+        calls, real = [], PG.decode_variant
+        monkeypatch.setattr(PG, "decode_variant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
         cause = PG.DECODE_HINT(output, got, ref[output], inp)
         monkeypatch.undo()
         assert cause and "cut at one length" in cause, cause

@@ -329,6 +329,8 @@ PREFIX_HYPOTHESES = (
     Hypothesis("the output accumulator is not rescaled when the running max moves: acc = acc · alpha + p·v, "
                "with alpha = 2^(m_old - m_new), like l.", _prefix_tiles(stale_tile=True), outputs=("o",)),
 )
+
+
 def _first_requests(t: torch.Tensor) -> torch.Tensor:
     """The first 8 requests: each computes the same thing over the shared prefix, so a
     mistake shows there as on all 256 of a GPU case (minutes to recompute whole)."""

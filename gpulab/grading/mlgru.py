@@ -97,6 +97,7 @@ def _h_last_lost(inp):
 # Compared as closely as a bfloat16 output allows (its rounding alone is up to 0.4%).
 _CHUNK_TOL = dict(atol=1e-3, rtol=1e-2)
 
+
 def _first_channels(t: torch.Tensor) -> torch.Tensor:
     """The first 16 channels: each channel runs the same scan, so a mistake shows there as
     on all 512 of a GPU case, whose every mistake recomputed whole takes over a minute."""

@@ -938,8 +938,9 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
 class Hypothesis:
     """A plausible mistake, recomputed: ``answer(inputs)`` returns the outputs (a dict) that
     a kernel making that mistake computes on ``inputs`` (or several dicts, for a mistake with
-    a free parameter such as the block size), or None where the mistake cannot show; a wrong output that matches them is explained by ``cause``. ``outputs`` limits it
-    to some outputs (empty: any); ``share``: the fraction of elements that must match
+    a free parameter such as the block size), or None where the mistake cannot show; a
+    wrong output that matches them is explained by ``cause``. ``outputs`` limits it to
+    some outputs (empty: any); ``share``: the fraction of elements that must match
     (below 1 for mistakes such as truncation, where float rounding moves a few). An answer
     of all zeros is ignored unless ``zeros_count``: "never loaded" says more there."""
     cause: str
