@@ -117,21 +117,24 @@ def test_count_compilations_records_each_compile_and_restores_the_hook():
 def test_a_capture_survives_an_earlier_graph_left_to_the_garbage_collector():
     """A collection inside a capture that destroys an unreachable graph invalidates the
     capture (an engine left behind by a worker's earlier test, H200, 2026-12-01):
-    runtime.cuda_graph_capture collects first and holds the collector off."""
-    x = torch.zeros(8, device="cuda")
+    runtime.cuda_graph_capture collects first and holds the collector off. Here the
+    collector is kept from running until the capture has begun, then made to run at the
+    next allocation, as it may in a long test session."""
+    x = torch.ones(8, device="cuda")
 
     def leave_a_graph_behind():
         g = torch.cuda.CUDAGraph()
-        with runtime.cuda_graph_capture(g):
-            x.add_(1)
-        cycle = {"graph": g}
+        with torch.cuda.graph(g):
+            y = x * 2                  # memory of the graph's own pool, freed with the graph
+        cycle = {"graph": g, "y": y}
         cycle["self"] = cycle          # only the collector frees it
-    leave_a_graph_behind()
     threshold = gc.get_threshold()
-    gc.set_threshold(1)                # a collection at almost every allocation
+    gc.set_threshold(1_000_000)        # no collection before the capture begins
     try:
+        leave_a_graph_behind()
         g = torch.cuda.CUDAGraph()
         with runtime.cuda_graph_capture(g):
+            gc.set_threshold(1)        # a collection at the next allocation, inside the capture
             for _ in range(50):
                 [object() for _ in range(20)]
                 x.mul_(2)
