@@ -1,3 +1,4 @@
+import collections
 import json
 import math
 import os
@@ -134,6 +135,21 @@ def order_by_duration(items):
     EXPECTED_S.update({item.nodeid: took[item.nodeid] for item in items if item.nodeid in took})
 
 
+# The order in which `--dist loadscope` hands scopes (a module, or a class of tests) to the
+# workers, set here (pyproject.toml passes --no-loadscope-reorder): the compile-only checks
+# first, then the other scopes, those with the most tests first, as xdist would. xdist's own
+# order put the compile-only checks (one test per class, minutes each) last, and one of the
+# two workers then ran them alone at the end of the suite.
+STARTS_FIRST = "::TestEveryKernelCompilesFor_"
+
+
+def order_scopes(items):
+    def scope(item):
+        return item.nodeid.rsplit("::", 1)[0]
+    size = collections.Counter(scope(item) for item in items)
+    items.sort(key=lambda item: (STARTS_FIRST not in item.nodeid, -size[scope(item)]))
+
+
 # GPULAB_DEADLINE=epoch seconds (tools/gpu-suite.sh: the call's time limit): a test whose
 # known duration (GPULAB_DURATIONS) would carry it past the deadline is skipped as
 # DEADLINE_SKIP, not started and then killed, so that the worker runs shorter ones in that
@@ -162,7 +178,10 @@ def pytest_collection_modifyitems(config, items):
         drop = [item for item in items if item.nodeid in done]
         items[:] = [item for item in items if item.nodeid not in done]
         config.hook.pytest_deselected(items=drop)
-    order_by_duration(items)
+    if os.environ.get("GPULAB_DURATIONS"):
+        order_by_duration(items)
+    else:
+        order_scopes(items)
     shard = os.environ.get("GPULAB_SHARD")
     if not shard:
         return
