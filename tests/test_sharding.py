@@ -65,6 +65,17 @@ def test_passed_ledger_leaves_those_tests_out_and_durations_put_the_longest_firs
         _select(items, monkeypatch, GPULAB_PASSED=tmp_path / "missing.txt")
 
 
+def test_the_compile_only_checks_start_first_then_the_largest_scopes(monkeypatch):
+    """xdist's loadscope hands out scopes in this order (--no-loadscope-reorder): the
+    compile-only checks, minutes each, first, so that no worker runs them alone at the end."""
+    monkeypatch.delenv("GPULAB_DURATIONS", raising=False)
+    ids = ["tests/test_a.py::test_0", "tests/test_b.py::test_0", "tests/test_b.py::test_1",
+           "tests/test_r.py::TestEveryKernelCompilesFor_sm75::test_compile", "tests/test_r.py::test_mode",
+           "solutions/00.ipynb::Cell 0", "solutions/00.ipynb::Cell 1", "solutions/00.ipynb::Cell 2"]
+    kept, _ = _select([SimpleNamespace(nodeid=i) for i in ids], monkeypatch)
+    assert kept == [ids[3], *ids[5:8], ids[1], ids[2], ids[0], ids[4]]
+
+
 def test_ledger_tool_reads_junit_and_extends_an_earlier_ledger(tmp_path):
     tool = load_tool("compiled_ledger")
     run = tmp_path / "run"
