@@ -18,6 +18,7 @@ import torch
 
 from ..runtime import cuda_graph_capture
 
+
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
 
