@@ -365,7 +365,7 @@ def test_compiled_mode_tells_reads_outside_from_arithmetic(monkeypatch):
         y.copy_(2 * x)
         y.view(-1)[-1] = canonical
     msg = checking.rejects(_copy_spec(name="test-probe"), reads_one_past)
-    assert "read past the end of an input" in msg
+    assert "a load past the end of input `x`" in msg
     msg = checking.rejects(_copy_spec(name="test-probe2"), lambda x, y: y.copy_(2 * x).view(-1).__setitem__(-1, float("nan")))
     assert "arithmetic" in msg and "past the end" not in msg
 
@@ -375,7 +375,28 @@ def test_compiled_mode_tells_reads_outside_from_arithmetic(monkeypatch):
         y.copy_(2 * x)
         y.view(-1)[-1] = torch.nan_to_num(beyond, nan=0.0) + 7
     msg = checking.rejects(_copy_spec(name="test-probe3"), nan_and_zero_look_alike)
-    assert "read past the end of an input" in msg
+    assert "a load past the end of input `x`" in msg
+
+
+def test_compiled_mode_names_the_input_read_past_its_end(monkeypatch):
+    """Compiled, the guard re-runs change one input's guards at a time, so the diagnosis names
+    the input a load ran past (a block table read one entry too far, on the H200 2026-12-01),
+    not only "an input"."""
+    monkeypatch.setattr(checking.runtime, "interpreting", lambda: False)
+    spec = _copy_spec(name="test-two-inputs", args=("x", "idx", "y"),
+                      make_inputs=lambda p, dt, dev, g: {
+                          "x": randn((p["rows"], p["cols"]), dt, dev, g),
+                          "idx": torch.randint(0, p["rows"], (p["rows"],), generator=g).to(dev)},
+                      reference=lambda x, idx: {"y": 2 * x.double()[idx]},
+                      read_inputs=("x", "idx"))
+
+    def index_one_too_far(x, idx, y):
+        # row r gathers row idx[r + 1]: the last row reads the entry past idx's end, and any
+        # value there (a guard, a neighbour) picks a row, as a page index would on a GPU
+        beyond = torch.as_strided(idx, (idx.numel() + 1,), (1,))[1:]
+        y.copy_(2 * x[beyond.clamp(0, x.shape[0] - 1)])
+    msg = checking.rejects(spec, index_one_too_far)
+    assert "a load past the end of input `idx`" in msg and "`x`" not in msg, msg
 
 
 def test_fresh_case_defeats_a_hard_coded_grid():

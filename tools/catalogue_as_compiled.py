@@ -9,7 +9,7 @@ compiled GPU runs found before (it cannot see what only real GPU execution shows
 running out of order, illegal addresses, NaN bit patterns). Entries marked
 ``interpreter_only`` are left out, as the compiled test skips them.
 
-usage: python tools/catalogue_as_compiled.py [ID_SUBSTRING]
+usage: python tools/catalogue_as_compiled.py [-v] [ID_SUBSTRING]   (-v: every diagnosis, not only the failures)
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def runtime_view(**answers) -> types.SimpleNamespace:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    verbose = "-v" in argv
+    argv = [a for a in argv if a != "-v"]
     wanted = argv[0] if argv else ""
     # the check diagnoses as compiled (no load watch, guard re-runs) on the CPU cases; the
     # catalogue expects the compiled words; kernels still launch, watched, in the interpreter
@@ -62,6 +64,8 @@ def main(argv=None) -> int:
             verdict = "ok" if outcome.caught and (outcome.right_cause or weak) else \
                 "MISSED" if not outcome.caught else "WRONG CAUSE"
             print(f"{verdict:11} {time.perf_counter() - t0:5.1f} s  {m.id}", flush=True)
+            if verbose:
+                print("    " + outcome.message.strip().splitlines()[-1][-300:], flush=True)
             if verdict != "ok":
                 failures.append((m, outcome))
         for m, outcome in failures:

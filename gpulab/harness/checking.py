@@ -790,16 +790,17 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
                     f"(convert with .to({exp_dt})).")
     worst = 0.0
 
-    def guards_matter(name: str) -> bool | str:
+    def guards_matter(name: str) -> bool | str | tuple[str, ...]:
         """Does output ``name`` change when only the inputs' guard values change? Then
         the kernel read outside its inputs (the interpreter's load watch says so directly):
-        "gaps" if the padding between the rows of a strided input alone changes it, else True."""
+        "gaps" if the padding between the rows of a strided input alone changes it, else the
+        names of the inputs whose guards alone change it (True if no one input's do)."""
         if runtime.interpreting():
             return False
 
-        def changes(zero_guards) -> bool:
+        def changes(zero_guards, only=None) -> bool:
             _, alt_out, alt_result, _ = _guarded_call(spec, fn, inputs, dtype, device, pads, where,
-                                                      zero_guards=zero_guards)
+                                                      zero_guards=zero_guards, only=only)
             alt = ({k: g.inner for k, g in alt_out.items()} if spec.outputs is not None else
                    dict(zip(spec.returns, alt_result if isinstance(alt_result, (tuple, list)) else (alt_result,))))
             a, b = alt.get(name), got.get(name)
@@ -813,7 +814,12 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
         if not (changes(True) or changes("ones")):
             return False
         # only between the rows: the padding matters, what lies before and after does not
-        return "gaps" if pads and changes("gaps") and not changes("ends") else True
+        if pads and changes("gaps") and not changes("ends"):
+            return "gaps"
+        # which input: the same two opinions, one input's guards at a time
+        read = tuple(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.numel() > 0
+                     and (changes(True, only=k) or changes("ones", only=k)))
+        return read or True
 
     named = []   # the spec's own diagnosis named a cause (it says more than a generic hint)
 
@@ -840,13 +846,14 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
     return worst, watch.launched
 
 
-def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=False):
-    """Call ``fn`` once on guarded copies of ``inputs`` and poisoned outputs, watched."""
+def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=False, only=None):
+    """Call ``fn`` once on guarded copies of ``inputs`` and poisoned outputs, watched.
+    ``zero_guards`` (see :meth:`Guarded.wrap`) applies to every input, or to input ``only``."""
     guarded_in, call_inputs = {}, {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor) and (v.is_contiguous() or k in pads) and v.numel() > 0:
             guarded_in[k] = Guarded.wrap(v.shape, v.dtype, v.device, like=v, pad=pads.get(k, 0),
-                                         zero_guards=zero_guards)
+                                         zero_guards=zero_guards if only in (None, k) else False)
             call_inputs[k] = guarded_in[k].inner
         else:
             call_inputs[k] = v
@@ -934,6 +941,14 @@ def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
 
 
 # -- diagnosis ----------------------------------------------------------------------------
+def rounding_tolerance(dtype: torch.dtype, atol: float, rtol: float) -> tuple[float, float]:
+    """``atol, rtol`` widened to what storing in ``dtype`` moves: a kernel that makes a mistake
+    in bfloat16 lands within bfloat16's rounding of the mistake recomputed in float64, not
+    within 1e-3 of it."""
+    floor = {torch.bfloat16: (1.5e-2, 2e-2), torch.float16: (2e-3, 2e-3)}.get(dtype, (0.0, 0.0))
+    return max(atol, floor[0]), max(rtol, floor[1])
+
+
 @dataclass(frozen=True)
 class Hypothesis:
     """A plausible mistake, recomputed: ``answer(inputs)`` returns the outputs (a dict) that
@@ -976,20 +991,21 @@ class Hypothesis:
             return None
         g = got.detach().double().cpu()
         e = expected.detach().double().cpu() if isinstance(expected, torch.Tensor) else None
+        atol, rtol = rounding_tolerance(got.dtype, self.atol, self.rtol)
         best = None
         for alt in alts:
             value = alt.get(output) if isinstance(alt, dict) else None
             if not isinstance(value, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
                 continue
             v = value.detach().double().cpu()
-            if self.share == 1.0 and not _close_on_a_sample(g, v, self.atol, self.rtol):
+            if self.share == 1.0 and not _close_on_a_sample(g, v, atol, rtol):
                 continue    # already wrong on a sample: most hypotheses end here, at a tiny cost
             if e is not None and e.shape == v.shape and bool(torch.allclose(v, e, rtol=1e-9, atol=1e-12,
                                                                              equal_nan=True)):
                 continue    # the mistake gives the right answer here: it cannot explain a wrong one
             if not self.zeros_count and not bool((v != 0).any()):
                 continue    # all zero: the generic "all zeros" and "never loaded" diagnoses say more
-            close = torch.isclose(g, v, atol=self.atol, rtol=self.rtol, equal_nan=True)
+            close = torch.isclose(g, v, atol=atol, rtol=rtol, equal_nan=True)
             if float(close.double().mean()) >= self.share and (expected is None or self._closer(g, v, expected)):
                 d = (g - v).abs().masked_fill(torch.isnan(g) & torch.isnan(v), 0.0)
                 d = float(torch.nan_to_num(d, nan=math.inf).mean())
@@ -1138,6 +1154,11 @@ def _hint(g, e, bad, unwritten, atol, rtol, unread, raw=None, axes=None, reads_o
                 f"bit pattern gpulab puts around every input: a load read past the end of an input (a "
                 f"missing mask, or masked-out lanes without a safe `other=`) and its value reached the "
                 f"output.")
+    if isinstance(outside, tuple):
+        names = " and ".join(f"`{k}`" for k in outside)
+        return (f"the wrong elements change when only the values just outside input {names} change: "
+                f"a load past the end of input {names} (a missing mask, or an offset beyond the "
+                f"tensor) and its value reached the output.")
     if outside:
         return ("the wrong elements change when only the values around the inputs change: a load "
                 "read past the end of an input (a missing mask, or an offset beyond the tensor) and "

@@ -106,7 +106,8 @@ def _run_scenario(m: Mistake) -> Outcome:
 
 
 # Compiled, loads cannot be watched: a stray load is seen only where its value reaches the
-# output, and the diagnosis then names the cause without knowing which input it read.
+# output. Re-runs with one input's guards changed name the input; where the stray value is
+# the guard's own NaN pattern, the diagnosis names the cause without knowing which input.
 COMPILED_LOAD_PHRASE = "a load read past the end of an input"
 
 
