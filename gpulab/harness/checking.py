@@ -798,27 +798,38 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
         if runtime.interpreting():
             return False
 
-        def changes(zero_guards, only=None) -> bool:
+        def output_of(zero_guards, keep=None):
             _, alt_out, alt_result, _ = _guarded_call(spec, fn, inputs, dtype, device, pads, where,
-                                                      zero_guards=zero_guards, only=only)
+                                                      zero_guards=zero_guards, keep=keep)
             alt = ({k: g.inner for k, g in alt_out.items()} if spec.outputs is not None else
                    dict(zip(spec.returns, alt_result if isinstance(alt_result, (tuple, list)) else (alt_result,))))
-            a, b = alt.get(name), got.get(name)
+            return alt.get(name)
+
+        def differ(a, b) -> bool:
             if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
                 return False
             atol, rtol = spec.tolerance(dtype, name)
             return not bool(torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=True).all())
 
+        def changes(zero_guards) -> bool:
+            return differ(output_of(zero_guards), got.get(name))
+
         # NaN guards and zero guards can give one answer (an RMS norm of NaNs and of zeros
         # both floor to the same scale): ones are the second opinion
-        if not (changes(True) or changes("ones")):
+        harmless = True if changes(True) else "ones" if changes("ones") else None
+        if harmless is None:
             return False
         # only between the rows: the padding matters, what lies before and after does not
         if pads and changes("gaps") and not changes("ends"):
             return "gaps"
-        # which input: the same two opinions, one input's guards at a time
+        # Which input: harmless guards everywhere but around one input, which keeps the
+        # guards of the first call. Every guard then holds a value one of the two calls
+        # already read, so no probe follows an index neither of them did (a stray index can
+        # leave every buffer: the GPU then stops with an illegal address, and the process
+        # with it).
+        base = output_of(harmless)
         read = tuple(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.numel() > 0
-                     and (changes(True, only=k) or changes("ones", only=k)))
+                     and differ(output_of(harmless, keep=k), base))
         return read or True
 
     named = []   # the spec's own diagnosis named a cause (it says more than a generic hint)
@@ -846,14 +857,14 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
     return worst, watch.launched
 
 
-def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=False, only=None):
+def _guarded_call(spec, fn, inputs, dtype, device, pads, where, zero_guards=False, keep=None):
     """Call ``fn`` once on guarded copies of ``inputs`` and poisoned outputs, watched.
-    ``zero_guards`` (see :meth:`Guarded.wrap`) applies to every input, or to input ``only``."""
+    ``zero_guards`` (see :meth:`Guarded.wrap`) applies to every input but ``keep``."""
     guarded_in, call_inputs = {}, {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor) and (v.is_contiguous() or k in pads) and v.numel() > 0:
             guarded_in[k] = Guarded.wrap(v.shape, v.dtype, v.device, like=v, pad=pads.get(k, 0),
-                                         zero_guards=zero_guards if only in (None, k) else False)
+                                         zero_guards=zero_guards if k != keep else False)
             call_inputs[k] = guarded_in[k].inner
         else:
             call_inputs[k] = v
@@ -1280,6 +1291,8 @@ def _rows_differ_in_factor(g: torch.Tensor, e: torch.Tensor, big: torch.Tensor,
 def _safely(probe: Callable[[], bool | str]) -> bool | str:
     try:
         return probe()
+    except DeviceFault:
+        raise               # the process has lost the GPU: say so, not a later op's CUDA error
     except Exception:
         return False
 
