@@ -137,7 +137,7 @@ def _shared_prefix_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bad_pages = 0
+    bad_pages = tl.zeros([BLOCK_N], tl.int32)   # summed once after the loop (see paged_tile_update)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
@@ -147,7 +147,7 @@ def _shared_prefix_kernel(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
         bad_pages += n_bad
-    if bad_pages > 0:
+    if tl.sum(bad_pages, 0) > 0:
         tl.atomic_or(fault_ptr, 4)                 # FAULT_PREFIX_PAGE (see gpulab.paged.fault_flag)
     out, lse = state_epilogue(m, l, acc)
     tl.store(o_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :],
@@ -159,8 +159,12 @@ def _shared_prefix_kernel(
 # the second is for sm_80+ (see gpulab.paged.big_smem).
 _PREFIX_SMALL = ((64, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3))
 _PREFIX_SMALL_FP32 = ((32, 32, 4, 2), (32, 32, 2, 2))
+# The one-stage configs: since the page ids are checked (paged_tile_update), Triton (3.9's
+# PTX for sm_90, read on a CPU) pipelines their load through shared memory when num_stages
+# > 1, with one barrier more per tile; with one stage the loop is the one measured at 483 µs
+# on 2026-11-29 (32/8; 697 µs with the check, 2026-12-01). The autotuner picks.
 _PREFIX_BIG = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
-               (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4))
+               (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4), (128, 64, 8, 1), (128, 128, 8, 1))
 
 _prefix_tuned = autotuned_variants(
     _shared_prefix_kernel,

@@ -285,8 +285,10 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     tokens stored in pages: token i of the tile is slot ``slot[i]`` of page ``page[i]`` of
     kv head ``kvh``; tokens with ``t_mask`` False are skipped. q [M, D] holds the query rows.
     Page ids come from a table the kernel does not trust: one outside [0, num_pages) is
-    never used as an address, its token is skipped and counted. Returns (m, l, acc, number
-    of bad page ids in the tile). Shared by paged decode and cascade's shared-prefix kernel."""
+    never used as an address, its token is skipped and counted. Returns (m, l, acc, bad:
+    1 per token whose page id was out of range, else 0). Callers add ``bad`` up over their
+    loop and sum it once after: a sum per tile is a reduction across warps, a barrier in
+    every iteration. Shared by paged decode and cascade's shared-prefix kernel."""
     bad = t_mask & ((page < 0) | (page >= num_pages))
     page = tl.where(bad, 0, page)
     t_mask = t_mask & ~bad
@@ -304,7 +306,7 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
         s = tl.dot(q, tl.trans(k))
     s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
     m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
-    return m, l, acc, tl.sum(bad.to(tl.int32), 0)
+    return m, l, acc, bad.to(tl.int32)
 
 
 # Sizes that change from one engine step to the next are not specialised on: Triton would
@@ -348,7 +350,7 @@ def _decode_partition_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max (base-2 units)
     l = tl.zeros([BLOCK_G], tl.float32)                  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bad_pages = 0
+    bad_pages = tl.zeros([BLOCK_N], tl.int32)   # summed once after the loop (see paged_tile_update)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
@@ -359,7 +361,7 @@ def _decode_partition_kernel(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
         bad_pages += n_bad
-    faults = faults | tl.where(bad_pages > 0, 1, 0)
+    faults = faults | tl.where(tl.sum(bad_pages, 0) > 0, 1, 0)
     if faults != 0:                 # 1: FAULT_PAGE, 2: FAULT_SEQ_LEN (see fault_flag)
         tl.atomic_or(fault_ptr, faults)
         tl.atomic_min(fault_ptr + 1, b)

@@ -142,13 +142,12 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
                UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Scores q·Kᵀ (base-2 scaled) and V [BLOCK_N, BLOCK_D] of KV positions t through one
     request's block-table row. A page id outside the pool is never used as an address:
-    its tokens load as zeros and are counted in ``n_bad`` (as
-    :func:`gpulab.paged.paged_tile_update` does)."""
+    its tokens load as zeros and are marked in ``bad`` (1 per such token; summed by the
+    caller after its loop, as :func:`gpulab.paged.paged_tile_update`'s callers do)."""
     page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
     bad = t_mask & ((page < 0) | (page >= num_pages))
     page = tl.where(bad, 0, page).to(tl.int64)
     t_mask = t_mask & ~bad
-    n_bad = tl.sum(bad.to(tl.int32), 0)
     slot = t % page_size
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
@@ -162,7 +161,7 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
-    return s, v, n_bad
+    return s, v, bad.to(tl.int32)
 
 
 # Sizes that change from one engine step to the next are not specialised on: Triton would
@@ -230,7 +229,7 @@ def _append_attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bad_pages = 0
+    bad_pages = tl.zeros([BLOCK_N], tl.int32)   # summed once after the loops
     cols = tl.arange(0, BLOCK_N)
     # Visible to every row: no score mask. (A bad page's tokens load as zeros here and
     # still get a score: the result is wrong, as it must be for a bad layout, but no
@@ -251,7 +250,7 @@ def _append_attention_kernel(
         visible = (t[None, :] < hi) & (t[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
         m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
-    faults = faults | tl.where(bad_pages > 0, PAGE_FAULT, 0)
+    faults = faults | tl.where(tl.sum(bad_pages, 0) > 0, PAGE_FAULT, 0)
     if faults != 0:                 # the shared flag of gpulab.paged.fault_flag: [kinds, first request]
         tl.atomic_or(fault_ptr, faults)
         tl.atomic_min(fault_ptr + 1, b)

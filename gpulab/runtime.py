@@ -38,9 +38,26 @@ if not _USER_CHOSE:
 COMPILE_ONLY = os.environ.get("GPULAB_COMPILE_ONLY") == "1"
 
 
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+# Read once: Triton fixes its mode when a kernel is defined, and every public function
+# asks (reading the environment cost 0.7 µs a call on a CPU, several times per call on a
+# decode step's path). A process that changes TRITON_INTERPRET before it defines kernels
+# (the compile check) calls refresh_mode().
+_INTERPRETING = _interpret_env()
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+    return _INTERPRETING
+
+
+def refresh_mode() -> None:
+    """Read ``TRITON_INTERPRET`` again (after changing it, before defining kernels)."""
+    global _INTERPRETING
+    _INTERPRETING = _interpret_env()
 
 
 def mode() -> str:

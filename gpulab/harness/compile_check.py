@@ -128,6 +128,7 @@ def check_all(names=None, verbose=True, archs=None) -> Recorder:
     os.environ["GPULAB_COMPILE_ONLY"] = "1"
     import torch
     from gpulab import runtime
+    runtime.refresh_mode()
     runtime.COMPILE_ONLY = True
     from gpulab.harness.spec import all_specs
     specs = all_specs()

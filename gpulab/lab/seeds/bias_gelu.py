@@ -12,7 +12,8 @@ NUM_WARPS = 4  # gene
 ROW_MAJOR = True  # gene
 GENE_SPACE = {"BLOCK_R": [1, 2, 4, 8, 16, 32], "BLOCK_C": [64, 128, 256, 512, 1024, 2048],
               "NUM_WARPS": [1, 2, 4, 8, 16], "ROW_MAJOR": [True, False]}
-MAX_TILE = 1 << 14   # elements a program holds at once: BLOCK_R shrinks to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
+                               # registers and take a minute to compile): BLOCK_R shrinks to fit
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def bias_gelu_kernel(x_ptr, b_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexp
 
 def launch(x, bias, out):
     n_rows, n_cols = x.shape
-    block_r = max(1, min(BLOCK_R, MAX_TILE // BLOCK_C))
+    block_r = max(1, min(BLOCK_R, MAX_TILE_PER_WARP * NUM_WARPS // BLOCK_C))
     grid = triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, BLOCK_C)
     bias_gelu_kernel[(grid,)](x, bias, out, n_rows, n_cols, BLOCK_R=block_r, BLOCK_C=BLOCK_C,
                               ROW_MAJOR=ROW_MAJOR, num_warps=NUM_WARPS)

@@ -9,7 +9,8 @@ NUM_WARPS = 4  # gene
 TILE_N = 1024  # gene
 GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16], "NUM_WARPS": [1, 2, 4, 8, 16],
               "TILE_N": [128, 256, 512, 1024, 2048, 4096]}
-MAX_TILE = 1 << 14   # elements a program holds at once: the rows per program shrink to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
+                               # registers and take a minute to compile): the rows per program shrink to fit
 
 
 @triton.jit
@@ -33,6 +34,6 @@ def cumsum_kernel(x_ptr, y_ptr, n_rows, n_cols, R: tl.constexpr, BLOCK_N: tl.con
 def launch(x, y):
     n_rows, n_cols = x.shape
     block_n = min(TILE_N, triton.next_power_of_2(n_cols))
-    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE // block_n))
+    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE_PER_WARP * NUM_WARPS // block_n))
     cumsum_kernel[(triton.cdiv(n_rows, rows),)](x, y, n_rows, n_cols, R=rows,
                                                             BLOCK_N=block_n, num_warps=NUM_WARPS)

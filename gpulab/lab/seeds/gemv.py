@@ -10,7 +10,8 @@ NUM_WARPS = 4  # gene
 NUM_STAGES = 2  # gene
 GENE_SPACE = {"BLOCK_N": [4, 8, 16, 32, 64, 128], "BLOCK_K": [32, 64, 128, 256, 512, 1024],
               "NUM_WARPS": [1, 2, 4, 8, 16], "NUM_STAGES": [1, 2, 3, 4]}
-MAX_TILE = 1 << 15   # weight elements a program holds at once: BLOCK_K shrinks to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
+                               # registers and take a minute to compile): BLOCK_K shrinks to fit
 
 
 @triton.jit
@@ -32,6 +33,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 def launch(x, w, y):
     m, k = x.shape
     n = w.shape[0]
-    block_k = max(16, min(BLOCK_K, triton.next_power_of_2(k), MAX_TILE // BLOCK_N))
+    block_k = max(16, min(BLOCK_K, triton.next_power_of_2(k), MAX_TILE_PER_WARP * NUM_WARPS // BLOCK_N))
     gemv_kernel[(m, triton.cdiv(n, BLOCK_N))](x, w, y, n, k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                                               num_warps=NUM_WARPS, num_stages=NUM_STAGES)

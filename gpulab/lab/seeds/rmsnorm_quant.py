@@ -12,7 +12,8 @@ PERSISTENT = False  # gene
 GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16, 32], "NUM_WARPS": [1, 2, 4, 8, 16],
               "PERSISTENT": [False, True]}
 EPS = 1e-6
-MAX_TILE = 1 << 15
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
+                               # registers and take a minute to compile): the rows per program shrink to fit
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def rmsnorm_quant_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_rows, n_cols, eps, R:
 def launch(x, weight, x_q, scale):
     n_rows, n_cols = x.shape
     block_n = triton.next_power_of_2(n_cols)
-    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE // block_n))
+    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE_PER_WARP * NUM_WARPS // block_n))
     blocks = triton.cdiv(n_rows, rows)
     grid = min(blocks, 4 * runtime.num_sms()) if PERSISTENT else blocks
     rmsnorm_quant_kernel[(grid,)](x, weight, x_q, scale, n_rows, n_cols, EPS, R=rows, BLOCK_N=block_n,

@@ -17,7 +17,8 @@ LOOP = "single"  # gene
 TILE_N = 1024  # gene
 GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16], "NUM_WARPS": [1, 2, 4, 8, 16],
               "LOOP": ["single", "online"], "TILE_N": [256, 512, 1024, 2048, 4096]}
-MAX_TILE = 1 << 15   # elements a program holds at once: the rows per program shrink to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
+                               # registers and take a minute to compile): the rows per program shrink to fit
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def launch(x, y):
     n_rows, n_cols = x.shape
     online = LOOP == "online"
     block_n = TILE_N if online else triton.next_power_of_2(n_cols)
-    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE // block_n))
+    rows = max(1, min(ROWS_PER_PROGRAM, MAX_TILE_PER_WARP * NUM_WARPS // block_n))
     softmax_kernel[(triton.cdiv(n_rows, rows),)](x, y, n_rows, n_cols, x.stride(0), y.stride(0),
                                                   R=rows, BLOCK_N=block_n, ONLINE=online,
                                                   num_warps=NUM_WARPS)
