@@ -463,3 +463,34 @@ def test_weak_verifier_survives_a_cheat_that_raises_when_timed(monkeypatch):
     v = inprocess.WeakVerifier(cost_model=False)(task, PLANTED["seed-dependent"].source)
     assert v.correct and v.time_ms is None and v.fitness_ms == float("inf")
     assert "raised KeyError" in v.message
+
+
+class _LaunchRecorder:
+    """Stands in for a seed's @triton.jit kernel: records the launch, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append(kw)
+
+
+@pytest.mark.parametrize("name, genes, make_args", [
+    # 78 s to compile and time on the H200 (2026-12-01): 16 rows of 2048 in one warp
+    ("softmax", {"ROWS_PER_PROGRAM": 16, "NUM_WARPS": 1, "LOOP": "online", "TILE_N": 2048},
+     lambda: (torch.empty(64, 8192), torch.empty(64, 8192))),
+    ("rmsnorm_quant", {"ROWS_PER_PROGRAM": 8, "NUM_WARPS": 1, "PERSISTENT": False},
+     lambda: (torch.empty(64, 8192), torch.empty(8192), torch.empty(64, 8192, dtype=torch.int8), torch.empty(64))),
+])
+def test_a_seed_never_gives_a_warp_more_than_4096_elements_at_once(name, genes, make_args):
+    """More than 128 values a thread spill registers: such a candidate took over a minute to
+    compile on the H200 while its batch of candidates waited. The rows per program shrink
+    to fit the warps (one row is the least a program can hold)."""
+    module = inprocess.load(get_task(name).render(genes).source)
+    kernels = [k for k, v in vars(module).items() if k.endswith("_kernel")]
+    recorder = _LaunchRecorder()
+    for k in kernels:
+        setattr(module, k, recorder)
+    module.launch(*make_args())
+    (kw,) = recorder.launches
+    assert kw["R"] * kw["BLOCK_N"] <= 4096 * kw["num_warps"] or kw["R"] == 1, kw
