@@ -345,7 +345,7 @@ EXP2_IMPLS = ("native", "poly3")
 def exp2_poly3_into(x, y):
     """FA4's polynomial 2^x of every element of x, written into y (float32)."""
     n = x.numel()
-    _exp2_poly3_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+    _exp2_poly3_kernel[(runtime.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
 
 
 ONLINE_SOFTMAX_BLOCK = 1024
@@ -354,7 +354,7 @@ ONLINE_SOFTMAX_BLOCK = 1024
 def online_softmax_into(x, y, block: int | None = None):
     """Launcher with the check's calling convention: one program per row, any row length."""
     n_rows, n_cols = x.shape
-    block = block or min(ONLINE_SOFTMAX_BLOCK, triton.next_power_of_2(n_cols))
+    block = block or min(ONLINE_SOFTMAX_BLOCK, runtime.next_power_of_2(n_cols))
     _online_softmax_kernel[(n_rows,)](x, y, n_cols, x.stride(0), y.stride(0), BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
 
@@ -379,10 +379,10 @@ def flash_attention_into(q, k, v, causal, o, lse, scale=None, exp2_impl="native"
         # pre-Ampere GPU, where the H100 configurations below do not fit in shared memory.
         bm, bn = (block_m or CPU_BLOCK_M, block_n or CPU_BLOCK_N) if runtime.interpreting() else \
             (block_m or 64, block_n or 32)
-        _attn_fwd_kernel[(triton.cdiv(S_q, bm), B * Hq)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
+        _attn_fwd_kernel[(runtime.cdiv(S_q, bm), B * Hq)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                          num_warps=4, num_stages=2)
     else:
-        grid = lambda meta: (triton.cdiv(S_q, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+        grid = lambda meta: (runtime.cdiv(S_q, meta["BLOCK_M"]), B * Hq)  # noqa: E731
         _attn_fwd_tuned[grid](*args, **consts)
 
 

@@ -78,7 +78,7 @@ def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 ternary -> [N, ceil(K/4)] uint8, four weights per byte (module docstring)."""
     _require_ternary(w_t)
     n, k = w_t.shape
-    q = triton.cdiv(k, 4)
+    q = runtime.cdiv(k, 4)
     codes = torch.ones((n, 4 * q), dtype=torch.uint8, device=w_t.device)  # padding: weight 0
     codes[:, :k] = (w_t + 1).to(torch.uint8)
     c = codes.view(n, 4, q)
@@ -88,7 +88,7 @@ def pack_ternary(w_t: torch.Tensor) -> torch.Tensor:
 def unpack_ternary(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_ternary`: [N, ceil(k/4)] uint8 -> [N, k] int8."""
     require_tensor("packed", packed, ndim=2, dtype=torch.uint8, any_device=True)
-    if not isinstance(k, int) or k < 1 or triton.cdiv(k, 4) != packed.shape[1]:
+    if not isinstance(k, int) or k < 1 or runtime.cdiv(k, 4) != packed.shape[1]:
         raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} bytes: "
                          f"k must satisfy ceil(k/4) == {packed.shape[1]}")
     shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
@@ -117,7 +117,7 @@ def pack_ternary_x16(w_t: torch.Tensor) -> torch.Tensor:
     contiguous slices of x words, as the byte layout does with x bytes."""
     _require_ternary(w_t)
     n, k = w_t.shape
-    g = triton.cdiv(k, 16)
+    g = runtime.cdiv(k, 16)
     codes = torch.ones((n, 16 * g), dtype=torch.int32, device=w_t.device)  # padding: weight 0
     codes[:, :k] = (w_t + 1).to(torch.int32)
     c = codes.view(n, 4, g, 4)                                   # [n, quarter i, word g, lane t]
@@ -131,7 +131,7 @@ def pack_ternary_x16(w_t: torch.Tensor) -> torch.Tensor:
 def unpack_ternary_x16(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_ternary_x16`: [N, ceil(k/16)] int32 -> [N, k] int8."""
     require_tensor("packed", packed, ndim=2, dtype=torch.int32, any_device=True)
-    if not isinstance(k, int) or k < 1 or triton.cdiv(k, 16) != packed.shape[1]:
+    if not isinstance(k, int) or k < 1 or runtime.cdiv(k, 16) != packed.shape[1]:
         raise ValueError(f"k={k} does not fit packed rows of {packed.shape[1]} int32 words: "
                          f"k must satisfy ceil(k/16) == {packed.shape[1]}")
     n, g = packed.shape
@@ -498,7 +498,7 @@ def _mm_configs():
 
 
 def _m_bucket(m: int) -> int:
-    return min(triton.next_power_of_2(m), 256)
+    return min(runtime.next_power_of_2(m), 256)
 
 
 _ternary_mm_tuned = triton.autotune(configs=runtime.tuning_configs(_mm_configs()), key=["M_BUCKET", "N", "K"])(ternary_mm_kernel)
@@ -518,7 +518,7 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
         raise ValueError(f"the GEMV's int32 sums are exact for K <= {GEMV_MAX_K}, got K={k}: "
                          f"use ternary_matmul, which switches to the tensor-core kernel")
     n, q = w_packed.shape
-    grid = lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (m, runtime.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _ternary_gemv[grid](x_q, x_scale, w_packed, w_scale, y, n, k, q,
                         x_q.stride(0), w_packed.stride(0), y.stride(0))
 
@@ -535,9 +535,9 @@ X16_REDUCE_BLOCK = 1024
 def x16_split_k(m: int, n: int, k: int, block_n: int, block_g: int) -> int:
     """Split-K factor for the int32x16 GEMV: enough programs for about two per SM
     (runtime.num_sms(); 132 without a GPU), each split at least two BLOCK_G steps long."""
-    programs = m * triton.cdiv(n, block_n)
-    want = triton.cdiv(2 * runtime.num_sms(), programs)
-    most = max(1, triton.cdiv(k, 16) // (2 * block_g))
+    programs = m * runtime.cdiv(n, block_n)
+    want = runtime.cdiv(2 * runtime.num_sms(), programs)
+    most = max(1, runtime.cdiv(k, 16) // (2 * block_g))
     return max(1, min(want, most, X16_MAX_SPLIT))
 
 
@@ -548,7 +548,7 @@ def int8_rows_as_words(x_q: torch.Tensor) -> torch.Tensor:
     if (k % 4 == 0 and x_q.stride(1) == 1 and x_q.stride(0) % 4 == 0
             and x_q.storage_offset() % 4 == 0 and x_q.data_ptr() % 4 == 0):
         return x_q.view(torch.int32)
-    padded = torch.zeros((m, 4 * triton.cdiv(k, 4)), dtype=torch.int8, device=x_q.device)
+    padded = torch.zeros((m, 4 * runtime.cdiv(k, 4)), dtype=torch.int8, device=x_q.device)
     padded[:, :k] = x_q
     return padded.view(torch.int32)
 
@@ -575,17 +575,17 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
     split = x16_split_k(m, n, k, block_n, block_g) if split_k is None else split_k
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
-    g_split = triton.cdiv(triton.cdiv(g, split), block_g) * block_g
-    split = triton.cdiv(g, g_split)                          # no empty splits
+    g_split = runtime.cdiv(runtime.cdiv(g, split), block_g) * block_g
+    split = runtime.cdiv(g, g_split)                          # no empty splits
     xw = int8_rows_as_words(x_q)
     part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
-    ternary_gemv_x16_kernel[(m, triton.cdiv(n, block_n), split)](
+    ternary_gemv_x16_kernel[(m, runtime.cdiv(n, block_n), split)](
         xw, x_scale, w_packed, w_scale, y, part, m, n, g, xw.shape[1], g_split,
         xw.stride(0), w_packed.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_G=block_g, PARTIAL=split > 1, USE_ASM=asm, num_warps=warps,
         EVEN=(n % block_n == 0 and g % block_g == 0 and xw.shape[1] == 4 * g))
     if split > 1:
-        ternary_gemv_x16_reduce_kernel[(m, triton.cdiv(n, X16_REDUCE_BLOCK))](
+        ternary_gemv_x16_reduce_kernel[(m, runtime.cdiv(n, X16_REDUCE_BLOCK))](
             part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=X16_REDUCE_BLOCK, num_warps=4)
 
 
@@ -593,7 +593,7 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
     """Prefill launcher (check calling convention): one program per output tile."""
     m, k = x_q.shape
     n, q = w_packed.shape
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _ternary_mm_tuned[grid](x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
                             x_q.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
                             DOT_INT8=_int8_dot())
@@ -607,7 +607,7 @@ def unpack_ternary_int8_into(w_packed, w_int8):
     weight as -1, 0 or 1 (one pass over the weights)."""
     n, q = w_packed.shape
     k = w_int8.shape[1]
-    grid = (triton.cdiv(n, UNPACK_BLOCK_N), triton.cdiv(q, UNPACK_BLOCK_Q))
+    grid = (runtime.cdiv(n, UNPACK_BLOCK_N), runtime.cdiv(q, UNPACK_BLOCK_Q))
     unpack_ternary_int8_kernel[grid](w_packed, w_int8, n, k, q, w_packed.stride(0), w_int8.stride(0),
                                      BLOCK_N=UNPACK_BLOCK_N, BLOCK_Q=UNPACK_BLOCK_Q)
 
@@ -620,7 +620,7 @@ def ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y):
     n = w_packed.shape[0]
     w_int8 = torch.empty((n, k), dtype=torch.int8, device=x_q.device)
     unpack_ternary_int8_into(w_packed, w_int8)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _int8_mm_tuned[grid](x_q, x_scale, w_int8, w_scale, y, m, n, k,
                          x_q.stride(0), w_int8.stride(0), y.stride(0), _m_bucket(m), DOT_INT8=_int8_dot())
 
@@ -630,7 +630,7 @@ def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
     m, k = x_q.shape
     n, g = w_packed.shape
     xw = int8_rows_as_words(x_q)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _ternary_mm_x16_tuned[grid](xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
                                 xw.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
                                 DOT_INT8=_int8_dot())

@@ -209,7 +209,7 @@ def prefix_partials_into(q, k_cache, v_cache, prefix_pages, prefix_len, o_part, 
     if B == 0 or splits == 0:
         return
     n_rows = B * group
-    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), hkv, splits)  # noqa: E731
+    grid = lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]), hkv, splits)  # noqa: E731
     _prefix_tuned[config_list(q.dtype)][grid](
         q, k_cache, v_cache, prefix_pages, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -218,7 +218,7 @@ def prefix_partials_into(q, k_cache, v_cache, prefix_pages, prefix_len, o_part, 
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         n_rows, prefix_len, part_len, k_cache.shape[1], d, k_cache.shape[0],
-        GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        GROUP=group, BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
 
 
@@ -228,9 +228,9 @@ def merge_state_into(o_a, lse_a, o_b, lse_b, o, lse):
     d = o.shape[-1]
     if rows == 0:
         return
-    block_d = triton.next_power_of_2(d)
+    block_d = runtime.next_power_of_2(d)
     block_r = max(1, min(64, 4096 // block_d))
-    _merge_state_kernel[(triton.cdiv(rows, block_r),)](o_a, lse_a, o_b, lse_b, o, lse, rows, d,
+    _merge_state_kernel[(runtime.cdiv(rows, block_r),)](o_a, lse_a, o_b, lse_b, o, lse, rows, d,
                                                         BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
 
 

@@ -403,7 +403,7 @@ def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_
 
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ----------
 def _grid(B, D):
-    return lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), B)
+    return lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), B)
 
 
 def scan_recurrent_into(f, i, h0, h, h_last):
@@ -442,19 +442,19 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
         h_last.copy_(h0)
         return
     segment = T if segment is None else max(chunk, int(segment) // chunk * chunk)
-    n_max = triton.cdiv(min(segment, T), chunk)
+    n_max = runtime.cdiv(min(segment, T), chunk)
     scratch = torch.empty(3, B, n_max, D, dtype=torch.float32, device=f.device)
     a, bc, carry = scratch[0], scratch[1], scratch[2]
     keep = segment < T          # windows: hint L2 to keep f and i from phase 1 to phase 3
     state = h0
     for t0 in range(0, T, segment):
         t1 = min(t0 + segment, T)
-        n = triton.cdiv(t1 - t0, chunk)
-        grid = lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
+        n = runtime.cdiv(t1 - t0, chunk)
+        grid = lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
         scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk,
                                         L2_POLICY=1 if keep else 0)
-        scan_chunk_carry_kernel[(triton.cdiv(D, CARRY_BLOCK_D), B)](
-            a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, triton.next_power_of_2(n)),
+        scan_chunk_carry_kernel[(runtime.cdiv(D, CARRY_BLOCK_D), B)](
+            a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, runtime.next_power_of_2(n)),
             BLOCK_D=CARRY_BLOCK_D, num_warps=4)
         scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk,
                                       L2_POLICY=2 if keep else 0)

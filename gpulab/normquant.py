@@ -169,9 +169,9 @@ def _fwd_launch(grid, *args, num_warps, **kw):
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(rows per program, padded row length). The interpreter pays per program, so it
     takes many rows at once; a GPU wants about 4K elements per program for short rows."""
-    block_n = triton.next_power_of_2(max(1, n_cols))
+    block_n = runtime.next_power_of_2(max(1, n_cols))
     budget = 1 << 14 if runtime.interpreting() else 1 << 12
-    block_r = max(1, min(budget // block_n, triton.next_power_of_2(max(1, n_rows)), 64))
+    block_r = max(1, min(budget // block_n, runtime.next_power_of_2(max(1, n_rows)), 64))
     return block_r, block_n
 
 
@@ -185,7 +185,7 @@ def rmsnorm_quant_into(x, weight, x_q, scale, eps: float = 1e-6):
     """Launcher (check calling convention): x [rows, cols] -> x_q int8 [rows, cols], scale [rows]."""
     n_rows, n_cols = x.shape
     block_r, block_n = _blocks(n_rows, n_cols)
-    _fwd_launch((triton.cdiv(n_rows, block_r),),
+    _fwd_launch((runtime.cdiv(n_rows, block_r),),
         x, weight, x_q, scale, x, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), 0, eps,
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, num_warps=_warps(block_r, block_n))
 
@@ -194,14 +194,14 @@ def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
     """Training forward launcher: y = dequantized fake-quant output (x's dtype), rstd [rows] fp32."""
     n_rows, n_cols = x.shape
     block_r, block_n = _blocks(n_rows, n_cols)
-    _fwd_launch((triton.cdiv(n_rows, block_r),),
+    _fwd_launch((runtime.cdiv(n_rows, block_r),),
         x, weight, x, rstd, y, rstd, n_rows, n_cols, x.stride(0), 0, y.stride(0), eps,
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, num_warps=_warps(block_r, block_n))
 
 
 def _bwd_programs(n_rows: int, block_r: int) -> int:
     """How many programs the backward uses (each writes one partial dw row)."""
-    n_blocks = triton.cdiv(n_rows, block_r)
+    n_blocks = runtime.cdiv(n_rows, block_r)
     cap = 8 if runtime.interpreting() else 4 * runtime.num_sms()
     return max(1, min(n_blocks, cap))
 
@@ -225,7 +225,7 @@ def rmsnorm_quant_bwd_partials_into(x, weight, rstd, dy, dx, dw_part):
     ``dw_part[g] = Σ_{r ≡ g (mod G)} dy_r ⊙ x̂_r``; dw is ``dw_part.sum(0)``. A grouped
     reduction: the partial traffic is G rows, not one per input row."""
     n_rows, n_cols = x.shape
-    block_n = triton.next_power_of_2(max(1, n_cols))
+    block_n = runtime.next_power_of_2(max(1, n_cols))
     rmsnorm_quant_bwd_kernel[(dw_part.shape[0],)](x, weight, rstd, dy, dx, dw_part, n_rows, n_cols,
                                                    x.stride(0), dy.stride(0), dx.stride(0),
                                                    BLOCK_R=1, BLOCK_N=block_n, num_warps=_warps(1, block_n))

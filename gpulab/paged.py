@@ -473,7 +473,7 @@ def fixed_splits(capacity: int, num_splits: int) -> tuple[int, int]:
 
 def group_block(group: int) -> int:
     """Rows of the query tile for GROUP query heads: tl.dot needs at least 16."""
-    return max(16, triton.next_power_of_2(group))
+    return max(16, runtime.next_power_of_2(group))
 
 
 # -- the fault flag --------------------------------------------------------------------------
@@ -554,7 +554,7 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         part_len, k_cache.shape[1], d, k_cache.shape[0], block_table.shape[1],
-        GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=upcast, IEEE=ieee)
 
 
@@ -568,7 +568,7 @@ def split_reduce_into(o_part, lse_part, o, lse):
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), d,
-        BLOCK_S=triton.next_power_of_2(max(1, s)), BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+        BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d), num_warps=4)
 
 
 def decode_partitioning(batch: int, kv_heads: int, capacity: int, num_splits: int | None = None):

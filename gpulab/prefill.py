@@ -332,8 +332,8 @@ def append_tile_config(dtype: torch.dtype, head_dim: int, group: int, max_new: i
     else:                                        # sm_75: 64 KiB of shared memory
         bm, bn, warps, stages = 64, 32, 4, 2
     if max_new is not None:
-        bm = min(bm, max(16, triton.next_power_of_2(max(1, max_new) * group)))
-    bm = max(bm, triton.next_power_of_2(group))  # at least one token per tile
+        bm = min(bm, max(16, runtime.next_power_of_2(max(1, max_new) * group)))
+    bm = max(bm, runtime.next_power_of_2(group))  # at least one token per tile
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
@@ -395,7 +395,7 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), *lse_strides,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=lse is not None,
+        BLOCK_D=max(16, runtime.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=lse is not None,
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -427,13 +427,13 @@ def append_kv_into(k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, sea
         return
     cfg = append_kv_config()
     steps = max(1, (B - 1).bit_length()) if search_steps is None else search_steps
-    _append_kv_kernel[(triton.cdiv(total, cfg["BLOCK_T"]), hkv)](
+    _append_kv_kernel[(runtime.cdiv(total, cfg["BLOCK_T"]), hkv)](
         k, v, qo_indptr, block_tables, kv_lens, k_cache, v_cache, fault_flag(k.device),
         B, total, k_cache.shape[0], block_tables.shape[1], k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=d, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=max(16, triton.next_power_of_2(d)),
+        HEAD_DIM=d, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=max(16, runtime.next_power_of_2(d)),
         SEARCH_STEPS=steps, PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN, num_warps=cfg["num_warps"])
 
 

@@ -133,8 +133,8 @@ def scale_partial_sums_into(acc, x_scale, w_scale, y):
     """Launcher (check calling convention): acc int32 [M, N], x_scale float32 [M],
     w_scale float32 [1] -> y [M, N]."""
     m, n = acc.shape
-    block = min(1024, triton.next_power_of_2(max(n, 1)))
-    _scale_partial_sums_kernel[(m, triton.cdiv(n, block))](acc, x_scale, w_scale, y, n, acc.stride(0),
+    block = min(1024, runtime.next_power_of_2(max(n, 1)))
+    _scale_partial_sums_kernel[(m, runtime.cdiv(n, block))](acc, x_scale, w_scale, y, n, acc.stride(0),
                                                            y.stride(0), BLOCK_N=block)
 
 
