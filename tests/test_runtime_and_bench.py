@@ -145,3 +145,14 @@ def test_a_capture_survives_an_earlier_graph_left_to_the_garbage_collector():
         assert torch.equal(x, torch.full_like(x, 2.0 ** 50))
     finally:
         gc.set_threshold(*threshold)
+
+
+def test_the_launchers_integer_helpers_equal_tritons():
+    """runtime.cdiv and runtime.next_power_of_2 stand in for Triton's in launchers (Triton's
+    are constexpr functions since 3.5: microseconds a call from Python); same values."""
+    import triton
+    for n in range(0, 300):
+        assert runtime.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 128):
+            assert runtime.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert runtime.next_power_of_2(2 ** 40 + 1) == 2 ** 41
