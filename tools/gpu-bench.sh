@@ -30,7 +30,7 @@ run() {
 for job in "${@:-engine attention speculative}"; do
   for j in $job; do
     case $j in
-      engine) run engine "${ET:-330}" python3 tools/engine_bench.py "$b/engine" ;;
+      engine) run engine "${ET:-420}" python3 tools/engine_bench.py "$b/engine" ;;
       engine-eager-prefill) run engine-eager-prefill "${ET:-330}" python3 tools/engine_bench.py "$b/engine-eager-prefill" --no-piecewise ;;
       host) mkdir -p "$b/host"
             run host "${HT:-240}" bash -c 'for m in "" "--finished-only"; do python3 tools/engine_host_overhead.py \
