@@ -12,8 +12,8 @@ NUM_WARPS = 4  # gene
 ROW_MAJOR = True  # gene
 GENE_SPACE = {"BLOCK_R": [1, 2, 4, 8, 16, 32], "BLOCK_C": [64, 128, 256, 512, 1024, 2048],
               "NUM_WARPS": [1, 2, 4, 8, 16], "ROW_MAJOR": [True, False]}
-MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
-                               # registers and take a minute to compile): BLOCK_R shrinks to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (past that,
+                               # registers spill and a kernel can take a minute to compile): BLOCK_R shrinks to fit
 
 
 @triton.jit

@@ -10,8 +10,8 @@ NUM_WARPS = 4  # gene
 NUM_STAGES = 2  # gene
 GENE_SPACE = {"BLOCK_N": [4, 8, 16, 32, 64, 128], "BLOCK_K": [32, 64, 128, 256, 512, 1024],
               "NUM_WARPS": [1, 2, 4, 8, 16], "NUM_STAGES": [1, 2, 3, 4]}
-MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
-                               # registers and take a minute to compile): BLOCK_K shrinks to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (past that,
+                               # registers spill and a kernel can take a minute to compile): BLOCK_K shrinks to fit
 
 
 @triton.jit

@@ -11,8 +11,8 @@ PERSISTENT = False  # gene
 GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16], "NUM_WARPS": [1, 2, 4, 8, 16],
               "PERSISTENT": [False, True]}
 EPS = 1e-5
-MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
-                               # registers and take a minute to compile): the rows per program shrink to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (past that,
+                               # registers spill and a kernel can take a minute to compile): the rows per program shrink to fit
 
 
 @triton.jit

@@ -17,8 +17,8 @@ LOOP = "single"  # gene
 TILE_N = 1024  # gene
 GENE_SPACE = {"ROWS_PER_PROGRAM": [1, 2, 4, 8, 16], "NUM_WARPS": [1, 2, 4, 8, 16],
               "LOOP": ["single", "online"], "TILE_N": [256, 512, 1024, 2048, 4096]}
-MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (more spill
-                               # registers and take a minute to compile): the rows per program shrink to fit
+MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (past that,
+                               # registers spill and a kernel can take a minute to compile): the rows per program shrink to fit
 
 
 @triton.jit
