@@ -70,7 +70,7 @@ def mode() -> str:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ``b``: ``triton.cdiv`` as plain Python. Since Triton 3.5,
     ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions that cost about
-    6 µs a call from Python (Triton 3.9 on a CPU), and a launcher calls them several times
+    3-6 µs a call from Python (Triton 3.9 on a CPU), and a launcher calls them several times
     per launch: the package's launchers use these two, kernels keep Triton's."""
     return -(-int(a) // int(b))
 

@@ -15,7 +15,7 @@ from ..attention import (ONLINE_SOFTMAX_BLOCK, attention_reference, exp2_poly3_i
                          flash_attention_fa4_into, flash_attention_into, merge_state_torch,
                          online_softmax_into, repeat_kv)
 from ..attention_state import LOG2E, POLY3, merge_state_reference
-from ..harness.checking import Hypothesis, hypotheses_hint
+from ..harness.checking import Hypothesis, hypotheses_hint, rounding_tolerance
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
 
@@ -38,7 +38,8 @@ def softmax_reference(x):
 def softmax_hint(output, got, expected, inputs):
     """Does the output equal the softmax of x · ln 2 (exp2 used without log2(e))?"""
     alt = torch.softmax(inputs["x"].double() * math.log(2.0), dim=-1)
-    if torch.allclose(got.double().cpu(), alt.cpu(), atol=1e-3, rtol=1e-2):
+    atol, rtol = rounding_tolerance(got.dtype, 1e-3, 1e-2)
+    if torch.allclose(got.double().cpu(), alt.cpu(), atol=atol, rtol=rtol):
         return ("the output equals the softmax of x · ln 2: exp2 needs its argument multiplied by "
                 "log2(e) (2^(x · log2 e) = e^x), or use exp; base 2 without the factor changes the result.")
     return None
@@ -108,7 +109,7 @@ def merge_hint(output, got, expected, inputs):
         # (NaN/Inf aside too, and states far apart: equal weights e^(lse_a - M) underflow there)
         sel = (both & ((la - lb).abs() < 60))[..., None].expand_as(g) & torch.isfinite(g)
         if bool(sel.any()) and \
-                torch.allclose(g[sel], average[sel], atol=1e-3, rtol=1e-2):
+                torch.allclose(g[sel], average[sel], *rounding_tolerance(got.dtype, 1e-3, 1e-2)):
             return ("o is the plain average of o_a and o_b: each state must count with its weight "
                     "w = e^(lse - M) / (w_a + w_b), M = max(lse_a, lse_b): its share of the total sum.")
         return None
@@ -119,7 +120,7 @@ def merge_hint(output, got, expected, inputs):
     base2 = expected.detach().double().cpu() * LOG2E
     for alt in (mixed, base2):
         if g.shape == alt.shape and torch.allclose(g.nan_to_num(neginf=-1e30), alt.nan_to_num(neginf=-1e30),
-                                                   atol=1e-3, rtol=1e-3):
+                                                   *rounding_tolerance(got.dtype, 1e-3, 1e-3)):
             return ("the LSE is in base 2 (log2 somewhere): gpulab's LSE is the natural log, "
                     "lse = M + ln(w_a + w_b); FlashInfer's base-2 LSE is lse · log2(e), i.e. lse / ln 2.")
     return None

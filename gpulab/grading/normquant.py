@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..harness import memory
-from ..harness.checking import Hypothesis, hypotheses_hint
+from ..harness.checking import Hypothesis, hypotheses_hint, rounding_tolerance
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import (ABSMAX_FLOOR, RMSNormFakeQuant, rmsnorm_fakequant, rmsnorm_fakequant_fwd_into,
                          rmsnorm_quant_bwd_partials_into,
@@ -149,7 +149,7 @@ def _dw_one_row(output, got, expected, inputs):
     parts = dy * xhat
     gd = got.detach().double().cpu()
     for row in range(parts.shape[0]):
-        if torch.allclose(gd, parts[row].cpu(), atol=1e-3, rtol=1e-3):
+        if torch.allclose(gd, parts[row].cpu(), *rounding_tolerance(got.dtype, 1e-3, 1e-3)):
             return (f"dw equals row {row}'s partial dy · x̂ alone: every program wrote its row's "
                     f"partial over the same dw; dw sums the partials over all rows (store per-row "
                     f"partials and sum them, or accumulate with tl.atomic_add).")
@@ -316,7 +316,7 @@ def _grouped_hint(name, got, expected, inputs):
         last[r % groups] = terms[r]
 
     def close(a):
-        return bool(torch.allclose(got.double(), a, atol=1e-3, rtol=1e-3))
+        return bool(torch.allclose(got.double(), a, *rounding_tolerance(got.dtype, 1e-3, 1e-3)))
     if close(chunks):
         return ("each group summed a contiguous chunk of rows; the contract is rows g, g + G, "
                 "g + 2G, ... in group g (loop `for row in range(group, n_rows, n_groups)`).")
