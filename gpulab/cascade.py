@@ -32,7 +32,8 @@ key set into prefix ∪ suffix:
 The prefix is then read once instead of B times, and its arithmetic runs on tensor
 cores at B·G rows per tile instead of G. Like paged decode, the public functions read no
 device data unless asked (``validate=True``, ``GPULAB_DEBUG=1``); a bad prefix page or
-block-table entry is skipped by the kernels and recorded in :func:`gpulab.paged.fault_flag`.
+block-table entry is clamped into the pool by the kernels (no read outside the cache; the
+output is then wrong) and recorded in :func:`gpulab.paged.fault_flag`.
 """
 from __future__ import annotations
 
@@ -398,7 +399,8 @@ def cascade_decode_attention(q, k_cache, v_cache, prefix_pages, prefix_len: int,
     block_table, seq_lens : each request's own suffix, as in
         :func:`gpulab.paged.paged_decode_attention` (seq_lens may be 0).
     validate : check page ids and lengths (reads device data, a host sync); default
-        :func:`gpulab.runtime.debug_checks`. Without it bad entries are skipped and recorded.
+        :func:`gpulab.runtime.debug_checks`. Without it bad entries are clamped into range
+        (no read outside the cache) and recorded.
 
     Returns o [B, Hq, D] (and lse [B, Hq] if ``return_lse``): attention of request b over
     prefix ++ suffix_b. :class:`CascadeDecodeWrapper` plans once and runs without syncs.
@@ -430,8 +432,8 @@ class CascadeDecodeWrapper:
     **What may change between runs without a new plan**: the contents of ``prefix_pages``,
     ``block_table`` and ``seq_lens`` (the tensors given to plan), with the prefix still
     ``prefix_len`` tokens, every suffix length in [0, width × page_size] and every used
-    entry a page of the pool (otherwise the bad tokens are skipped and a fault recorded for
-    the next plan); and the contents of q, k_cache, v_cache. **What needs a new plan**:
+    entry a page of the pool (otherwise the kernels stay inside the cache, the output is
+    wrong, and a fault is recorded for the next plan); and the contents of q, k_cache, v_cache. **What needs a new plan**:
     ``prefix_len``, the batch size, the block table's width, heads, head dim, page size,
     pool size, dtype, ``scale``, or other tensors for the layout.
 

@@ -40,9 +40,10 @@ Safety without a host sync. Checking page ids and lengths reads device data, whi
 stalls the host until the GPU catches up, so the public functions do it only when asked
 (``validate=True``, ``GPULAB_DEBUG=1``, :func:`gpulab.runtime.set_debug_checks`) and
 :meth:`PagedDecodeWrapper.plan` does it once per batch layout. The kernels never rely on
-it: a page id outside the pool or a length outside [0, capacity] is masked (its tokens
-are skipped, no address outside the cache or the block table is formed) and recorded in a
-device-side fault flag (:func:`fault_flag`) that the next validating call or plan reports.
+it: a length outside [0, capacity] is clamped into that range and a page id outside the
+pool is clamped into it (no address outside the cache or the block table is formed; the
+output is then wrong), and either is recorded in a device-side fault flag
+(:func:`fault_flag`) that the next validating call or plan reports.
 
 The attention state (o, lse) follows :mod:`gpulab.attention_state`: float32, natural log,
 shape [B, Hq], -inf for an empty sequence.
@@ -285,13 +286,21 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     tokens stored in pages: token i of the tile is slot ``slot[i]`` of page ``page[i]`` of
     kv head ``kvh``; tokens with ``t_mask`` False are skipped. q [M, D] holds the query rows.
     Page ids come from a table the kernel does not trust: one outside [0, num_pages) is
-    never used as an address, its token is skipped and counted. Returns (m, l, acc, bad:
-    1 per token whose page id was out of range, else 0). Callers add ``bad`` up over their
-    loop and sum it once after: a sum per tile is a reduction across warps, a barrier in
-    every iteration. Shared by paged decode and cascade's shared-prefix kernel."""
+    clamped into the pool, so no address outside the cache is formed (its tokens read some
+    page of the pool: the output is wrong, and the caller records the fault), and counted.
+    Returns (m, l, acc, bad: 1 per token whose page id was out of range, else 0). Callers
+    add ``bad`` up over their loop and sum it once after: a sum per tile is a reduction
+    across warps, a barrier in every iteration. Shared by paged decode, cascade's
+    shared-prefix kernel and append attention.
+
+    Why clamp rather than mask the bad tokens out: a mask computed from the loaded page
+    ids makes Triton (3.6 and 3.9, sm_90) pipeline those loads through shared memory with
+    extra barriers in every tile. With it the prefix kernel took 595 µs on the H200,
+    against 407 µs for the 2026-11-29 kernel without a check (2026-12-02,
+    ``tools/cascade_ab.py``). Clamping touches only the addresses: the loop compiles as
+    that kernel's did, plus two integer ops per page id."""
     bad = t_mask & ((page < 0) | (page >= num_pages))
-    page = tl.where(bad, 0, page)
-    t_mask = t_mask & ~bad
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
                 + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
@@ -525,7 +534,8 @@ def raise_recorded_faults(device) -> None:
     where = f" (first sequence affected: {seq})" if seq != _NO_SEQUENCE else ""
     raise LayoutFault(
         "an earlier paged attention call ran without validation on a bad layout: " + "; ".join(what)
-        + where + ". The kernels skipped those tokens (nothing outside the cache was read), so that "
+        + where + ". The kernels clamped those entries into range (nothing outside the cache was "
+        "read), so that "
         "call's output is wrong for the sequences affected. Re-run it with validate=True, or "
         "GPULAB_DEBUG=1, to get the exact entry; a serving engine re-plans after changing the layout.")
 
@@ -691,7 +701,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     validate : check the layout's values (page ids in range, lengths within capacity) and
         report faults recorded by earlier unvalidated calls. This reads device data, a host
         sync; the default (None) follows :func:`gpulab.runtime.debug_checks` (``GPULAB_DEBUG``).
-        Without it a bad entry is skipped by the kernel and recorded in :func:`fault_flag`.
+        Without it a bad entry never makes the kernel read outside the cache; it is
+        recorded in :func:`fault_flag`.
 
     Returns o [B, Hq, D] (q's dtype), and lse if ``return_lse``. For repeated calls on one
     batch layout (a serving loop), :class:`PagedDecodeWrapper` plans once and runs with no
@@ -779,9 +790,9 @@ class PagedDecodeWrapper:
     ``block_table`` and ``seq_lens`` tensors given to :meth:`plan` (a serving engine
     appends a token or gives a sequence a new page in place), provided every length stays
     in [0, width × page_size] and every used entry is a page of the pool (otherwise the
-    kernel skips the bad tokens and records a fault that the next plan reports); and the
-    contents of q, k_cache and v_cache (eagerly, any tensors of the planned shapes; in a
-    graph, the captured ones). **What needs a new plan**: the batch size, the block table's
+    kernel stays inside the cache, its output is wrong, and it records a fault that the
+    next plan reports); and the contents of q, k_cache and v_cache (eagerly, any tensors
+    of the planned shapes; in a graph, the captured ones). **What needs a new plan**: the batch size, the block table's
     width, the numbers of heads, the head dim, the page size, the pool size, the dtype,
     ``scale``, ``num_splits``, or other ``block_table`` / ``seq_lens`` tensors (the plan keeps
     the two it was given). Re-planning with unchanged shapes keeps every buffer, so a graph

@@ -286,7 +286,7 @@ def test_cascade_graph_replay_equals_eager_and_never_syncs():
         torch.testing.assert_close(out, expect, atol=0, rtol=0)
 
 
-def test_cascade_bad_prefix_page_without_validation_is_skipped_and_reported():
+def test_cascade_bad_prefix_page_without_validation_stays_in_the_cache_and_is_reported():
     inp = _cascade_inputs(prefix=10, lens=[3, 7])
     P = inp["k_cache"].shape[0]
     bad = inp["prefix_pages"].clone()

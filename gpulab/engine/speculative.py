@@ -579,8 +579,10 @@ def format_results(result: dict) -> str:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
+        accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
+        accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"
         lines.append(f"{r['batch']:>5} {draft:>14} {k:>4} {r['tokens_per_s']:>9.0f} "
-                     f"{r['speedup']:>7.2f}x {r['acceptance']:>6.0%} {r['tokens_per_pass']:>8.2f}"
+                     f"{r['speedup']:>7.2f}x {accept} {r['tokens_per_pass']:>8.2f}"
                      + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
     if "server" in result:
         sv = result["server"]
