@@ -636,11 +636,19 @@ class MLGRU(nn.Module):
             return self.scan
         return "auto" if x.is_cuda and runtime.mode() == "compiled" else "torch"
 
-    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None):
-        """x: [B, T, d_model] -> (out [B, T, d_model], h_last [B, d_model] float32)."""
+    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """x: [B, T, d_model] -> (out [B, T, d_model], h_last [B, d_model] float32).
+
+        ``mask`` [B, T] bool: where False the step keeps the state as it is (f = 1, i = 0),
+        so rows of different lengths can share one right-padded batch and h_last is each
+        row's state after its own steps (the padded steps' outputs mean nothing)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [batch, time, {self.d_model}], got {tuple(x.shape)}")
         f, i = self.gates(x)
+        if mask is not None:
+            keep = mask[..., None]
+            f = torch.where(keep, f, torch.ones_like(f))
+            i = torch.where(keep, i, torch.zeros_like(i))
         h, h_last = mlgru_scan(f.contiguous(), i.contiguous(), h0, kernel=self._kernel(x))
         return self.output(x, h), h_last
 

@@ -34,7 +34,7 @@ from tqdm.std import tqdm as tqdm_text
 
 from .bitlinear import BitLinear, PackedKernels
 from .mlgru import MLGRU, ScanLaunchers, require_scan_kernel
-from .validate import require_index_range, require_tensor
+from .validate import require_index_range, require_same_device, require_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
 VOCAB = 256   # bytes
@@ -99,8 +99,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(d_model, eps=1e-6)
         self.mlp = GLU(d_model, hidden)
 
-    def forward(self, x, h0=None):
-        y, h = self.mixer(self.mixer_norm(x), h0)
+    def forward(self, x, h0=None, mask=None):
+        y, h = self.mixer(self.mixer_norm(x), h0, mask)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), h
 
@@ -134,13 +134,25 @@ class MatMulFreeLM(nn.Module):
             raise ValueError("tokens has no time steps: pass at least one token per sequence")
         require_index_range("tokens", tokens, 0, self.vocab_size, "token ids must be < vocab_size")
 
-    def forward(self, tokens: torch.Tensor, states: list | None = None):
-        """tokens [B, T] (int64) -> (logits [B, T, vocab] float32, per-layer states [B, d])."""
+    def forward(self, tokens: torch.Tensor, states: list | None = None, lengths: torch.Tensor | None = None):
+        """tokens [B, T] (int64) -> (logits [B, T, vocab] float32, per-layer states [B, d]).
+
+        ``lengths`` [B] (integers in [1, T]): rows of different lengths, right-padded to T;
+        each row's states are those after its own ``lengths[b]`` tokens (one batched pass
+        instead of one per row; the logits past a row's length mean nothing)."""
         self._check_tokens(tokens)
+        mask = None
+        if lengths is not None:
+            require_tensor("lengths", lengths, shape=tokens.shape[:1], contiguous=False,
+                           dtypes=(torch.int32, torch.int64))
+            require_same_device(tokens=tokens, lengths=lengths)
+            require_index_range("lengths", lengths, 1, tokens.shape[1] + 1,
+                                "each row's length must be between 1 and the padded length T")
+            mask = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
         x = self.embed(tokens)
         new_states = []
         for k, block in enumerate(self.blocks):
-            x, h = block(x, None if states is None else states[k])
+            x, h = block(x, None if states is None else states[k], mask)
             new_states.append(h)
         return self.head(self.norm(x)).float(), new_states
 

@@ -61,6 +61,36 @@ def test_step_by_step_equals_full_forward(device):
             torch.testing.assert_close(logits, full[:, t], atol=1e-4, rtol=1e-4)
 
 
+def test_right_padded_batch_gives_each_row_its_own_state(device):
+    """Rows of different lengths in one pass (``lengths``): each row's states equal a pass
+    over that row alone, from its own starting state; padding never moves a state."""
+    model = _tiny(device).eval()
+    rows = [torch.randint(0, 256, (n,), device=device) for n in (7, 1, 4)]
+    tokens = torch.full((3, 7), 255, dtype=torch.long, device=device)   # padding: any byte
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = r
+    h0 = [torch.randn(3, 32, device=device) for _ in model.blocks]
+    with torch.no_grad():
+        logits, states = model(tokens, h0, lengths=torch.tensor([7, 1, 4], device=device))
+        for b, r in enumerate(rows):
+            alone_logits, alone = model(r[None], [h[b:b + 1] for h in h0])
+            for k in range(len(h0)):
+                torch.testing.assert_close(states[k][b], alone[k][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[b, :len(r)], alone_logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lengths, err, words", [
+    ([7, 0, 4], IndexError, "between 1 and the padded length"),
+    ([7, 8, 4], IndexError, "between 1 and the padded length"),
+    ([7.0, 1.0, 4.0], TypeError, "int32, int64"),
+    ([7, 1], ValueError, "shape"),
+])
+def test_model_rejects_bad_lengths(device, lengths, err, words):
+    model = _tiny(device, n_layers=1)
+    with pytest.raises(err, match=words):
+        model(torch.zeros(3, 7, dtype=torch.long, device=device), lengths=torch.tensor(lengths, device=device))
+
+
 def test_generate_is_consistent_and_constant_memory(device):
     model = _tiny(device).eval()
     prompt = M.encode("Tyger ")[None].to(device)

@@ -232,7 +232,7 @@ class MLGRUGraphDrafter:
         k, k1 = self.k, self.k + 1
         b = next(s for s in bucket_sizes(self.max_batch) if s >= len(seqs))
         sampled = any(not s.params.greedy for s in seqs)
-        starts = [self.start(s, busy) for s in seqs]        # eager catch-up, where needed
+        starts = self.starts(seqs, busy)
         firsts = [s.token_ids[last_byte(s.token_ids)] for s in seqs]
         graph = self.graph(b, sampled)
         h = self.buf.np
@@ -256,37 +256,65 @@ class MLGRUGraphDrafter:
             self.record[seq.seq_id] = (seq.num_tokens, row)
         return [(row, None if seq.params.greedy else q[:, j]) for j, (seq, row) in enumerate(zip(seqs, ids))]
 
-    def start(self, seq: Sequence, busy: set) -> tuple[int, int]:
-        """(slot, pool row of the state after ``seq``'s tokens before its last byte).
+    def starts(self, seqs: list[Sequence], busy: set) -> list[tuple[int, int]]:
+        """Per sequence, (slot, pool row of the state after its tokens before its last byte).
         (Specials are no input to the draft: the graph consumes the last byte next, and
         the tokens after it are specials, so the state is then the one after all tokens.)
 
         ``record`` says the slot holds hist[i] = state after tokens[:done] + drafts[:i]:
         if the sequence's tokens since ``done`` begin with the drafts up to the needed
-        length, that row is it; otherwise the longest matching row catches up eagerly
-        (a new sequence from the zero state) and lands in hist[0]."""
+        length, that row is it. Otherwise the longest matching row (a new sequence: the
+        zero state) catches up eagerly and lands in hist[0]: all such sequences in one
+        right-padded pass of the draft model, not one pass each (at batch 64 every new
+        request needs one)."""
         k1 = self.k + 1
-        slot = self.slots.get(seq.seq_id)
-        if slot is None:
-            slot = self.new_slot(seq.seq_id, busy)
-        need = last_byte(seq.token_ids)
-        done, drafts = self.record.get(seq.seq_id, (need + 1, []))
-        i = 0
-        if done <= need:
-            while i < min(need - done, len(drafts)) and seq.token_ids[done + i] == drafts[i]:
-                i += 1
-            if done + i == need:
-                return slot, slot * k1 + i
-            base, frm = [pool[slot * k1 + i][None] for pool in self.pool], done + i
-        else:                                        # no usable state: from the start
-            base, frm = None, 0
-        new = [t for t in seq.token_ids[frm:need] if t < BYTES]
-        with torch.no_grad():
-            states = self.model(torch.tensor([new], device=self.device), base)[1] if new else base
-        for layer, pool in enumerate(self.pool):
-            pool[slot * k1] = 0 if states is None else states[layer][0]
-        self.record[seq.seq_id] = (need, [])
-        return slot, slot * k1
+        out, behind = [], []          # behind: (slot, pool row to start from or None, tokens)
+        for seq in seqs:
+            slot = self.slots.get(seq.seq_id)
+            if slot is None:
+                slot = self.new_slot(seq.seq_id, busy)
+            need = last_byte(seq.token_ids)
+            done, drafts = self.record.get(seq.seq_id, (need + 1, []))
+            i = 0
+            if done <= need:
+                while i < min(need - done, len(drafts)) and seq.token_ids[done + i] == drafts[i]:
+                    i += 1
+                if done + i == need:
+                    out.append((slot, slot * k1 + i))
+                    continue
+                base, frm = slot * k1 + i, done + i
+            else:                                        # no usable state: from the start
+                base, frm = None, 0
+            behind.append((slot, base, [t for t in seq.token_ids[frm:need] if t < BYTES]))
+            self.record[seq.seq_id] = (need, [])
+            out.append((slot, slot * k1))
+        if behind:
+            self.catch_up(behind)
+        return out
+
+    @torch.no_grad()
+    def catch_up(self, behind: list[tuple[int, int | None, list[int]]]) -> None:
+        """Write hist[0] of each slot: the state after ``tokens`` from pool row ``base``
+        (None: the zero state), every sequence in one pass of the draft model."""
+        k1 = self.k + 1
+        h0 = [torch.stack([pool[base] if base is not None else torch.zeros_like(pool[0])
+                           for _, base, _ in behind]) for pool in self.pool]
+        n = [len(tokens) for _, _, tokens in behind]
+        moving = [j for j in range(len(behind)) if n[j]]
+        states = [h.clone() for h in h0]                   # no new byte: the base state
+        if moving:
+            width = max(n)
+            ids = torch.zeros((len(moving), width), dtype=torch.long)
+            for r, j in enumerate(moving):
+                ids[r, :n[j]] = torch.tensor(behind[j][2])
+            lengths = torch.tensor([n[j] for j in moving], device=self.device)
+            rows = torch.tensor(moving, device=self.device)
+            _, new = self.model(ids.to(self.device), [h[rows] for h in h0], lengths=lengths)
+            for layer, h in enumerate(new):
+                states[layer][rows] = h.to(states[layer].dtype)
+        dst = torch.tensor([slot * k1 for slot, _, _ in behind], device=self.device)
+        for pool, h in zip(self.pool, states):
+            pool[dst] = h
 
     def new_slot(self, seq_id: int, busy: set) -> int:
         if not self.free:                 # evict a sequence not drafting now (it catches up later)
