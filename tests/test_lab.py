@@ -203,6 +203,41 @@ def test_timing_sample_indices_are_exact_where_float32_rounds(n):
         assert int(torch.linspace(0, n - 1, k, dtype=torch.float32)[-1]) == n     # the trap itself
 
 
+def test_a_callers_limit_stops_candidates_unjudged(evaluator):
+    """A search's budget (``stop_after_s``) stops a candidate still running, well before
+    its own time limit, with a verdict that blames the clock, not the candidate; the
+    evaluator works on."""
+    t0 = time.monotonic()
+    v, = evaluator.evaluate_many("softmax", [PLANTED["hang"].source], stop_after_s=1.0)
+    elapsed = time.monotonic() - t0
+    assert v.status == "unfinished" and not v.correct and "caller's time ran out" in v.message, v.message
+    assert elapsed < min(3.0, evaluator.timeout_s), elapsed
+    assert evaluator.evaluate("softmax", get_task("softmax").seed()).correct
+
+
+def test_search_leaves_candidates_stopped_by_its_budget_out():
+    """The first generation (the seed must be judged) runs without the budget's stop;
+    later chunks get what is left of the budget, and their unfinished candidates are
+    never scored (neither as hangs nor as rejected)."""
+    task = get_task("softmax")
+    asked = []
+
+    class Clocked:
+        parallel = 2
+
+        def evaluate_many(self, task_, cs, stop_after_s=None):
+            asked.append(stop_after_s)
+            return [Verdict(task.name, c.id, "correct", "correct", "", cost_ms=1.0) if c.id == task.seed().id
+                    else Verdict(task.name, c.id, "unfinished", "unfinished", "unfinished: stopped")
+                    for c in cs]
+
+    r = search.search(task, evaluator=Clocked(), budget_s=60, population=3, seed=0, progress=False)
+    first = asked.index(next(a for a in asked if a is not None))     # generation 0: unbounded
+    assert first > 0 and None not in asked[first:] and all(0 <= a <= 60 for a in asked[first:]), asked
+    assert [s.candidate.id for s in r.evaluated] == [task.seed().id]
+    assert r.best.candidate.id == task.seed().id
+
+
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):
     names = ["correct", "hang", "cached-output", "crash"]
     with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,

@@ -76,6 +76,7 @@ REASONS = {
     "timeout": "does not finish within the time limit (a hang)",
     "crash": "kills its own process (a crash)",
     "memory": "uses more memory than allowed",
+    "unfinished": "was stopped unjudged: the caller's time ran out (not the candidate's fault)",
 }
 CHEATS = ("cached-output", "seed-dependent", "aliased-output", "async-launch", "timing-mismatch",
           "reads-evaluator-memory", "monkeypatch", "forbidden-call")
@@ -87,7 +88,7 @@ class Verdict:
     """What the evaluator concluded about one candidate."""
     task: str
     candidate: str                      # the candidate's id
-    status: str                         # correct | rejected | error | timeout | crash | memory
+    status: str                         # correct | rejected | error | timeout | crash | memory | unfinished
     reason: str                         # a key of REASONS
     message: str
     trials: int = 0
@@ -403,7 +404,8 @@ class Evaluator:
     def _run(self, job: dict, timeout: float) -> tuple[str, object, dict]:
         return self._run_many([job], timeout)[0]
 
-    def _run_many(self, jobs: list[dict], timeout: float) -> list[tuple[str, object, dict]]:
+    def _run_many(self, jobs: list[dict], timeout: float,
+                  stop_after_s: float | None = None) -> list[tuple[str, object, dict]]:
         """Run jobs in up to ``parallel`` worker processes at once: [(outcome, info, times)].
 
         A job is handed to its worker once that process is ready (start-up, bounded by
@@ -412,7 +414,9 @@ class Evaluator:
         outlives that or grows past the memory limit. Nothing here waits on one worker:
         every worker's messages and limits are checked every :data:`CHECK_S`. Timing on
         the GPU is granted to one worker at a time: its measurements are never overlapped
-        by another candidate's timing."""
+        by another candidate's timing. After ``stop_after_s`` seconds the jobs not yet
+        finished end as "unfinished"."""
+        t_call = _now()
         pending = list(range(len(jobs)))
         running: dict[int, dict] = {}
         results: list = [None] * len(jobs)
@@ -436,6 +440,14 @@ class Evaluator:
 
         try:
             while pending or running:
+                if stop_after_s is not None and _now() - t_call > stop_after_s:
+                    for i in list(running):
+                        finish(i, "unfinished", _now() - t_call)
+                    for i in pending:
+                        results[i] = ("unfinished", _now() - t_call, {"startup_s": 0.0, "run_s": 0.0,
+                                                                     "gpu_wait_s": 0.0})
+                    pending = []
+                    break
                 while pending and len(running) < self.parallel:
                     i = pending.pop(0)
                     asked = _now()          # before get(): the first forkserver start waits for its imports
@@ -535,13 +547,18 @@ class Evaluator:
         return self.evaluate_many(task, [candidate], time=time, cost_model=cost_model)[0]
 
     def evaluate_many(self, task: Task | str, candidates: list, *, time: bool | None = None,
-                      cost_model: bool | None = None) -> list[Verdict]:
+                      cost_model: bool | None = None, stop_after_s: float | None = None) -> list[Verdict]:
         """Evaluate several candidates of one task, ``parallel`` processes at a time."""
-        return self.evaluate_pairs([(task, c) for c in candidates], time=time, cost_model=cost_model)
+        return self.evaluate_pairs([(task, c) for c in candidates], time=time, cost_model=cost_model,
+                                   stop_after_s=stop_after_s)
 
     def evaluate_pairs(self, pairs: list, *, time: bool | None = None,
-                       cost_model: bool | None = None) -> list[Verdict]:
-        """Evaluate (task, candidate) pairs, ``parallel`` processes at a time."""
+                       cost_model: bool | None = None, stop_after_s: float | None = None) -> list[Verdict]:
+        """Evaluate (task, candidate) pairs, ``parallel`` processes at a time.
+
+        ``stop_after_s``: the caller's own limit (a search's budget). Candidates not
+        judged by then are stopped and get the verdict ``unfinished``, which says nothing
+        about them: a search leaves them out instead of counting them as hangs."""
         pairs = [(get_task(t) if isinstance(t, str) else t, c) for t, c in pairs]
         pairs = [(t, _as_candidate(t, c)) for t, c in pairs]
         timed = self.time if time is None else time
@@ -550,7 +567,7 @@ class Evaluator:
             self.prefetch_baselines(list({t.name: t for t, _ in pairs}.values()))
         prepared = [self._prepare(t, c, timed, modelled) for t, c in pairs]
         t0 = _now()
-        outcomes = self._run_many([job for job, _ in prepared], self.timeout_s)
+        outcomes = self._run_many([job for job, _ in prepared], self.timeout_s, stop_after_s)
         wall = (_now() - t0) / max(1, len(pairs)) * min(len(pairs), self.parallel)
         verdicts = []
         for (task, c), (job, trials), (outcome, info, times) in zip(pairs, prepared, outcomes):
@@ -578,6 +595,10 @@ class Evaluator:
                        trials=verdict.trials, max_error=verdict.max_error)
 
     def _verdict(self, task, c, job, trials, outcome, info) -> Verdict:
+        if outcome == "unfinished":
+            return Verdict(task.name, c.id, "unfinished", "unfinished",
+                           f"unfinished: stopped after {info:.0f} s, when the caller's time ran out, "
+                           f"before it could be judged.")
         if outcome == "timeout":
             return Verdict(task.name, c.id, "timeout", "timeout",
                            f"timeout: the candidate did not finish within {info:.0f} s, so its process "

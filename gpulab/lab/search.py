@@ -358,12 +358,12 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         owned = evaluator or Evaluator()
         chunk = owned.parallel
 
-        def verify_many(cs):
-            return owned.evaluate_many(task, cs)
+        def verify_many(cs, stop_after_s=None):
+            return owned.evaluate_many(task, cs, stop_after_s=stop_after_s)
     else:
         chunk = 1
 
-        def verify_many(cs):
+        def verify_many(cs, stop_after_s=None):
             return [verifier(task, c) for c in cs]
     archive = Archive(archive) if isinstance(archive, (str, Path)) else archive
     proposers = proposers or [EvolutionaryProposer()]
@@ -390,7 +390,10 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         bar.refresh()
 
     def run(cs: list, generation: int) -> None:
-        """Verify new candidates, a chunk (as many as the evaluator runs at once) at a time."""
+        """Verify new candidates, a chunk (as many as the evaluator runs at once) at a time.
+        After the first generation (the seed must be judged) the budget bounds a chunk too:
+        a slow-compiling candidate could otherwise hold the search minutes past it;
+        candidates stopped unjudged are left out, as if never proposed."""
         todo, ids = [], set()
         for c in cs:
             if c is not None and c.id not in seen and c.id not in ids:
@@ -402,8 +405,10 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
             part = todo[i:i + chunk]
             if max_evals is not None:
                 part = part[:max_evals - len(evaluated)]
-            for c, v in zip(part, verify_many(part)):
-                record(Scored(c, v), generation)
+            left = None if generation == 0 else max(0.0, budget - (time.monotonic() - t0))
+            for c, v in zip(part, verify_many(part, left)):
+                if v.status != "unfinished":
+                    record(Scored(c, v), generation)
 
     first = [task.seed()]
     if archive is not None:
