@@ -160,12 +160,8 @@ def _shared_prefix_kernel(
 # the second is for sm_80+ (see gpulab.paged.big_smem).
 _PREFIX_SMALL = ((64, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3))
 _PREFIX_SMALL_FP32 = ((32, 32, 4, 2), (32, 32, 2, 2))
-# The one-stage configs: since the page ids are checked (paged_tile_update), Triton (3.9's
-# PTX for sm_90, read on a CPU) pipelines their load through shared memory when num_stages
-# > 1, with one barrier more per tile; with one stage the loop is the one measured at 483 µs
-# on 2026-11-29 (32/8; 697 µs with the check, 2026-12-01). The autotuner picks.
 _PREFIX_BIG = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
-               (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4), (128, 64, 8, 1), (128, 128, 8, 1))
+               (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4))
 
 _prefix_tuned = autotuned_variants(
     _shared_prefix_kernel,
@@ -433,7 +429,8 @@ class CascadeDecodeWrapper:
     ``block_table`` and ``seq_lens`` (the tensors given to plan), with the prefix still
     ``prefix_len`` tokens, every suffix length in [0, width × page_size] and every used
     entry a page of the pool (otherwise the kernels stay inside the cache, the output is
-    wrong, and a fault is recorded for the next plan); and the contents of q, k_cache, v_cache. **What needs a new plan**:
+    wrong, and a fault is recorded for the next plan); and the contents of q, k_cache,
+    v_cache. **What needs a new plan**:
     ``prefix_len``, the batch size, the block table's width, heads, head dim, page size,
     pool size, dtype, ``scale``, or other tensors for the layout.
 

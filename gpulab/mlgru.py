@@ -646,9 +646,8 @@ class MLGRU(nn.Module):
             raise ValueError(f"x must be [batch, time, {self.d_model}], got {tuple(x.shape)}")
         f, i = self.gates(x)
         if mask is not None:
-            keep = mask[..., None]
-            f = torch.where(keep, f, torch.ones_like(f))
-            i = torch.where(keep, i, torch.zeros_like(i))
+            pad = ~mask[..., None]
+            f, i = f.masked_fill(pad, 1.0), i.masked_fill(pad, 0.0)
         h, h_last = mlgru_scan(f.contiguous(), i.contiguous(), h0, kernel=self._kernel(x))
         return self.output(x, h), h_last
 

@@ -279,6 +279,24 @@ def split_reduce_reference(o_part, lse_part):
 # Triton kernels
 # =========================================================================================
 @triton.jit
+def checked_pages(page, t_mask, num_pages):
+    """Page ids read from a table the kernel does not trust: (the ids clamped into
+    [0, num_pages), so no address outside the cache is ever formed, and bad: int32, 1 per
+    live token whose id was outside). A bad id's tokens then read some page of the pool:
+    the output is wrong and the caller records the fault. Paged decode, cascade's prefix
+    kernel and append attention use it.
+
+    Why clamp rather than mask the bad tokens out: a mask computed from the loaded page
+    ids makes Triton (3.6 and 3.9, sm_90) pipeline those loads through shared memory with
+    extra barriers in every tile. With it the prefix kernel took 595 µs on the H200,
+    against 407 µs for the 2026-11-29 kernel without a check (2026-12-02,
+    ``tools/cascade_ab.py``). Clamping touches only the addresses: the loop compiles as
+    that kernel's did, plus two integer ops per page id."""
+    bad = t_mask & ((page < 0) | (page >= num_pages))
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1), bad.to(tl.int32)
+
+
+@triton.jit
 def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask, kvh, num_pages,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -290,17 +308,9 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
     page of the pool: the output is wrong, and the caller records the fault), and counted.
     Returns (m, l, acc, bad: 1 per token whose page id was out of range, else 0). Callers
     add ``bad`` up over their loop and sum it once after: a sum per tile is a reduction
-    across warps, a barrier in every iteration. Shared by paged decode, cascade's
-    shared-prefix kernel and append attention.
-
-    Why clamp rather than mask the bad tokens out: a mask computed from the loaded page
-    ids makes Triton (3.6 and 3.9, sm_90) pipeline those loads through shared memory with
-    extra barriers in every tile. With it the prefix kernel took 595 µs on the H200,
-    against 407 µs for the 2026-11-29 kernel without a check (2026-12-02,
-    ``tools/cascade_ab.py``). Clamping touches only the addresses: the loop compiles as
-    that kernel's did, plus two integer ops per page id."""
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    across warps, a barrier in every iteration. Shared by paged decode and cascade's
+    shared-prefix kernel."""
+    page, bad = checked_pages(page, t_mask, num_pages)
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt
                 + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
@@ -315,7 +325,7 @@ def paged_tile_update(m, l, acc, q, k_ptr, v_ptr, page, slot, t_mask, d, d_mask,
         s = tl.dot(q, tl.trans(k))
     s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
     m, l, acc = online_update(m, l, acc, s, v, True, False, 0.0, IEEE)
-    return m, l, acc, bad.to(tl.int32)
+    return m, l, acc, bad
 
 
 # Sizes that change from one engine step to the next are not specialised on: Triton would

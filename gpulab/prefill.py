@@ -79,7 +79,7 @@ import triton.language as tl
 
 from . import runtime
 from .attention_state import LOG2E, online_update, state_epilogue
-from .paged import FAULT_PAGE, FAULT_SEQ_LEN, fault_flag, gather_kv, raise_recorded_faults
+from .paged import FAULT_PAGE, FAULT_SEQ_LEN, checked_pages, fault_flag, gather_kv, raise_recorded_faults
 from .validate import require_float, require_same_device, require_tensor
 
 MAX_HEAD_DIM = 256
@@ -141,13 +141,12 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Scores q·Kᵀ (base-2 scaled) and V [BLOCK_N, BLOCK_D] of KV positions t through one
-    request's block-table row. A page id outside the pool is never used as an address:
-    its tokens load as zeros and are marked in ``bad`` (1 per such token; summed by the
-    caller after its loop, as :func:`gpulab.paged.paged_tile_update`'s callers do)."""
+    request's block-table row. Page ids go through :func:`gpulab.paged.checked_pages`:
+    a bad one is clamped into the pool and marked in ``bad`` (1 per such token; summed by
+    the caller after its loop)."""
     page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    page = tl.where(bad, 0, page).to(tl.int64)
-    t_mask = t_mask & ~bad
+    page, bad = checked_pages(page, t_mask, num_pages)
+    page = page.to(tl.int64)
     slot = t % page_size
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
@@ -161,7 +160,7 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
-    return s, v, bad.to(tl.int32)
+    return s, v, bad
 
 
 # Sizes that change from one engine step to the next are not specialised on: Triton would
@@ -231,7 +230,7 @@ def _append_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bad_pages = tl.zeros([BLOCK_N], tl.int32)   # summed once after the loops
     cols = tl.arange(0, BLOCK_N)
-    # Visible to every row: no score mask. (A bad page's tokens load as zeros here and
+    # Visible to every row: no score mask. (A bad page's tokens read a clamped page and
     # still get a score: the result is wrong, as it must be for a bad layout, but no
     # address outside the cache is formed, and the fault is recorded.)
     for start in range(0, full, BLOCK_N):
