@@ -207,11 +207,23 @@ def test_a_callers_limit_stops_candidates_unjudged(evaluator):
     """A search's budget (``stop_after_s``) stops a candidate still running, well before
     its own time limit, with a verdict that blames the clock, not the candidate; the
     evaluator works on."""
+    seed = get_task("softmax").seed()
+    assert evaluator.evaluate("softmax", seed).correct     # worker processes warm: the clock is the budget's
     t0 = time.monotonic()
     v, = evaluator.evaluate_many("softmax", [PLANTED["hang"].source], stop_after_s=1.0)
     elapsed = time.monotonic() - t0
     assert v.status == "unfinished" and not v.correct and "caller's time ran out" in v.message, v.message
     assert elapsed < min(3.0, evaluator.timeout_s), elapsed
+    assert evaluator.evaluate("softmax", seed).correct
+
+
+def test_a_budget_that_ends_while_a_worker_starts_leaves_its_candidate_unjudged(evaluator, monkeypatch):
+    """On the H200's host a worker took over a second to start, and a budget ran out before
+    it had the job: that candidate is unjudged too, and the evaluator works on."""
+    monkeypatch.setattr(evaluator, "_hand_over", lambda r, job: False)    # a worker that is still starting
+    v, = evaluator.evaluate_many("softmax", [get_task("softmax").seed()], stop_after_s=0.2)
+    assert v.status == "unfinished" and "caller's time ran out" in v.message, v.message
+    monkeypatch.undo()
     assert evaluator.evaluate("softmax", get_task("softmax").seed()).correct
 
 

@@ -424,6 +424,8 @@ class Evaluator:
         holder = None
 
         def counted(i, r, now) -> float:      # the time that counts against the limit
+            if r["start"] is None:            # stopped before its worker took the job
+                return 0.0
             asked = r["gpu_asked"]
             return now - r["start"] - r["gpu_wait"] - (now - asked if asked is not None and holder != i else 0.0)
 
