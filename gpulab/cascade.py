@@ -115,7 +115,8 @@ def _shared_prefix_kernel(
         stride_vp, stride_vt, stride_vh,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh, stride_ls,
-        n_rows, prefix_len, part_len, page_size, head_dim, num_pages,
+        n_rows, prefix_len, part_len, head_dim, num_pages,
+        PAGE_SIZE: tl.constexpr,        # constant: t // PAGE_SIZE is a shift, not a division
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Multi-query attention over the shared prefix. Rows of the query tile are
@@ -142,9 +143,9 @@ def _shared_prefix_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        page = tl.load(pages_ptr + t // page_size, mask=t_mask, other=0)
+        page = tl.load(pages_ptr + t // PAGE_SIZE, mask=t_mask, other=0)
         m, l, acc, n_bad = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
+            m, l, acc, q, k_ptr, v_ptr, page, t % PAGE_SIZE, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
         bad_pages += n_bad
@@ -214,7 +215,7 @@ def prefix_partials_into(q, k_cache, v_cache, prefix_pages, prefix_len, o_part, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        n_rows, prefix_len, part_len, k_cache.shape[1], d, k_cache.shape[0],
+        n_rows, prefix_len, part_len, d, k_cache.shape[0], PAGE_SIZE=k_cache.shape[1],
         GROUP=group, BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
 

@@ -291,9 +291,10 @@ def checked_pages(page, t_mask, num_pages):
     extra barriers in every tile. With it the prefix kernel took 595 µs on the H200,
     against 407 µs for the 2026-11-29 kernel without a check (2026-12-02,
     ``tools/cascade_ab.py``). Clamping touches only the addresses: the loop compiles as
-    that kernel's did, plus two integer ops per page id."""
-    bad = t_mask & ((page < 0) | (page >= num_pages))
-    return tl.minimum(tl.maximum(page, 0), num_pages - 1), bad.to(tl.int32)
+    that kernel's did, plus one unsigned min per page id."""
+    as_unsigned = page.to(tl.uint32)     # a negative id becomes a huge one: one compare, one min
+    bad = t_mask & (as_unsigned >= num_pages)
+    return tl.minimum(as_unsigned, num_pages - 1).to(tl.int32), bad.to(tl.int32)
 
 
 @triton.jit
@@ -340,7 +341,8 @@ def _decode_partition_kernel(
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh, stride_ls,
-        part_len, page_size, head_dim, num_pages, max_pages,
+        part_len, head_dim, num_pages, max_pages,
+        PAGE_SIZE: tl.constexpr,        # constant: t // PAGE_SIZE is a shift, not a division
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One program: one sequence, one kv head (all GROUP query heads that read it), one
@@ -350,7 +352,7 @@ def _decode_partition_kernel(
     split = tl.program_id(2)
     # A length outside [0, capacity] would read past the block table's row: clamp it.
     seq_len = tl.load(seq_lens_ptr + b)
-    capacity = max_pages * page_size
+    capacity = max_pages * PAGE_SIZE
     faults = tl.where((seq_len < 0) | (seq_len > capacity), 2, 0)
     seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)
     start = split * part_len
@@ -373,10 +375,10 @@ def _decode_partition_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        # Through the block table: token t lives in page bt[b, t // page_size].
-        page = tl.load(bt_ptr + b * stride_btb + t // page_size, mask=t_mask, other=0)
+        # Through the block table: token t lives in page bt[b, t // PAGE_SIZE].
+        page = tl.load(bt_ptr + b * stride_btb + t // PAGE_SIZE, mask=t_mask, other=0)
         m, l, acc, n_bad = paged_tile_update(
-            m, l, acc, q, k_ptr, v_ptr, page, t % page_size, t_mask, d, d_mask, kvh, num_pages,
+            m, l, acc, q, k_ptr, v_ptr, page, t % PAGE_SIZE, t_mask, d, d_mask, kvh, num_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
             UPCAST, IEEE)
         bad_pages += n_bad
@@ -573,7 +575,7 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        part_len, k_cache.shape[1], d, k_cache.shape[0], block_table.shape[1],
+        part_len, d, k_cache.shape[0], block_table.shape[1], PAGE_SIZE=k_cache.shape[1],
         GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=upcast, IEEE=ieee)
 

@@ -137,17 +137,17 @@ def append_kv_reference(k, v, k_cache, v_cache, qo_indptr, block_tables, kv_lens
 # Triton kernels
 # =========================================================================================
 @triton.jit
-def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, page_size, num_pages,
+def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh, num_pages,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-               UPCAST: tl.constexpr, IEEE: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Scores q·Kᵀ (base-2 scaled) and V [BLOCK_N, BLOCK_D] of KV positions t through one
     request's block-table row. Page ids go through :func:`gpulab.paged.checked_pages`:
     a bad one is clamped into the pool and marked in ``bad`` (1 per such token; summed by
     the caller after its loop)."""
-    page = tl.load(bt_row_ptr + t // page_size, mask=t_mask, other=0)
+    page = tl.load(bt_row_ptr + t // PAGE_SIZE, mask=t_mask, other=0)
     page, bad = checked_pages(page, t_mask, num_pages)
     page = page.to(tl.int64)
-    slot = t % page_size
+    slot = t % PAGE_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
                 + d[None, :], mask=kv_mask, other=0.0)
@@ -170,11 +170,12 @@ def _append_attention_kernel(
         q_ptr, k_ptr, v_ptr, qo_indptr_ptr, bt_ptr, kv_lens_ptr, work_req_ptr, work_tile_ptr,
         o_ptr, lse_ptr, fault_ptr,
         qk_scale,                          # sm_scale · log2(e): scores in base 2
-        num_req, total_q, num_pages, bt_width, page_size,
+        num_req, total_q, num_pages, bt_width,
         stride_qt, stride_qh,
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
         stride_btb, stride_ot, stride_oh, stride_lt, stride_lh,
+        PAGE_SIZE: tl.constexpr,        # constant: p // PAGE_SIZE is a shift, not a division
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, PAGE_FAULT: tl.constexpr, LEN_FAULT: tl.constexpr):
@@ -194,8 +195,8 @@ def _append_attention_kernel(
     q_end = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + b + 1), q_start), total_q)
     n_new = tl.where(has_work, q_end - q_start, 0)
     kv_len = tl.load(kv_lens_ptr + b)
-    faults = tl.where(has_work & ((kv_len < 0) | (kv_len > bt_width * page_size)), LEN_FAULT, 0)
-    kv_len = tl.minimum(tl.maximum(kv_len, 0), bt_width * page_size)
+    faults = tl.where(has_work & ((kv_len < 0) | (kv_len > bt_width * PAGE_SIZE)), LEN_FAULT, 0)
+    kv_len = tl.minimum(tl.maximum(kv_len, 0), bt_width * PAGE_SIZE)
     history = kv_len - n_new                      # KV positions before the first new token
     t0 = tile * TILE
     n_tile = tl.where(has_work, tl.maximum(tl.minimum(n_new - t0, TILE), 0), 0)   # its new tokens
@@ -236,15 +237,15 @@ def _append_attention_kernel(
     for start in range(0, full, BLOCK_N):
         t = start + cols
         s, v, n_bad = _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh,
-                                 page_size, num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
-                                 stride_vt, stride_vh, UPCAST, IEEE)
+                                 num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
+                                 stride_vt, stride_vh, PAGE_SIZE, UPCAST, IEEE)
         bad_pages += n_bad
         m, l, acc = online_update(m, l, acc, s, v, False, False, 0.0, IEEE)
     for start in range(full, hi, BLOCK_N):      # the diagonal and the tail: masked per row
         t = start + cols
         s, v, n_bad = _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh,
-                                 page_size, num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
-                                 stride_vt, stride_vh, UPCAST, IEEE)
+                                 num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
+                                 stride_vt, stride_vh, PAGE_SIZE, UPCAST, IEEE)
         bad_pages += n_bad
         visible = (t[None, :] < hi) & (t[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -388,12 +389,12 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _append_attention_kernel[(work_req.shape[0], hkv)](
         q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile, o, lse_t, fault,
-        scale * LOG2E, qo_indptr.shape[0] - 1, total_q, num_pages, block_tables.shape[1], page_size,
+        scale * LOG2E, qo_indptr.shape[0] - 1, total_q, num_pages, block_tables.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), *lse_strides,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        PAGE_SIZE=page_size, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         BLOCK_D=max(16, runtime.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=lse is not None,
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN,

@@ -8,7 +8,8 @@
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
-#   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py).
+#   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py). LABARGS= extra
+#   arguments of tools/lab-bench.py (--tasks "" : the suite and planted kernels only).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
@@ -42,7 +43,7 @@ for job in "${@:-engine attention speculative}"; do
       ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ;;
       rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
       prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
-      lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ;;
+      lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ${LABARGS:-} ;;
       piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;
       scan) run scan "${SCT:-180}" python3 tools/mlgru_scan_bench.py "$b/scan" ;;
       profile) run profile "${PRT:-240}" bash tools/profile-all.sh "$b/profile" ;;
