@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-LOG2E = 1.4426950408889634
+from ..attention_state import LOG2E
 
 
 @dataclass(frozen=True)
