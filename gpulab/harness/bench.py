@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .. import runtime
-from .spec import Case, KernelSpec, get
+from .spec import Case, KernelSpec, all_specs, get
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -381,7 +381,6 @@ def main(argv=None) -> int:
         for path in sorted(RESULTS.glob("*.json")):
             print(markdown(json.loads(path.read_text())) + "\n")
         return 0
-    from .spec import all_specs
     specs = all_specs()
     if a.list:
         for n, s in sorted(specs.items()):
