@@ -6,7 +6,7 @@
 #
 # usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]          (default: tests)
 # environment: TN=10 test workers, TT=505 s for the tests; NBN=4 notebook workers,
-#   NBT=500 s, NBS="solutions" notebooks to run (NBS= none); BENCH="name ..." also
+#   NBT=500 s, NBS="solutions" notebooks to run (paths, or numbers: NBS="05 06"; NBS= none); BENCH="name ..." also
 #   benchmarks those specs afterwards; GPULAB_SHARD=k/n runs the k-th of n disjoint parts
 #   of the tests (compiled, the whole of tests/ outlasts one 10-minute call: 339 of 938
 #   tests in 530 s on 2026-12-01, before autotuning was turned off in tests). A test whose
@@ -29,9 +29,12 @@
 set -uo pipefail
 out=${1:?usage: tools/gpu-suite.sh OUTDIR [TEST_PATHS ...]}; shift
 mkdir -p "$out"
-nbs=${NBS-solutions}
-for nb in $nbs; do   # a misspelt notebook would cost a whole call's notebook workers
+nbs=""
+for nb in ${NBS-solutions}; do   # a notebook's number stands for its solution: NBS="05 06"
+  case $nb in [0-9][0-9]) nb=$(ls solutions/${nb}_*.ipynb 2>/dev/null || echo "solutions/${nb}_?") ;; esac
+  # a misspelt notebook would cost a whole call's notebook workers
   [ -e "$nb" ] || { echo "NBS: no such notebook or folder: $nb" | tee "$out/notebooks.txt"; exit 2; }
+  nbs="$nbs $nb"
 done
 if [ -n "${GPULAB_PASSED:-}" ] && [ ! -r "$GPULAB_PASSED" ]; then
   echo "GPULAB_PASSED: cannot read $GPULAB_PASSED" | tee "$out/tests.txt"; exit 2
