@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "0" or os.environ.get("GPULAB_COMPILE_ONLY") != "1":
         env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1"}
-        return subprocess.call([sys.executable, "-m", __name__, *(argv if argv is not None else sys.argv[1:])],
+        # __spec__.name: run as ``python -m``, this module's __name__ is "__main__"
+        return subprocess.call([sys.executable, "-m", __spec__.name, *(argv if argv is not None else sys.argv[1:])],
                                env=env)
     import torch
 

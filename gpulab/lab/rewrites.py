@@ -97,6 +97,23 @@ def _fixed_block(src: str) -> str | None:
     return pattern.sub("256", src) if pattern.search(src) else None
 
 
+_ROUND_HALF_AWAY = re.compile(
+    r"(?P<q>\w+) = tl\.where\((?P<v>\w+) >= 0, tl\.floor\((?P=v) \+ 0\.5\), tl\.ceil\((?P=v) - 0\.5\)\)\n"
+    r"(?P<indent>[ \t]*)(?P=q) = tl\.minimum\(tl\.maximum\((?P=q), -128\.0\), 127\.0\)")
+
+
+def _round_once(src: str) -> str | None:
+    # floor(v + 0.5) for v >= 0 is the truncation of |v| + 0.5: one float-to-int conversion
+    # instead of floor, ceil and a conversion of each (the quantizer's rounding; the
+    # package's rmsnorm_quant does the same, see gpulab.normquant)
+    def repl(m):
+        q, v, ind = m["q"], m["v"], m["indent"]
+        return (f"{q} = (tl.abs({v}) + 0.5).to(tl.int32)\n"
+                f"{ind}{q} = tl.minimum(tl.maximum(tl.where({v} < 0, -{q}, {q}), -128), 127)")
+    out, n = _ROUND_HALF_AWAY.subn(repl, src)
+    return out if n else None
+
+
 def _drop_store_mask(src: str) -> str | None:
     if "tl.store(" not in src:
         return None
@@ -114,6 +131,8 @@ REWRITES: dict[str, Rewrite] = {r.name: r for r in [
     Rewrite("rsqrt", "1.0 / tl.sqrt(v) -> tl.rsqrt(v): one reciprocal square root", _rsqrt),
     Rewrite("evict_first", 'tl.load(...) -> tl.load(..., eviction_policy="evict_first"): streamed data '
             "leaves L2 first", _add_kwarg("tl.load(", 'eviction_policy="evict_first"', "eviction_policy")),
+    Rewrite("round_once", "round half away from zero with one float-to-int conversion (|v| + 0.5, "
+            "truncated, sign restored) instead of floor, ceil and a select", _round_once),
     Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
             _int32_offsets),
     Rewrite("fixed_block", "a block of 256 columns instead of the row length: no recompilation per width "
