@@ -377,6 +377,8 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
         f"y = tl.exp2({rewrites.LOG2E} * (a - tl.max(b)))"
     assert rewrites.REWRITES["exp2"]("y = tl.exp2(a)") is None
     assert set(rewrites.UNSAFE) == {"fixed_block", "drop_store_mask", "drop_load_other"}
+    # the hand-written rmsnorm_quant's rounding is within the search's reach
+    assert "round_once" in rewrites.applicable(get_task("rmsnorm_quant").seed_source, rewrites.SAFE)
     assert "mask=" not in rewrites.REWRITES["drop_store_mask"]("tl.store(p + o, v, mask=m)")
 
 
