@@ -60,8 +60,9 @@ lengths, indptr) reads device memory, a host sync: ``plan()`` does it once per b
 :func:`append_attention` / :func:`append_kv` do it on request (``validate=True``,
 ``GPULAB_DEBUG=1`` or :func:`gpulab.runtime.set_debug_checks`). Without it the kernels stay
 inside their buffers whatever the layout holds: lengths are clamped to the block table's
-capacity, rows to ``q``, and a page id outside the pool is never followed (its tokens read
-as zeros, or are not written); bad page ids and lengths are recorded in the shared
+capacity, rows to ``q``, and a page id outside the pool is clamped into it by attention
+(its tokens read some page of the pool: that output is wrong) and never written through by
+:func:`append_kv`; bad page ids and lengths are recorded in the shared
 device-side fault flag (:func:`gpulab.paged.fault_flag`) that the next ``plan()`` or
 validating call reports as a :class:`gpulab.paged.LayoutFault`.
 
