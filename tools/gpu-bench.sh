@@ -10,7 +10,8 @@
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
 #   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py). LABARGS= extra
 #   arguments of tools/lab-bench.py for `lab`; the lab in parts that each fit a call:
-#   lab-planted (the planted kernels, saved batch by batch), lab-search (LAB_TASKS=rmsnorm_quant
+#   lab-planted (the planted kernels, saved batch by batch,
+#   LAB_TIMEOUT=90 s each), lab-search (LAB_TASKS=rmsnorm_quant
 #   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
@@ -46,7 +47,8 @@ for job in "${@:-engine attention speculative}"; do
       rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
       prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
       lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ${LABARGS:-} ;;
-      lab-planted) run lab-planted "${LT:-300}" python3 tools/lab-bench.py "$b/lab-planted" --tasks "" --no-suite ;;
+      lab-planted) run lab-planted "${LT:-300}" python3 tools/lab-bench.py "$b/lab-planted" --tasks "" --no-suite \
+                       --planted-timeout "${LAB_TIMEOUT:-90}" ;;
       lab-search) run lab-search "${LT:-420}" python3 tools/lab-bench.py "$b/lab-search" \
                     --tasks "${LAB_TASKS:-rmsnorm_quant}" --budget "${LAB_BUDGET:-300}" --no-suite --no-planted ;;
       piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;

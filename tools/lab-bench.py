@@ -114,14 +114,14 @@ def suite(out: Path, searched: list[str], parallel: int) -> dict:
     return result
 
 
-def planted(out: Path, env: dict, parallel: int | None) -> dict:
+def planted(out: Path, env: dict, parallel: int | None, timeout_s: float | None) -> dict:
     """Judge every planted kernel, a batch of ``parallel`` at a time, printing and saving
     ``planted.json`` after each batch: a call that runs out of time keeps what it judged."""
     rows = {}
     # last: "hang" holds its batch for the whole time limit, so the others are saved first
     names = sorted(PLANTED, key=lambda n: n == "hang")
     # the default time limit: every case in every dtype is a dozen kernels to compile, slow on a busy host
-    with Evaluator(parallel=parallel, baselines=False) as ev:
+    with Evaluator(parallel=parallel, baselines=False, timeout_s=timeout_s) as ev:
         for i in range(0, len(names), ev.parallel):
             batch = names[i:i + ev.parallel]
             verdicts = ev.evaluate_pairs([(PLANTED[n].task, PLANTED[n].source) for n in batch])
@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="softmax,rmsnorm_quant",
                     help='tasks to search (comma-separated; "" for none: the suite and planted kernels only)')
     ap.add_argument("--parallel", type=int, default=None, help="candidates evaluated at once (default: up to 4)")
+    ap.add_argument("--planted-timeout", type=float, default=None,
+                    help="time limit per planted kernel (default: the evaluator's, 180 s on a GPU; "
+                         "the hanging plant waits for all of it)")
     ap.add_argument("--no-suite", action="store_true")
     ap.add_argument("--no-planted", action="store_true")
     a = ap.parse_args(argv)
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
         write(out, "suite.json", {**env, **suite(out, names, a.parallel)})
     if not a.no_planted:
         print("\n== planted kernels", flush=True)
-        planted(out, env, a.parallel)
+        planted(out, env, a.parallel, a.planted_timeout)
     print(f"\ndone in {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
