@@ -17,25 +17,33 @@ MAX_TILE_PER_WARP = 1 << 12   # elements one warp holds at once, 128 a thread (p
 
 
 @triton.jit
+def norm_quant_rows(x_ptr, w, q_ptr, scale_ptr, rb, n_rows, n_cols, eps, cols, cmask, R: tl.constexpr):
+    rows = rb * R + tl.arange(0, R)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    y = x * rstd[:, None] * w[None, :]
+    scale = 127.0 / tl.maximum(tl.max(tl.abs(y), axis=1), 1e-5)
+    v = y * scale[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rmask)
+
+
+@triton.jit
 def rmsnorm_quant_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_rows, n_cols, eps, R: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    for rb in range(tl.program_id(0), tl.cdiv(n_rows, R), tl.num_programs(0)):
-        rows = rb * R + tl.arange(0, R)
-        rmask = rows < n_rows
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        y = x * rstd[:, None] * w[None, :]
-        scale = 127.0 / tl.maximum(tl.max(tl.abs(y), axis=1), 1e-5)
-        v = y * scale[:, None]
-        q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
-        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-        tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
-        tl.store(scale_ptr + rows, scale, mask=rmask)
+    if PERSISTENT:     # a grid of a few programs per SM, each walking row blocks
+        for rb in range(tl.program_id(0), tl.cdiv(n_rows, R), tl.num_programs(0)):
+            norm_quant_rows(x_ptr, w, q_ptr, scale_ptr, rb, n_rows, n_cols, eps, cols, cmask, R)
+    else:              # one row block per program, no loop
+        norm_quant_rows(x_ptr, w, q_ptr, scale_ptr, tl.program_id(0), n_rows, n_cols, eps, cols, cmask, R)
 
 
 def launch(x, weight, x_q, scale):
@@ -45,4 +53,4 @@ def launch(x, weight, x_q, scale):
     blocks = triton.cdiv(n_rows, rows)
     grid = min(blocks, 4 * runtime.num_sms()) if PERSISTENT else blocks
     rmsnorm_quant_kernel[(grid,)](x, weight, x_q, scale, n_rows, n_cols, EPS, R=rows, BLOCK_N=block_n,
-                                  num_warps=NUM_WARPS)
+                                  PERSISTENT=PERSISTENT, num_warps=NUM_WARPS)
