@@ -12,7 +12,8 @@
 #   arguments of tools/lab-bench.py for `lab`; the lab in parts that each fit a call:
 #   lab-planted (the planted kernels, saved batch by batch,
 #   LAB_TIMEOUT=90 s each), lab-search (LAB_TASKS=rmsnorm_quant
-#   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel).
+#   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel; LAB_RESUME=DIR continues
+#   the searches of an earlier lab-search output).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
@@ -50,7 +51,7 @@ for job in "${@:-engine attention speculative}"; do
       lab-planted) run lab-planted "${LT:-300}" python3 tools/lab-bench.py "$b/lab-planted" --tasks "" --no-suite \
                        --planted-timeout "${LAB_TIMEOUT:-90}" ;;
       lab-search) run lab-search "${LT:-420}" python3 tools/lab-bench.py "$b/lab-search" \
-                    --tasks "${LAB_TASKS:-rmsnorm_quant}" --budget "${LAB_BUDGET:-300}" --no-suite --no-planted ;;
+                    --tasks "${LAB_TASKS:-rmsnorm_quant}" --budget "${LAB_BUDGET:-300}" --no-suite --no-planted ${LAB_RESUME:+--resume "$LAB_RESUME"} ;;
       piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;
       scan) run scan "${SCT:-180}" python3 tools/mlgru_scan_bench.py "$b/scan" ;;
       profile) run profile "${PRT:-240}" bash tools/profile-all.sh "$b/profile" ;;

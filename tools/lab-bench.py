@@ -58,8 +58,19 @@ def verdict_row(v) -> dict:
             "speedup_compiled": v.speedup("compiled"), "message": v.message[:2000]}
 
 
-def searches(out: Path, names: list[str], budget: float, parallel: int) -> dict:
+def earlier_search_s(resume: Path, name: str, earlier: dict) -> float:
+    """Seconds the earlier run searched ``name`` (its searches' own clocks)."""
+    if "total_search_s" in earlier.get(name, {}):
+        return earlier[name]["total_search_s"]
+    return sum(json.loads(p.read_text())["elapsed_s"] for p in resume.glob(f"search-{name}-*.json"))
+
+
+def searches(out: Path, names: list[str], budget: float, parallel: int, resume: Path | None = None) -> dict:
     archive = out / "archive.jsonl"
+    earlier = {}
+    if resume is not None:       # continue earlier searches: their archive seeds the populations
+        archive.write_text((resume / "archive.jsonl").read_text())
+        earlier = json.loads((resume / "lab-bench.json").read_text())["tasks"]
     rows = {}
     for name in names:
         task = get_task(name)
@@ -76,7 +87,9 @@ def searches(out: Path, names: list[str], budget: float, parallel: int) -> dict:
         for label, v in (("hand-written", hand), ("seed", seed), ("search best", best)):
             print(f"  {label:13} {v.summary()}", flush=True)
         ratio = hand.time_ms / best.time_ms if hand.correct and best.correct else None
+        before = earlier_search_s(resume, name, earlier) if resume is not None else 0.0
         rows[name] = {"budget_s": budget, "search_wall_s": time.monotonic() - t0,
+                      "earlier_search_s": before, "total_search_s": before + result.elapsed_s,
                       "evaluated": len(result.evaluated), "generations": len(result.history) - 1,
                       "rejected": result.rejected(), "history": result.history,
                       "best_genes": result.best.candidate.genes, "best_rewrites": list(result.best.candidate.rewrites),
@@ -142,6 +155,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="softmax,rmsnorm_quant",
                     help='tasks to search (comma-separated; "" for none: the suite and planted kernels only)')
     ap.add_argument("--parallel", type=int, default=None, help="candidates evaluated at once (default: up to 4)")
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="a directory of an earlier run (archive.jsonl, lab-bench.json): its archive "
+                         "seeds the searches, whose times add up in total_search_s")
     ap.add_argument("--planted-timeout", type=float, default=None,
                     help="time limit per planted kernel (default: the evaluator's, 180 s on a GPU; "
                          "the hanging plant waits for all of it)")
@@ -163,7 +179,7 @@ def main(argv=None) -> int:
             print(f"no hand-written kernel to compare with for {n}; searched anyway", flush=True)
             HAND_WRITTEN[n] = get_task(n).seed_source
     if names:        # --tasks "" runs only the suite and the planted kernels (one GPU call each part)
-        write(out, "lab-bench.json", {**env, "tasks": searches(out, names, a.budget, a.parallel)})
+        write(out, "lab-bench.json", {**env, "tasks": searches(out, names, a.budget, a.parallel, a.resume)})
     if not a.no_suite:
         write(out, "suite.json", {**env, **suite(out, names, a.parallel)})
     if not a.no_planted:
