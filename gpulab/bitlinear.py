@@ -523,10 +523,12 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
                         x_q.stride(0), w_packed.stride(0), y.stride(0))
 
 
-# The int32x16 GEMV's launch configuration: a first guess, to be replaced by the sweep of
-# tools/ternary-gemv-bench.py on the H200. The interpreter takes big blocks (cost grows
-# with the number of programs).
-X16_CONFIG = {"BLOCK_N": 16, "BLOCK_G": 64, "num_warps": 4}
+# The int32x16 GEMV's launch configuration, from the sweep of tools/ternary-gemv-bench.py on
+# the H200 (gpulab/results/bitlinear/ternary_gemv_bench.json, CUDA-graph medians): 32 rows of
+# W per program beat 16 at every decode shape swept (K=N=8192: 10.1-10.4 µs against 14.1;
+# 4096²: 5.8 against 7.3; 14336x4096: 8.1 against 10.7; 4096x14336: 9.9 against 12.0).
+# The interpreter takes big blocks (cost grows with the number of programs).
+X16_CONFIG = {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}
 X16_INTERPRETER_CONFIG = {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}
 X16_MAX_SPLIT = 16
 X16_REDUCE_BLOCK = 1024
@@ -534,10 +536,11 @@ X16_REDUCE_BLOCK = 1024
 
 def x16_split_k(m: int, n: int, k: int, block_n: int, block_g: int) -> int:
     """Split-K factor for the int32x16 GEMV: enough programs for about two per SM
-    (runtime.num_sms(); 132 without a GPU), each split at least two BLOCK_G steps long."""
+    (runtime.num_sms(); 132 without a GPU), each split at least four BLOCK_G steps long
+    (in the H200 sweep, short splits lost: 4096² ran as fast in one pass as in four)."""
     programs = m * runtime.cdiv(n, block_n)
     want = runtime.cdiv(2 * runtime.num_sms(), programs)
-    most = max(1, runtime.cdiv(k, 16) // (2 * block_g))
+    most = max(1, runtime.cdiv(k, 16) // (4 * block_g))
     return max(1, min(want, most, X16_MAX_SPLIT))
 
 

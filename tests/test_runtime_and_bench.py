@@ -38,6 +38,14 @@ def _compile_for(arch):
     assert "0 failures" in r.stdout
 
 
+def test_compile_check_names_what_it_does_not_know():
+    r = subprocess.run([sys.executable, "-m", "gpulab", "compile-check", "no_such_kernel", "--arch", "75"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no kernel spec named no_such_kernel" in r.stderr and "softmax" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gpulab", "compile-check", "--arch", "91"], capture_output=True, text=True)
+    assert r.returncode == 2 and "the targets are [75, 80, 90]" in r.stderr
+
+
 # One class per target so that pytest-xdist (--dist loadscope) compiles them in parallel.
 for _arch in (75, 80, 90):
     _cls = f"TestEveryKernelCompilesFor_sm{_arch}"

@@ -140,9 +140,10 @@ def _old_variants():
     return out
 
 
-X16_SWEEP = [bl.X16_CONFIG, {"BLOCK_N": 32, "BLOCK_G": 32, "num_warps": 4},
-             {"BLOCK_N": 8, "BLOCK_G": 128, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4},
-             {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}]
+X16_SWEEP = [bl.X16_CONFIG] + [c for c in ({"BLOCK_N": 16, "BLOCK_G": 64, "num_warps": 4},
+            {"BLOCK_N": 32, "BLOCK_G": 32, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_G": 128, "num_warps": 4},
+            {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}, {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4},
+            {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}) if c != bl.X16_CONFIG]   # the default first, once
 
 
 def _new_variants(configs=None):

@@ -48,9 +48,10 @@ SHAPES = [  # (M, N, K)
 ]
 DRY_SHAPES = [(1, 64, 4096), (2, 33, 100)]     # --dry-run: every call path, interpreter-sized
 SPLITS = (1, 2, 4, 8)
-CONFIGS = [bl.X16_CONFIG, {"BLOCK_N": 32, "BLOCK_G": 32, "num_warps": 4},
-           {"BLOCK_N": 8, "BLOCK_G": 128, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4},
-           {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}]
+CONFIGS = [bl.X16_CONFIG] + [c for c in ({"BLOCK_N": 16, "BLOCK_G": 64, "num_warps": 4},
+          {"BLOCK_N": 32, "BLOCK_G": 32, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_G": 128, "num_warps": 4},
+          {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}, {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4},
+          {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}) if c != bl.X16_CONFIG]   # the default first, once
 
 
 def parse_args(argv=None):

@@ -188,12 +188,29 @@ def main(argv=None) -> int:
         # every config compiled, also under the test suite (which turns autotuning off)
         env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1", "GPULAB_AUTOTUNE": "1"}
         return subprocess.call([sys.executable, "-m", "gpulab.harness.compile_check", *argv], env=env)
+    import argparse
+    ap = argparse.ArgumentParser(prog="gpulab compile-check",
+                                 description="Compile every kernel (or the named specs' kernels) for "
+                                             "sm_75, sm_80 and sm_90 without a GPU.")
+    ap.add_argument("names", nargs="*", help="kernel specs to compile (default: all)")
+    ap.add_argument("--arch", default=None,
+                    help="targets, comma-separated (e.g. 75 or 80,90; default: " +
+                         ",".join(str(a) for a in TARGETS) + "); CI runs them in parallel")
+    a = ap.parse_args(argv)
     archs = None
-    if "--arch" in argv:        # e.g. --arch 75: one target only (CI runs the three in parallel)
-        i = argv.index("--arch")
-        archs = {int(a) for a in argv[i + 1].split(",")}
-        argv = argv[:i] + argv[i + 2:]
-    names = argv or None
+    if a.arch is not None:
+        try:
+            archs = {int(x) for x in a.arch.split(",")}
+        except ValueError:
+            ap.error(f"--arch takes numbers such as 75 or 80,90, got {a.arch!r}")
+        if not archs <= set(TARGETS):
+            ap.error(f"--arch: unknown target(s) {sorted(archs - set(TARGETS))}; "
+                     f"the targets are {sorted(TARGETS)}")
+    from gpulab.harness.spec import all_specs
+    unknown = [n for n in a.names if n not in all_specs()]
+    if unknown:
+        ap.error(f"no kernel spec named {', '.join(unknown)}; the specs are: {', '.join(sorted(all_specs()))}")
+    names = a.names or None
     rec = check_all(names, archs=archs)
     print(f"{len(rec.done)} compilations, {len(rec.failures)} failures")
     return 1 if rec.failures else 0
