@@ -567,14 +567,11 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         return
     upcast = runtime.interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
+    # each .stride() is one call into torch: the tuples, sliced, cost a decode call less host time
     _decode_tuned[config_list(q.dtype)][(B, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        *o_part.stride()[:3], *lse_part.stride()[:3],
         part_len, d, k_cache.shape[0], block_table.shape[1], PAGE_SIZE=k_cache.shape[1],
         GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=upcast, IEEE=ieee)
@@ -586,10 +583,8 @@ def split_reduce_into(o_part, lse_part, o, lse):
     if B * h == 0:
         return
     _split_reduce_kernel[(B * h,)](
-        o_part, lse_part, o, lse, s, h,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), d,
+        o_part, lse_part, o, lse, s, h, *o_part.stride()[:3], *lse_part.stride()[:3],
+        *o.stride()[:2], *lse.stride()[:2], d,
         BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d), num_warps=4)
 
 
@@ -637,9 +632,34 @@ def require_block_table(block_table, seq_lens, batch: int | None = None) -> None
                          f"entries: one row and one length per sequence")
 
 
+def plainly_valid_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> bool:
+    """True when :func:`require_paged_inputs` passes, tested with a few attribute reads
+    in one expression (its full checks, one helper call per tensor, cost a decode-sized
+    call a good part of its host time). False means "run the full checks", never
+    "invalid"."""
+    try:
+        dev = q.device
+        return bool(q.dim() == 3 and q.dtype in FLOAT_DTYPES and k_cache.dim() == 4
+                    and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+                    and block_table.dim() == 2 and block_table.dtype == torch.int32
+                    and seq_lens.dim() == 1 and seq_lens.dtype == torch.int32
+                    and q.shape[0] == block_table.shape[0] == seq_lens.shape[0]
+                    and q.shape[2] == k_cache.shape[3] <= 256 and k_cache.shape[2] > 0
+                    and q.shape[1] % k_cache.shape[2] == 0
+                    and k_cache.device == dev and v_cache.device == dev and block_table.device == dev
+                    and seq_lens.device == dev
+                    and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                    and block_table.is_contiguous() and seq_lens.is_contiguous()
+                    and not runtime.COMPILE_ONLY and runtime.runs_on(dev))
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
 def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
     """Shapes, dtypes and devices of a paged decode call. Host-side only: reads no device
     data, so it never waits for the GPU (:func:`require_paged_layout` checks the values)."""
+    if plainly_valid_paged_inputs(q, k_cache, v_cache, block_table, seq_lens):
+        return
     require_tensor("q", q, ndim=3)
     require_float("q", q)
     require_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
@@ -652,7 +672,7 @@ def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
         raise ValueError(f"q has head_dim {d} but k_cache has {dk}: caches are [pages, page_size, Hkv, D]")
     if d > 256:
         raise ValueError(f"head_dim {d} > 256 is not supported (one program holds a query row in registers)")
-    if hq % hkv:
+    if hkv == 0 or hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} kv heads (GQA needs Hq = G·Hkv)")
 
 

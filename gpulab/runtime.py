@@ -103,7 +103,14 @@ def compute_capability() -> tuple[int, int] | None:
     if not _cuda_available():
         return COMPILE_TARGET if COMPILE_ONLY else None
     import torch
-    return torch.cuda.get_device_capability()
+    return _capability_of(torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    # cached: launchers ask on every call, and torch reads the device's properties each time
+    import torch
+    return torch.cuda.get_device_capability(index)
 
 
 def default_dtype():

@@ -157,6 +157,30 @@ def test_bad_block_tables_and_inputs_rejected():
         paged.paged_decode_attention(**inp, num_splits=0)
 
 
+def test_the_fast_input_check_accepts_nothing_the_full_checks_reject():
+    """require_paged_inputs first tests its arguments with attribute reads in one expression
+    and runs the full checks (which explain the error) only when that fails: every call
+    they reject must fail the fast test too, and the usual calls must pass it."""
+    inp = _inputs([5, 20], page=4)
+    names = ("q", "k_cache", "v_cache", "block_table", "seq_lens")
+    args = lambda **kw: tuple({**inp, **kw}[n] for n in names)   # noqa: E731
+    q, k, bt, sl = inp["q"], inp["k_cache"], inp["block_table"], inp["seq_lens"]
+    assert paged.plainly_valid_paged_inputs(*args())
+    assert paged.plainly_valid_paged_inputs(*args(q=q.to(torch.bfloat16), k_cache=k.to(torch.bfloat16),
+                                                  v_cache=inp["v_cache"].to(torch.bfloat16)))
+    bad = [dict(q=q[0]), dict(q=q.half()), dict(q=q.long()), dict(k_cache=k[0]), dict(v_cache=k[:-1]),
+           dict(v_cache=k.half()), dict(block_table=bt.long()), dict(block_table=bt[0]),
+           dict(seq_lens=sl.long()), dict(seq_lens=sl[:1]), dict(block_table=bt[:1]),
+           dict(q=q[..., :8].contiguous()), dict(q=q[:, :3].contiguous()), dict(k_cache=k[:, :, :0]),
+           dict(k_cache=k.transpose(0, 1)), dict(q=q.transpose(0, 1)), dict(block_table=bt.t().contiguous().t()),
+           dict(seq_lens=torch.stack([sl, sl], 1)[:, 0]), dict(q=q.to("meta")), dict(block_table=bt.cpu().numpy()),
+           dict(q=q.tolist()), dict(v_cache=None)]
+    for i, kw in enumerate(bad):
+        assert not paged.plainly_valid_paged_inputs(*args(**kw)), f"bad call {i} ({list(kw)}) passes the fast check"
+        with pytest.raises((TypeError, ValueError)):
+            paged.require_paged_inputs(*args(**kw))
+
+
 # -- the checks reject wrong kernels --------------------------------------------------------
 def _torch_decode(q, k_cache, v_cache, block_table, seq_lens, o, lse, *, scale_mul=1.0,
                   full_pages=False, zero_v=False, ignore_table=False, page_shift=0, stale_max=False):
