@@ -47,8 +47,8 @@ from .attention_state import lse_from_base2, lse_to_base2  # noqa: F401  (the no
 from .paged import (autotuned_variants, big_smem, config_list, decode_partials_into, decode_partitioning,
                     fault_flag, fixed_splits, gather_kv, keep_or_allocate, min_part_len,
                     paged_tile_update, raise_recorded_faults, require_block_table,
-                    require_paged_inputs, require_paged_layout, require_plan_shapes, require_run_inputs,
-                    require_scale, split_reduce_into)
+                    require_paged_inputs, require_paged_layout, require_plan_shapes,
+                    require_query_and_cache, require_run_inputs, require_scale, split_reduce_into)
 from .validate import require_float, require_same_device, require_tensor
 
 
@@ -365,10 +365,8 @@ def require_prefix_pages(prefix_pages, prefix_len: int, page_size: int, num_page
 def shared_prefix_attention(q, k_cache, v_cache, prefix_pages, prefix_len: int, scale=None,
                             validate: bool | None = None):
     """Each query's attention state over one shared, paged prefix: (o [B, Hq, D], lse [B, Hq])."""
-    require_tensor("q", q, ndim=3)
+    require_query_and_cache(q, k_cache, v_cache)
     B = q.shape[0]
-    no_suffix = torch.zeros((B, 1), dtype=torch.int32, device=q.device)
-    require_paged_inputs(q, k_cache, v_cache, no_suffix, no_suffix[:, 0].contiguous())
     require_same_device(q=q, prefix_pages=prefix_pages)
     require_prefix(prefix_pages, prefix_len, k_cache.shape[1])
     require_scale(scale)

@@ -660,12 +660,18 @@ def require_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> None:
     data, so it never waits for the GPU (:func:`require_paged_layout` checks the values)."""
     if plainly_valid_paged_inputs(q, k_cache, v_cache, block_table, seq_lens):
         return
+    require_query_and_cache(q, k_cache, v_cache)
+    require_block_table(block_table, seq_lens, q.shape[0])
+    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+
+
+def require_query_and_cache(q, k_cache, v_cache) -> None:
+    """Queries [B, Hq, D] and a paged cache [pages, page_size, Hkv, D] that fit each other."""
     require_tensor("q", q, ndim=3)
     require_float("q", q)
     require_tensor("k_cache", k_cache, ndim=4, dtype=q.dtype)
     require_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=q.dtype)
-    require_block_table(block_table, seq_lens, q.shape[0])
-    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
     _, hq, d = q.shape
     _, _, hkv, dk = k_cache.shape
     if dk != d:
