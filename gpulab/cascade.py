@@ -210,11 +210,8 @@ def prefix_partials_into(q, k_cache, v_cache, prefix_pages, prefix_len, o_part, 
     grid = lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]), hkv, splits)  # noqa: E731
     _prefix_tuned[config_list(q.dtype)][grid](
         q, k_cache, v_cache, prefix_pages, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],   # tuples: fewer calls into torch
+        *o_part.stride()[:3], *lse_part.stride()[:3],
         n_rows, prefix_len, part_len, d, k_cache.shape[0], PAGE_SIZE=k_cache.shape[1],
         GROUP=group, BLOCK_D=max(16, runtime.next_power_of_2(d)),
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
