@@ -5,7 +5,7 @@
 On a GPU a decode-sized call is often host-bound: the Python before the launch (checks,
 allocation, planning, Triton's launcher) takes longer than the kernel. This isolates that
 Python on any machine (tensors on gpulab's device: the GPU where there is one, else the
-CPU): every Triton kernel and autotuner of the modules below launches
+CPU): every Triton kernel and autotuner of the modules below (paged, cascade, bitlinear) launches
 nothing, so the time per call is the host path alone (without Triton's own launcher, which
 the GPU host adds). Compare two commits by running it with each on PYTHONPATH, alternately:
 timings on a shared machine move by tens of percent.
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from gpulab import bitlinear, paged, runtime  # noqa: E402
+from gpulab import bitlinear, cascade, paged, runtime  # noqa: E402
 
 
 class _NoLaunch:
@@ -53,7 +53,15 @@ def calls() -> dict:
     x_scale = torch.rand(1, device=dev) + 0.5
     w = torch.randint(0, 255, (8192, 2048), dtype=torch.uint8, device=dev)
     w_scale = torch.tensor([0.7], device=dev)
+    # cascade: a 32768-token prefix shared by 256 requests with 256 tokens each (32/8 heads)
+    cq = torch.randn(256, hq, d, dtype=torch.bfloat16, device=dev)
+    ck = torch.empty(32768 // page + 256 * 256 // page, page, hkv, d, dtype=torch.bfloat16, device=dev)
+    prefix = torch.arange(32768 // page, dtype=torch.int32, device=dev)
+    ctable = (32768 // page + torch.arange(256 * 256 // page, dtype=torch.int32, device=dev)).view(256, -1)
+    clens = torch.full((256,), 256, dtype=torch.int32, device=dev)
     return {"paged_decode_attention B4 L32768": lambda: paged.paged_decode_attention(q, k, k, table, lens),
+            "cascade_decode_attention 256 x (32768 + 256)": lambda: cascade.cascade_decode_attention(
+                cq, ck, ck, prefix, 32768, ctable, clens),
             "ternary_matmul M=1 K=N=8192": lambda: bitlinear.ternary_matmul(x_q, x_scale, w, w_scale)}
 
 
@@ -62,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--profile", action="store_true", help="also print where the time goes")
     a = p.parse_args(argv)
-    for module in (paged, bitlinear):
+    for module in (paged, cascade, bitlinear):
         stub_launches(module)
     for name, fn in calls().items():
         for _ in range(100):
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
             for _ in range(a.calls // 7):
                 fn()
             batches.append((time.perf_counter() - t0) / (a.calls // 7) * 1e6)
-        print(f"{name:36} {min(batches):7.1f} µs a call (launches stubbed; fastest of 7 batches, "
+        print(f"{name:46} {min(batches):7.1f} µs a call (launches stubbed; fastest of 7 batches, "
               f"median {sorted(batches)[3]:.1f})")
         if a.profile:
             prof = cProfile.Profile()
