@@ -379,6 +379,13 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
     assert set(rewrites.UNSAFE) == {"fixed_block", "drop_store_mask", "drop_load_other"}
     # the hand-written rmsnorm_quant's rounding is within the search's reach
     assert "round_once" in rewrites.applicable(get_task("rmsnorm_quant").seed_source, rewrites.SAFE)
+    # cache hints only on the data that moves with the row: the weight row stays in L2
+    streamed = rewrites.REWRITES["stream_loads"](get_task("rmsnorm_quant").seed_source)
+    assert 'tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")' in streamed
+    assert "tl.load(w_ptr + cols, mask=cmask, other=0.0)" in streamed
+    assert rewrites.REWRITES["stream_stores"]("tl.store(y_ptr + offs, y, mask=m)") == \
+        'tl.store(y_ptr + offs, y, mask=m, cache_modifier=".cs")'
+    assert rewrites.REWRITES["stream_stores"]("tl.store(y_ptr + cols, y)") is None
     assert "mask=" not in rewrites.REWRITES["drop_store_mask"]("tl.store(p + o, v, mask=m)")
 
 

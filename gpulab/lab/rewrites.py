@@ -88,6 +88,23 @@ def _add_kwarg(head: str, kwarg: str, unless: str) -> Callable[[str], "str | Non
     return apply
 
 
+_STREAMED = re.compile(r"\b(offs|rows|rows64)\b")   # addresses that move with the row
+
+
+def _streamed(head: str, kwarg: str, unless: str) -> Callable[[str], "str | None"]:
+    """Add ``kwarg`` to the calls ``head(...)`` whose address depends on the row (data
+    read or written once); loads of a weight or bias row that every program reuses are
+    left alone, so they stay in L2."""
+    def apply(src: str) -> str | None:
+        def edit(args: str) -> str:
+            address = args.split(",", 1)[0]
+            if unless in args or not _STREAMED.search(address):
+                return f"{head}{args})"
+            return f"{head}{args}, {kwarg})"
+        return _map_calls(src, head, edit) if head in src else None
+    return apply
+
+
 def _int32_offsets(src: str) -> str | None:
     return src.replace(".to(tl.int64)", "") if ".to(tl.int64)" in src else None
 
@@ -131,6 +148,11 @@ REWRITES: dict[str, Rewrite] = {r.name: r for r in [
     Rewrite("rsqrt", "1.0 / tl.sqrt(v) -> tl.rsqrt(v): one reciprocal square root", _rsqrt),
     Rewrite("evict_first", 'tl.load(...) -> tl.load(..., eviction_policy="evict_first"): streamed data '
             "leaves L2 first", _add_kwarg("tl.load(", 'eviction_policy="evict_first"', "eviction_policy")),
+    Rewrite("stream_loads", 'evict_first on the loads of data read once (addresses that move with the '
+            'row), none on reused rows such as a weight: those stay in L2',
+            _streamed("tl.load(", 'eviction_policy="evict_first"', "eviction_policy")),
+    Rewrite("stream_stores", 'cache_modifier=".cs" on the stores of data written once: streamed past the '
+            'caches', _streamed("tl.store(", 'cache_modifier=".cs"', "cache_modifier")),
     Rewrite("round_once", "round half away from zero with one float-to-int conversion (|v| + 0.5, "
             "truncated, sign restored) instead of floor, ceil and a select", _round_once),
     Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
