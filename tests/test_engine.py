@@ -9,6 +9,7 @@ import gpulab
 
 from gpulab.engine.block_manager import BlockManager
 from gpulab.engine.engine import LLM, EngineConfig
+from gpulab.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
 from gpulab.engine.model import (TINY, TernaryTransformer, encode_prompt, reference_generate,
                                  attention_with_history)
 from gpulab.engine.runner import ModelRunner
@@ -403,3 +404,17 @@ def test_warm_up_runs_every_prefill_size_and_changes_no_output(model, expected):
     outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
     assert_tokens_match(model, PROMPTS, [o.token_ids for o in outs], expected)
     assert llm.idle()
+
+
+def test_ttft_splits_into_the_wait_and_the_step_that_gave_the_first_token():
+    m = EngineMetrics(8)
+    m.steps = [StepRecord(1.0, 1.5, 1, 4, 0, 1, 0, 0, 0, False),       # a prompt step
+               StepRecord(1.5, 1.6, 1, 0, 1, 1, 0, 0, 0, True),        # decode steps
+               StepRecord(1.6, 2.0, 2, 3, 1, 2, 0, 0, 0, False)]
+    m.requests = {"a": RequestMetrics("a", 0.75, 4, first_token=1.5, finish=1.6, num_output_tokens=2),
+                  "b": RequestMetrics("b", 1.55, 3, first_token=2.0, finish=2.0, num_output_tokens=1)}
+    s = m.summary()
+    assert s["ttft_wait_s_mean"] == pytest.approx((0.25 + 0.05) / 2)      # a waited for its step, b for 1.6
+    assert s["ttft_step_s_mean"] == pytest.approx((0.5 + 0.4) / 2)
+    assert s["ttft_s_mean"] == pytest.approx(s["ttft_wait_s_mean"] + s["ttft_step_s_mean"])
+    assert s["step_prompt_s_p50"] == pytest.approx(0.45) and s["step_decode_s_p50"] == pytest.approx(0.1)

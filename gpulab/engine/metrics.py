@@ -1,12 +1,14 @@
 """What a serving run measures.
 
 Per request: **TTFT** (time to first token: arrival -> first generated token, which
-includes queueing and the whole prefill), **TPOT** (time per output token after the
+includes queueing and the whole prefill; also split into the wait until the step that
+gave the first token began and that step's time), **TPOT** (time per output token after the
 first: (finish - first token) / (outputs - 1)), **end-to-end latency** (arrival ->
 finish). Per run: **throughput** (generated tokens per second of wall time), requests
 per second, KV **pages in use** per step, the **prefix-cache hit rate** (prompt tokens
 found in the cache / prompt tokens looked up) and preemptions. Every step is also
-recorded (what ran, how many pages), for the timeline plots of ``gpulab serve-bench``.
+recorded (what ran, how many pages), for the timeline plots of ``gpulab serve-bench``,
+and the steps' times are summarised with and without prompt tokens.
 """
 from __future__ import annotations
 
@@ -105,8 +107,17 @@ class EngineMetrics:
              "graph_steps": sum(r.graph for r in self.steps),
              "cascade_steps": sum(r.cascade for r in self.steps)}
         s.update(stats("ttft_s", [r.ttft for r in done if r.ttft is not None]))
+        # TTFT in two parts: the wait until the step that gave the first token began
+        # (queueing, the step already running), and that step's own time
+        start_of = {st.end: st.start for st in self.steps}
+        firsts = [(r, start_of[r.first_token]) for r in done if r.first_token in start_of]
+        s.update(stats("ttft_wait_s", [max(0.0, begin - r.arrival) for r, begin in firsts]))
+        s.update(stats("ttft_step_s", [r.first_token - max(begin, r.arrival) for r, begin in firsts]))
         s.update(stats("tpot_s", [r.tpot for r in done if r.tpot is not None]))
         s.update(stats("e2e_s", [r.e2e for r in done]))
+        # how long steps take, with and without prompt tokens
+        s.update(stats("step_prompt_s", [st.end - st.start for st in self.steps if st.prefill_tokens]))
+        s.update(stats("step_decode_s", [st.end - st.start for st in self.steps if not st.prefill_tokens]))
         return s
 
     def to_json(self) -> dict:
@@ -121,9 +132,12 @@ def format_summary(s: dict, title: str = "") -> str:
     lines = [title] if title else []
     lines += [f"requests {s['requests']}, output tokens {s['output_tokens']}, {s['steps']} steps, "
               f"wall {s['wall_s']:.2f} s, throughput {s['throughput_tok_s']:.1f} tok/s",
-              f"{'':10}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}"]
-    for k, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "latency")):
-        lines.append(f"{label:10}{ms(s[k + '_p50'])} {ms(s[k + '_p90'])} {ms(s[k + '_mean'])}")
+              f"{'':12}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}"]
+    for k, label in (("ttft_s", "TTFT"), ("ttft_wait_s", " its wait"), ("ttft_step_s", " its step"),
+                     ("tpot_s", "TPOT"), ("e2e_s", "latency"), ("step_prompt_s", "step, prompt"),
+                     ("step_decode_s", "step, decode")):
+        if s.get(k + "_p50") is not None or not k.startswith(("ttft_", "step_")) or k == "ttft_s":
+            lines.append(f"{label:12}{ms(s.get(k + '_p50'))} {ms(s.get(k + '_p90'))} {ms(s.get(k + '_mean'))}")
     hr = s.get("prefix_hit_rate")
     lines.append(f"pages used: mean {s['pages_used_mean']:.1f}, max {s['pages_used_max']} of {s['pages_total']}; "
                  f"preemptions {s['preemptions']}; prefix-cache hit rate "

@@ -192,26 +192,37 @@ def plot_comparison(result: dict, path=None):
 
 def _range(s: str) -> tuple[int, int]:
     lo, _, hi = s.partition(":")
-    lo, hi = int(lo), int(hi or lo)
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        lo = hi = 0
     if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected LO:HI (or one length N) with 1 <= LO <= HI, e.g. 32:512; "
+                                         f"got {s!r}")
     return lo, hi
+_range.__name__ = "length range"       # argparse names the type in its own errors
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gpulab serve-bench", description=__doc__.split("\n\n")[0])
     w, c = Workload(), EngineConfig()
     ap.add_argument("--model", default="shipped", help="shipped | tiny | random:d,layers,heads,kv,head_dim,hidden,ctx")
-    ap.add_argument("--requests", type=int, default=w.requests)
-    ap.add_argument("--rate", type=float, default=w.rate)
-    ap.add_argument("--prompt-len", type=_range, default=w.prompt_len)
-    ap.add_argument("--output-len", type=_range, default=w.output_len)
-    ap.add_argument("--shared", type=float, default=w.shared)
-    ap.add_argument("--system-len", type=int, default=w.system_len)
+    ap.add_argument("--requests", type=int, default=w.requests, help=f"requests to serve (default {w.requests})")
+    ap.add_argument("--rate", type=float, default=w.rate,
+                    help=f"Poisson arrivals per second; inf: all at once (default {w.rate})")
+    ap.add_argument("--prompt-len", type=_range, default=w.prompt_len, metavar="LO:HI",
+                    help="prompt lengths, uniform in [LO, HI] (default {}:{})".format(*w.prompt_len))
+    ap.add_argument("--output-len", type=_range, default=w.output_len, metavar="LO:HI",
+                    help="output lengths, uniform in [LO, HI] (default {}:{})".format(*w.output_len))
+    ap.add_argument("--shared", type=float, default=w.shared,
+                    help=f"share of requests that start with the common system prompt (default {w.shared})")
+    ap.add_argument("--system-len", type=int, default=w.system_len,
+                    help=f"tokens of the common system prompt (default {w.system_len})")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-blocks", type=int, default=c.num_blocks)
-    ap.add_argument("--block-size", type=int, default=c.block_size)
-    ap.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs)
+    ap.add_argument("--num-blocks", type=int, default=c.num_blocks, help=f"KV pages (default {c.num_blocks})")
+    ap.add_argument("--block-size", type=int, default=c.block_size, help=f"tokens per page (default {c.block_size})")
+    ap.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs,
+                    help=f"sequences running at once (default {c.max_num_seqs})")
     ap.add_argument("--budget", type=int, default=c.max_num_batched_tokens, help="tokens per step")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--cascade", action="store_true")
