@@ -14,6 +14,7 @@ kernel's configs it compiles the first and the one with the largest tiles;
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import sys
@@ -188,7 +189,6 @@ def main(argv=None) -> int:
         # every config compiled, also under the test suite (which turns autotuning off)
         env = {**os.environ, "TRITON_INTERPRET": "0", "GPULAB_COMPILE_ONLY": "1", "GPULAB_AUTOTUNE": "1"}
         return subprocess.call([sys.executable, "-m", "gpulab.harness.compile_check", *argv], env=env)
-    import argparse
     ap = argparse.ArgumentParser(prog="gpulab compile-check",
                                  description="Compile every kernel (or the named specs' kernels) for "
                                              "sm_75, sm_80 and sm_90 without a GPU.")
