@@ -170,7 +170,7 @@ def test_the_launchers_integer_helpers_equal_tritons():
     assert runtime.next_power_of_2(2 ** 40 + 1) == 2 ** 41
 
 
-def test_the_host_path_tool_times_both_calls_without_launching():
+def test_the_host_path_tool_times_its_calls_without_launching():
     """tools/host_path.py replaces kernels by no-ops in its own process (never in the
     test's) and times the Python of a decode-sized call."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,4 +178,5 @@ def test_the_host_path_tool_times_both_calls_without_launching():
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if "µs a call (launches stubbed" in line]
-    assert [line.split()[0] for line in lines] == ["paged_decode_attention", "ternary_matmul"], out.stdout
+    assert [line.split()[0] for line in lines] == ["paged_decode_attention", "cascade_decode_attention",
+                                                   "ternary_matmul"], out.stdout
