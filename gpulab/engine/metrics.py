@@ -109,7 +109,7 @@ class EngineMetrics:
         s.update(stats("ttft_s", [r.ttft for r in done if r.ttft is not None]))
         # TTFT in two parts: the wait until the step that gave the first token began
         # (queueing, the step already running), and that step's own time
-        start_of = {st.end: st.start for st in self.steps}
+        start_of = {st.end: st.start for st in self.steps}   # emit() stamps both with one clock reading
         firsts = [(r, start_of[r.first_token]) for r in done if r.first_token in start_of]
         s.update(stats("ttft_wait_s", [max(0.0, begin - r.arrival) for r, begin in firsts]))
         s.update(stats("ttft_step_s", [r.first_token - max(begin, r.arrival) for r, begin in firsts]))
@@ -136,7 +136,7 @@ def format_summary(s: dict, title: str = "") -> str:
     for k, label in (("ttft_s", "TTFT"), ("ttft_wait_s", " its wait"), ("ttft_step_s", " its step"),
                      ("tpot_s", "TPOT"), ("e2e_s", "latency"), ("step_prompt_s", "step, prompt"),
                      ("step_decode_s", "step, decode")):
-        if s.get(k + "_p50") is not None or not k.startswith(("ttft_", "step_")) or k == "ttft_s":
+        if k in ("ttft_s", "tpot_s", "e2e_s") or s.get(k + "_p50") is not None:     # the others where measured
             lines.append(f"{label:12}{ms(s.get(k + '_p50'))} {ms(s.get(k + '_p90'))} {ms(s.get(k + '_mean'))}")
     hr = s.get("prefix_hit_rate")
     lines.append(f"pages used: mean {s['pages_used_mean']:.1f}, max {s['pages_used_max']} of {s['pages_total']}; "

@@ -200,7 +200,6 @@ def _range(s: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO:HI (or one length N) with 1 <= LO <= HI, e.g. 32:512; "
                                          f"got {s!r}")
     return lo, hi
-_range.__name__ = "length range"       # argparse names the type in its own errors
 
 
 def main(argv=None) -> int:
