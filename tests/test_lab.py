@@ -250,6 +250,38 @@ def test_search_leaves_candidates_stopped_by_its_budget_out():
     assert r.best.candidate.id == task.seed().id
 
 
+def test_search_times_its_finalists_again_and_the_lowest_median_wins():
+    """One lucky timing makes a candidate the evolution's best; timed again with the other
+    finalists (in turns), it loses to the truly fastest, and a finalist that fails a
+    re-run drops out however fast it was."""
+    task = get_task("softmax")
+    true_ms, calls, order = {}, {}, []
+
+    def verifier(task_, c):
+        true_ms.setdefault(c.id, 1.0 + 0.01 * len(true_ms))       # the seed is truly fastest
+        calls[c.id] = calls.get(c.id, 0) + 1
+        order.append(c.id)
+        if len(true_ms) == 2 and calls[c.id] == 1:                  # the second kernel: one lucky timing
+            return Verdict(task.name, c.id, "correct", "correct", "", cost_ms=0.5)
+        if len(true_ms) == 3 and calls[c.id] == 1:                  # the third: fast, but fails a re-run
+            return Verdict(task.name, c.id, "correct", "correct", "", cost_ms=0.6)
+        if calls[c.id] > 1 and true_ms[c.id] == 1.02:
+            return Verdict(task.name, c.id, "rejected", "wrong-values", "wrong values")
+        return Verdict(task.name, c.id, "correct", "correct", "", cost_ms=true_ms[c.id])
+
+    r = search.search(task, verifier=verifier, max_evals=6, population=3, seed=0, progress=False,
+                      random_start=2, finalists=3, rounds=3)
+    lucky, flaky = (i for i, t in true_ms.items() if t in (1.01, 1.02))
+    assert r.best.candidate.id == task.seed().id and r.best.fitness == 1.0
+    final = {f["candidate"]: f for f in r.finals}
+    assert set(final) == {task.seed().id, lucky, flaky}
+    assert final[lucky]["times_ms"] == [1.01] * 3 and final[lucky]["median_ms"] == 1.01
+    assert final[flaky]["median_ms"] is None and final[flaky]["reason"] == "wrong-values"
+    rounds = [order[-9:][i:i + 3] for i in (0, 3, 6)]
+    assert len({r_[0] for r_ in rounds}) == 3                        # each finalist leads one round
+    assert len(r.evaluated) == 6 and "finalists timed again" in r.table()
+
+
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):
     names = ["correct", "hang", "cached-output", "crash"]
     with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,

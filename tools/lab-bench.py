@@ -112,7 +112,7 @@ def searches(out: Path, names: list[str], budget: float, parallel: int, resume: 
                       "evaluated": len(result.evaluated), "generations": len(result.history) - 1,
                       "rejected": result.rejected(), "history": result.history,
                       "best_genes": result.best.candidate.genes, "best_rewrites": list(result.best.candidate.rewrites),
-                      "best_operator": result.best.candidate.operator,
+                      "best_operator": result.best.candidate.operator, "finals": result.finals,
                       "hand_written": verdict_row(hand), "seed": verdict_row(seed), "best": verdict_row(best),
                       "order": order, "hand_written_ms_each": [v.time_ms for v in runs["hand"]],
                       "best_ms_each": [v.time_ms for v in runs["best"]],

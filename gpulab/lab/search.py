@@ -10,7 +10,10 @@ The loop is a plain (μ + λ) evolution strategy:
 3. every child goes through the verifier (by default the process-isolated
    :class:`~gpulab.lab.evaluate.Evaluator`); only correct children get a fitness:
    measured time on a GPU, the stated cost model on a CPU;
-4. the best μ of parents and children survive (elitism: the best never gets worse).
+4. the best μ of parents and children survive (elitism: the best never gets worse);
+5. on a GPU, where one timing is off by a percent or two and the fastest of many
+   noisy timings is most often a lucky one, the few best of the last population are
+   timed again, in turns, near the end of the budget; the lowest median wins.
 
 Every verified kernel is appended to a JSON-lines archive with its lineage (parents,
 operator, proposer, genes, rewrites) and its fitness, and seeds later searches.
@@ -280,6 +283,7 @@ class SearchResult:
     history: list = field(default_factory=list)       # one dict per generation
     evaluated: list = field(default_factory=list)     # every Scored, in order
     elapsed_s: float = 0.0
+    finals: list = field(default_factory=list)        # the finalists' re-timings (GPU)
 
     @property
     def improvement(self) -> float:
@@ -304,6 +308,12 @@ class SearchResult:
         lines.append(f"seed  {self.seed.candidate.describe()}: {self.seed.fitness * 1e3:.2f} µs")
         lines.append(f"best  {self.best.candidate.describe()}: {self.best.fitness * 1e3:.2f} µs "
                      f"({self.improvement:.2f}× the seed, via {self.best.candidate.operator})")
+        if self.finals:
+            lines.append("finalists timed again: " + "; ".join(
+                f"{f['candidate']} " + (f"median {f['median_ms'] * 1e3:.2f} µs of "
+                                        + ", ".join(f"{t * 1e3:.2f}" for t in f["times_ms"])
+                                        if f["median_ms"] is not None else f"dropped: {f['reason']}")
+                for f in self.finals))
         rej = self.rejected()
         if rej:
             lines.append("rejected: " + ", ".join(f"{k} {v}" for k, v in sorted(rej.items(), key=lambda x: -x[1])))
@@ -317,6 +327,7 @@ class SearchResult:
                 "improvement": self.improvement, "seed": row(self.seed),
                 "best": {**row(self.best), "source": self.best.candidate.source},
                 "history": self.history, "evaluated": [row(s) for s in self.evaluated],
+                "finals": self.finals,
                 "gpu": runtime.gpu_name(), "mode": runtime.mode(), "versions": runtime.versions(),
                 "date": _dt.datetime.now().isoformat(timespec="seconds")}
 
@@ -344,12 +355,21 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
            population: int = 8, offspring: int | None = None, proposers: list[Proposer] | None = None,
            verifier: Callable[[Task, cand.Candidate], Verdict] | None = None,
            evaluator: Evaluator | None = None, archive: Archive | str | Path | None = None,
-           seed: int = 0, progress: bool = True, random_start: int | None = None) -> SearchResult:
+           seed: int = 0, progress: bool = True, random_start: int | None = None,
+           finalists: int | None = None, rounds: int = 3) -> SearchResult:
     """Evolve kernels for ``task`` until the time budget or ``max_evals`` runs out.
 
     ``verifier(task, candidate) -> Verdict`` decides correctness and fitness (default: a
     process-isolated :class:`Evaluator`); ``archive`` (path or :class:`Archive`) receives
-    every verified kernel and seeds the first population with the best it holds."""
+    every verified kernel and seeds the first population with the best it holds.
+
+    ``finalists`` (default: 3 when fitness is measured time and only the budget bounds
+    the search; none under the cost model or with ``max_evals``)
+    best kernels of the last population are verified and timed ``rounds`` more times
+    each, in turns, and the lowest median time wins: the best single timing among many
+    is biased low by noise. The evolution stops early enough to leave them time (as
+    many evaluations' worth as it takes on average); a finalist rejected in any round
+    drops out (a kernel must pass every time)."""
     task = get_task(task) if isinstance(task, str) else task
     budget = parse_budget(budget_s)
     rng = random.Random(seed)
@@ -369,6 +389,9 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     proposers = proposers or [EvolutionaryProposer()]
     offspring = offspring or population
     fitness_kind = "gpu-time" if runtime.mode() == "compiled" else "cost-model"
+    if finalists is None:
+        finalists = 3 if fitness_kind == "gpu-time" and max_evals is None else 0
+    n_final = finalists
     t0 = time.monotonic()
     seen: dict[str, Scored] = {}
     evaluated: list[Scored] = []
@@ -376,8 +399,15 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     bar = tqdm(total=max_evals or int(budget), disable=not progress, file=sys.stderr, leave=True,
                desc=f"search {task.name}", unit="eval" if max_evals else "s", dynamic_ncols=True)
 
+    def evolution_budget() -> float:
+        """The budget less the finalists' share, at the average wall time of an evaluation so far."""
+        if n_final < 2 or not evaluated:
+            return budget
+        return max(0.0, budget - (time.monotonic() - t0) / len(evaluated) * n_final * rounds)
+
     def out_of_budget() -> bool:
-        return time.monotonic() - t0 > budget or (max_evals is not None and len(evaluated) >= max_evals)
+        return (time.monotonic() - t0 > evolution_budget()
+                or (max_evals is not None and len(evaluated) >= max_evals))
 
     def record(s: Scored, generation: int) -> None:
         seen[s.candidate.id] = s
@@ -405,7 +435,7 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
             part = todo[i:i + chunk]
             if max_evals is not None:
                 part = part[:max_evals - len(evaluated)]
-            left = None if generation == 0 else max(0.0, budget - (time.monotonic() - t0))
+            left = None if generation == 0 else max(0.0, evolution_budget() - (time.monotonic() - t0))
             for c, v in zip(part, verify_many(part, left)):
                 if v.status != "unfinished":
                     record(Scored(c, v), generation)
@@ -440,10 +470,42 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         pool.update({k.id: seen[k.id] for k in fresh if k.id in seen and seen[k.id].verdict.correct})
         pop = sorted(pool.values(), key=lambda s: s.fitness)[:population]
         history.append(_stats(generation, evaluated, pop))
+    best, finals = pop[0], []
+    if n_final >= 2 and len(pop) >= 2:
+        best, finals = _final_round(pop[:n_final], rounds, verify_many)
+        if best is None:      # every finalist failed a re-run: the next best of the population, else the seed
+            dropped = {f["candidate"] for f in finals}
+            best = next((s for s in pop if s.candidate.id not in dropped), seed_scored)
     bar.close()
     if owned is not None and evaluator is None:
         owned.close()
-    return SearchResult(task.name, fitness_kind, seed_scored, pop[0], history, evaluated, time.monotonic() - t0)
+    return SearchResult(task.name, fitness_kind, seed_scored, best, history, evaluated,
+                        time.monotonic() - t0, finals)
+
+
+def _final_round(top: list[Scored], rounds: int, verify_many) -> tuple[Scored | None, list[dict]]:
+    """Verify and time each finalist ``rounds`` more times, in turns (each round starts one
+    further along, so none is always first), and return the one with the lowest median
+    time (its median verdict; None if every finalist dropped out) and every finalist's times."""
+    order = [top[(i + r) % len(top)].candidate for r in range(rounds) for i in range(len(top))]
+    got: dict[str, list[Verdict]] = {s.candidate.id: [] for s in top}
+    for c, v in zip(order, verify_many(order)):
+        got[c.id].append(v)
+    finals, best = [], None
+    for s in top:
+        vs = got[s.candidate.id]
+        bad = next((v for v in vs if not v.correct), None)
+        if bad is not None or not vs:
+            finals.append({"candidate": s.candidate.id, "times_ms": [v.fitness_ms for v in vs if v.correct],
+                           "median_ms": None, "reason": bad.reason if bad else "not timed"})
+            continue
+        vs = sorted(vs, key=lambda v: v.fitness_ms)
+        middle = vs[len(vs) // 2]
+        finals.append({"candidate": s.candidate.id, "times_ms": [v.fitness_ms for v in got[s.candidate.id]],
+                       "median_ms": middle.fitness_ms, "reason": "correct"})
+        if best is None or middle.fitness_ms < best.fitness:
+            best = Scored(s.candidate, middle)
+    return best, finals
 
 
 def _stats(generation: int, evaluated: list[Scored], pop: list[Scored]) -> dict:
