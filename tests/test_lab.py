@@ -282,6 +282,22 @@ def test_search_times_its_finalists_again_and_the_lowest_median_wins():
     assert len(r.evaluated) == 6 and "finalists timed again" in r.table()
 
 
+def test_evolution_can_drop_a_rewrite_as_well_as_add_one():
+    """Rewrites are genes: a lineage that took one can shed it, so a rewrite that helped
+    at some genes does not stay forever at others."""
+    task = get_task("softmax")
+    seed = task.seed()
+    options = rewrites.applicable(seed.source, rewrites.SAFE)
+    assert len(options) >= 2, options
+    parent = search.build(task, seed.genes, [options[0]])
+    pop = [search.Scored(parent, Verdict(task.name, parent.id, "correct", "correct", "", cost_ms=1.0))]
+    rng = random.Random(0)
+    shed = search.EvolutionaryProposer(rewrite_rate=1.0, drop_rate=1.0).propose(task, pop, 4, rng)
+    assert shed and all(c.rewrites == () and "drop-rewrite" in c.operator for c in shed)
+    grown = search.EvolutionaryProposer(rewrite_rate=1.0, drop_rate=0.0).propose(task, pop, 4, rng)
+    assert grown and all(len(c.rewrites) == 2 and c.operator.endswith("+rewrite") for c in grown)
+
+
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):
     names = ["correct", "hang", "cached-output", "crash"]
     with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,

@@ -32,6 +32,10 @@ from pathlib import Path
 # compile-only mode must be chosen before gpulab (and its @triton.jit kernels) is imported
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ["GPULAB_COMPILE_ONLY"] = "1"
+# The PTX is read below: keep every stage (tools/gpu-suite.sh stores binaries only), and
+# compile afresh, as a cached binary-only entry would have none.
+os.environ["TRITON_STORE_BINARY_ONLY"] = "0"
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Why the lab's rmsnorm_quant template trailed the hand-written kernel on a GPU: time the
-template at a few genes (with the round_once rewrite; a grid of one row block per program
-also through the persistent loop, one trip each) and the package kernel at each warp
-count, all on the lab's bench tensors (8192 x 8192 bf16).
+"""Why the lab's rmsnorm_quant template trails the hand-written kernel on a GPU: time the
+package kernel at 4 and 8 warps and the template (one row per program, a grid) at 4 and
+8 warps under each subset of the rewrites that might matter, all on the lab's bench
+tensors (8192 x 8192 bf16), in three interleaved rounds (median reported).
 
     python tools/lab_rmsnorm_probe.py
 """
@@ -45,23 +45,27 @@ def t(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-rows = []
-for hand_w in (4, 8, 16):
-    ms = t(lambda: normquant.rmsnorm_quant_fwd_kernel[(8192,)](
+variants = {}
+for hand_w in (4, 8):
+    variants[f"hand-written kernel R1 W{hand_w}"] = (lambda nw: lambda: normquant.rmsnorm_quant_fwd_kernel[(8192,)](
         x, w, q, s, x, s, 8192, 8192, 8192, 8192, 0, 1e-6, BLOCK_R=1, BLOCK_N=8192, FAKE_QUANT=False,
-        num_warps=hand_w))
-    rows.append((f"hand-written kernel R1 W{hand_w}", ms))
-rows.append(("rmsnorm_quant_into (autotuned)", t(lambda: normquant.rmsnorm_quant_into(x, w, q, s))))
-for r in (1, 2, 4):
-    for nw in (4, 8, 16):
-        for pers in (False, True):
-            src = rw.apply_all(task.render({"ROWS_PER_PROGRAM": r, "NUM_WARPS": nw, "PERSISTENT": pers}).source,
-                               ["round_once"])
-            m = load(src, f"v{r}_{nw}_{pers}")
-            rows.append((f"template R{r} W{nw} {'persistent' if pers else 'grid'}", t(lambda: m.launch(x, w, q, s))))
-            if not pers:   # the grid's programs through the persistent loop (one trip each)
-                rows.append((f"template R{r} W{nw} grid, through the loop", t(lambda: m.rmsnorm_quant_kernel[
-                    (triton.cdiv(8192, r),)](x, w, q, s, 8192, 8192, 1e-6, R=r, BLOCK_N=8192,
-                                             PERSISTENT=True, num_warps=nw))))
-for label, ms in rows:
-    print(f"{label:45} {ms * 1e3:8.1f} µs  {copy_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s", flush=True)
+        num_warps=nw))(hand_w)
+variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_into(x, w, q, s)
+for nw in (4, 8):
+    for extra in ([], ["rsqrt"], ["int32_offsets"], ["rsqrt", "int32_offsets"], ["stream_stores"],
+                  ["stream_loads"], ["stream_loads", "stream_stores"]):
+        names = ["round_once", *extra]
+        src = rw.apply_all(task.render({"ROWS_PER_PROGRAM": 1, "NUM_WARPS": nw, "PERSISTENT": False}).source, names)
+        if src is None:
+            print(f"W{nw} {names}: a rewrite does not apply", flush=True)
+            continue
+        m = load(src, f"v{nw}_{'_'.join(names)}")
+        variants[f"template R1 W{nw} grid + {', '.join(names)}"] = (lambda m: lambda: m.launch(x, w, q, s))(m)
+times = {k: [] for k in variants}
+for _ in range(3):
+    for k, fn in variants.items():
+        times[k].append(t(fn))
+for label, each in times.items():
+    ms = sorted(each)[1]
+    print(f"{label:60} {ms * 1e3:8.1f} µs  {copy_bytes / (ms * 1e-3) / 1e12:5.2f} TB/s  "
+          f"({', '.join(f'{v * 1e3:.1f}' for v in each)})", flush=True)

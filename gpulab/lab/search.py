@@ -109,12 +109,14 @@ class EvolutionaryProposer(Proposer):
 
     ``mutate`` is any function (genes, space, rng) -> new genes (notebook 09 plugs in the
     learner's); ``rewrites`` the names of the rewrites it may add (default: the safe
-    ones)."""
+    ones); when it touches a child's rewrites, it drops one of them with ``drop_rate``
+    (or when none is left to add) and adds one otherwise."""
     name = "evolution"
 
     def __init__(self, mutate: Callable = mutate, crossover_rate: float = 0.5, rewrite_rate: float = 0.25,
-                 rewrites=rw.SAFE, tournament: int = 3):
+                 rewrites=rw.SAFE, tournament: int = 3, drop_rate: float = 0.3):
         self.mutate = mutate
+        self.drop_rate = drop_rate
         self.crossover_rate = crossover_rate
         self.rewrite_rate = rewrite_rate
         self.rewrites = tuple(rewrites)
@@ -147,7 +149,12 @@ class EvolutionaryProposer(Proposer):
                 base = cand.render(task.seed_source, genes)
                 base = rw.apply_all(base, rewrites) or base
                 options = [r for r in rw.applicable(base, self.rewrites) if r not in rewrites]
-                if options:
+                # a rewrite is a gene too: a lineage can shed one (it may have helped only
+                # at other genes), else it would keep every rewrite it ever took
+                if rewrites and (not options or rng.random() < self.drop_rate):
+                    rewrites.remove(rng.choice(rewrites))
+                    ops.append("drop-rewrite")
+                elif options:
                     rewrites.append(rng.choice(options))
                     ops.append("rewrite")
             child = build(task, genes, rewrites, parents=tuple(parents), operator="+".join(ops),
