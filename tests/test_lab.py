@@ -295,7 +295,10 @@ def test_evolution_can_drop_a_rewrite_as_well_as_add_one():
     shed = search.EvolutionaryProposer(rewrite_rate=1.0, drop_rate=1.0).propose(task, pop, 4, rng)
     assert shed and all(c.rewrites == () and "drop-rewrite" in c.operator for c in shed)
     grown = search.EvolutionaryProposer(rewrite_rate=1.0, drop_rate=0.0).propose(task, pop, 4, rng)
-    assert grown and all(len(c.rewrites) == 2 and c.operator.endswith("+rewrite") for c in grown)
+    assert grown and all(len(c.rewrites) == 2 and c.operator.split("+")[-1] == "rewrite" for c in grown)
+    # half of the children whose rewrites change keep their parent's genes as they are
+    kept = [c for c in shed + grown if c.genes == parent.genes]
+    assert kept and all("mutation" not in c.operator for c in kept)
 
 
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):

@@ -109,8 +109,9 @@ class EvolutionaryProposer(Proposer):
 
     ``mutate`` is any function (genes, space, rng) -> new genes (notebook 09 plugs in the
     learner's); ``rewrites`` the names of the rewrites it may add (default: the safe
-    ones); when it touches a child's rewrites, it drops one of them with ``drop_rate``
-    (or when none is left to add) and adds one otherwise."""
+    ones). A child's rewrites change with ``rewrite_rate`` (half of those children keep
+    their genes as they are): one is dropped with ``drop_rate`` (or when none is left to
+    add), else one is added; every other child has its genes mutated."""
     name = "evolution"
 
     def __init__(self, mutate: Callable = mutate, crossover_rate: float = 0.5, rewrite_rate: float = 0.25,
@@ -143,9 +144,13 @@ class EvolutionaryProposer(Proposer):
                     ops.append("crossover")
                     if rng.random() < 0.5:
                         rewrites = sorted(set(rewrites) | set(b.candidate.rewrites))
-            genes = self.mutate(genes, space, rng)
-            ops.append("mutation")
-            if self.rewrites and rng.random() < self.rewrite_rate:
+            touch_rewrites = bool(self.rewrites) and rng.random() < self.rewrite_rate
+            # one rewrite more or less on a good kernel's own genes is a move of its own:
+            # with the genes always mutated, the best genes would never meet a new rewrite
+            if not touch_rewrites or rng.random() < 0.5:
+                genes = self.mutate(genes, space, rng)
+                ops.append("mutation")
+            if touch_rewrites:
                 base = cand.render(task.seed_source, genes)
                 base = rw.apply_all(base, rewrites) or base
                 options = [r for r in rw.applicable(base, self.rewrites) if r not in rewrites]
