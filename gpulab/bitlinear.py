@@ -553,11 +553,14 @@ X16_REDUCE_BLOCK = 1024
 
 
 def x16_split_k(m: int, n: int, k: int, block_n: int, block_g: int) -> int:
-    """Split-K factor for the int32x16 GEMV: enough programs for about two per SM
-    (runtime.num_sms(); 132 without a GPU), each split at least four BLOCK_G steps long
-    (in the H200 sweep, short splits lost: 4096² ran as fast in one pass as in four)."""
+    """Split-K factor for the int32x16 GEMV: enough programs for about one per SM
+    (runtime.num_sms(); 132 without a GPU), each split at least four BLOCK_G steps long.
+    A split costs a second launch and a workspace on the host: on the H200 (2026-12-02,
+    fourth run) 8192² took 10.2 µs in one pass and 10.0 µs in two replayed in a graph,
+    but 13.7 against 27.5 µs as called; short splits lost outright (4096² ran as fast in
+    one pass as in four)."""
     programs = m * runtime.cdiv(n, block_n)
-    want = runtime.cdiv(2 * runtime.num_sms(), programs)
+    want = runtime.cdiv(runtime.num_sms(), programs)
     most = max(1, runtime.cdiv(k, 16) // (4 * block_g))
     return max(1, min(want, most, X16_MAX_SPLIT))
 

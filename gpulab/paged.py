@@ -453,11 +453,24 @@ def config_list(dtype) -> str:
     return "big" if big_smem() else "small"
 
 
+# The tuning key holds no shape (an engine step must not meet a new key), so one choice
+# would serve every launch. A launch with few programs per SM wants other tiles than a
+# full one: on the H200 the choice made at B64 L4096 (BLOCK_N 32, 64 or 128 from one
+# run to the next: a few percent apart there) took B4 L32768 from 144 µs (32) to 165
+# (64). So each list is tuned twice, once for each regime (launch_regime).
+_DECODE_LISTS = {"small": _DECODE_SMALL, "small_fp32": _DECODE_SMALL_FP32, "big": _DECODE_BIG}
 _decode_tuned = autotuned_variants(
     _decode_partition_kernel,
-    {"small": _DECODE_SMALL, "small_fp32": _DECODE_SMALL_FP32, "big": _DECODE_BIG},
+    {(name, regime): configs for name, configs in _DECODE_LISTS.items() for regime in ("full", "few")},
     lambda bn, w, st: triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st),
     key=["BLOCK_G", "BLOCK_D", "UPCAST", "IEEE"], interp=(32, 4, 1))
+FEW_PROGRAMS_PER_SM = 6
+
+
+def launch_regime(programs: int) -> str:
+    """"few" when a launch has fewer than FEW_PROGRAMS_PER_SM programs per SM (long
+    contexts at small batch, split into partitions), else "full"."""
+    return "few" if programs < FEW_PROGRAMS_PER_SM * runtime.num_sms() else "full"
 
 
 def part_align() -> int:
@@ -568,7 +581,7 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
     upcast = runtime.interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
     # each .stride() is one call into torch: the tuples, sliced, cost a decode call less host time
-    _decode_tuned[config_list(q.dtype)][(B, hkv, splits)](
+    _decode_tuned[config_list(q.dtype), launch_regime(B * hkv * splits)][(B, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], *lse_part.stride()[:3],

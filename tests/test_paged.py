@@ -50,6 +50,16 @@ def test_custom_scale_and_plan():
     assert paged.plan_splits(1024, 8, 4096, num_sms=132)[0] == 1
 
 
+def test_launches_with_few_programs_per_sm_are_tuned_apart(monkeypatch):
+    """The tuning key holds no shape: a long context at small batch (a few programs per SM)
+    gets an autotuner of its own, so a choice made for full launches does not carry over."""
+    monkeypatch.setattr(paged.runtime, "num_sms", lambda: 132)
+    splits, _ = paged.plan_splits(4, 8, 32768, num_sms=132)
+    assert paged.launch_regime(4 * 8 * splits) == "few"
+    assert paged.launch_regime(64 * 8 * paged.plan_splits(64, 8, 4096, num_sms=132)[0]) == "full"
+    assert paged.launch_regime(128 * 8) == "full"
+
+
 # -- the cache: allocator, block tables, FlashInfer view -------------------------------------
 def test_cache_allocate_append_free_and_decode():
     cache = paged.PagedKVCache(num_pages=12, page_size=4, num_kv_heads=2, head_dim=16, device=DEV)
