@@ -88,6 +88,11 @@ def _round_half_away_int(v):
     return tl.where(v < 0, -r, r)
 
 
+@triton.jit
+def _sum_and_max(s0, m0, s1, m1):
+    return s0 + s1, tl.maximum(m0, m1)
+
+
 # Sizes that change from one engine step to the next are not specialised on: Triton would
 # compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
 @triton.jit(do_not_specialize=["n_rows"])
@@ -97,7 +102,11 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
                               FAKE_QUANT: tl.constexpr):
     """One program normalises and quantizes BLOCK_R whole rows held in registers.
     FAKE_QUANT=False: store int8 q and the per-row scale (inference).
-    FAKE_QUANT=True: store the dequantized ŷ = q/scale in x's dtype and rstd (training)."""
+    FAKE_QUANT=True: store the dequantized ŷ = q/scale in x's dtype and rstd (training).
+
+    max|y| = rstd · max|x·w| (rstd > 0), so Σx² and max|x·w| come from one reduction
+    over the row (two values per step) instead of two in a row, the second waiting for
+    the first; and y·scale = (x·w)·(rstd·scale) is one multiply per element."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
@@ -105,11 +114,11 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)   # masked lanes add 0
-    y = x * rstd[:, None] * w[None, :]
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-5)
-    scale = 127.0 / amax
-    q = tl.minimum(tl.maximum(_round_half_away_int(y * scale[:, None]), -128), 127)
+    xw = x * w[None, :]
+    sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, _sum_and_max)   # masked lanes give 0
+    rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+    scale = 127.0 / tl.maximum(max_xw * rstd, 1e-5)
+    q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)[:, None]), -128), 127)
     if FAKE_QUANT:
         yhat = q.to(tl.float32) / scale[:, None]
         tl.store(yhat_ptr + rows64[:, None] * stride_y + cols[None, :],

@@ -428,8 +428,13 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
         f"y = tl.exp2({rewrites.LOG2E} * (a - tl.max(b)))"
     assert rewrites.REWRITES["exp2"]("y = tl.exp2(a)") is None
     assert set(rewrites.UNSAFE) == {"fixed_block", "drop_store_mask", "drop_load_other"}
-    # the hand-written rmsnorm_quant's rounding is within the search's reach
-    assert "round_once" in rewrites.applicable(get_task("rmsnorm_quant").seed_source, rewrites.SAFE)
+    # the hand-written rmsnorm_quant's rounding and its one reduction are within the search's
+    # reach, together too
+    task = get_task("rmsnorm_quant")
+    assert {"round_once", "one_reduction"} <= set(rewrites.applicable(task.seed_source, rewrites.SAFE))
+    both = rewrites.apply_all(task.seed_source, ["rsqrt", "one_reduction", "round_once"])
+    assert "tl.reduce((x * x, tl.abs(xw)), 1, sum_and_max)" in both and "tl.rsqrt(sum_sq" in both
+    gpulab.check(task.spec, inprocess.load(both).launch, **_few(task))
     # cache hints only on the data that moves with the row: the weight row stays in L2
     streamed = rewrites.REWRITES["stream_loads"](get_task("rmsnorm_quant").seed_source)
     assert 'tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")' in streamed

@@ -2,7 +2,9 @@
 """Why the lab's rmsnorm_quant template trails the hand-written kernel on a GPU: time the
 package kernel at 4 and 8 warps and the template (one row per program, a grid) at 4 and
 8 warps under each subset of the rewrites that might matter, all on the lab's bench
-tensors (8192 x 8192 bf16), in three interleaved rounds (median reported).
+tensors (8192 x 8192 bf16), in three interleaved rounds (median reported). The template
+with ``round_once`` alone is the package kernel before its one reduction (two in a row):
+the A/B of that change.
 
     python tools/lab_rmsnorm_probe.py
 """
@@ -52,8 +54,9 @@ for hand_w in (4, 8):
         num_warps=nw))(hand_w)
 variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_into(x, w, q, s)
 for nw in (4, 8):
-    for extra in ([], ["rsqrt"], ["int32_offsets"], ["rsqrt", "int32_offsets"], ["stream_stores"],
-                  ["stream_loads"], ["stream_loads", "stream_stores"]):
+    for extra in ([], ["rsqrt"], ["int32_offsets"], ["stream_loads"], ["stream_loads", "stream_stores"],
+                  ["one_reduction"], ["one_reduction", "stream_loads"],
+                  ["one_reduction", "stream_loads", "stream_stores"]):
         names = ["round_once", *extra]
         src = rw.apply_all(task.render({"ROWS_PER_PROGRAM": 1, "NUM_WARPS": nw, "PERSISTENT": False}).source, names)
         if src is None:
