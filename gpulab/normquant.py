@@ -99,14 +99,16 @@ def _sum_and_max(s0, m0, s1, m1):
 def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
                               n_rows, n_cols, stride_x, stride_q, stride_y, eps,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                              FAKE_QUANT: tl.constexpr):
+                              FAKE_QUANT: tl.constexpr, ONE_REDUCTION: tl.constexpr):
     """One program normalises and quantizes BLOCK_R whole rows held in registers.
     FAKE_QUANT=False: store int8 q and the per-row scale (inference).
     FAKE_QUANT=True: store the dequantized ŷ = q/scale in x's dtype and rstd (training).
 
-    max|y| = rstd · max|x·w| (rstd > 0), so Σx² and max|x·w| come from one reduction
-    over the row (two values per step) instead of two in a row, the second waiting for
-    the first; and y·scale = (x·w)·(rstd·scale) is one multiply per element."""
+    max|y| = rstd · max|x·w| (rstd > 0), so Σx² and max|x·w| need not wait for each
+    other: compiled, one reduction carries both (two values per step) instead of two in
+    a row; y·scale = (x·w)·(rstd·scale) is one multiply per element. The interpreter
+    runs a reduction with a combine function of our own element by element in Python,
+    so there (ONE_REDUCTION=False) the two are tl.sum and tl.max, still independent."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
@@ -115,7 +117,10 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     xw = x * w[None, :]
-    sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, _sum_and_max)   # masked lanes give 0
+    if ONE_REDUCTION:                                                     # masked lanes give 0
+        sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, _sum_and_max)
+    else:
+        sum_sq, max_xw = tl.sum(x * x, axis=1), tl.max(tl.abs(xw), axis=1)
     rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
     scale = 127.0 / tl.maximum(max_xw * rstd, 1e-5)
     q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)[:, None]), -128), 127)
@@ -196,7 +201,8 @@ def rmsnorm_quant_into(x, weight, x_q, scale, eps: float = 1e-6):
     block_r, block_n = _blocks(n_rows, n_cols)
     _fwd_launch((runtime.cdiv(n_rows, block_r),),
         x, weight, x_q, scale, x, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), 0, eps,
-        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, num_warps=_warps(block_r, block_n))
+        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, ONE_REDUCTION=not runtime.interpreting(),
+        num_warps=_warps(block_r, block_n))
 
 
 def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
@@ -205,7 +211,8 @@ def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):
     block_r, block_n = _blocks(n_rows, n_cols)
     _fwd_launch((runtime.cdiv(n_rows, block_r),),
         x, weight, x, rstd, y, rstd, n_rows, n_cols, x.stride(0), 0, y.stride(0), eps,
-        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, num_warps=_warps(block_r, block_n))
+        BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=True, ONE_REDUCTION=not runtime.interpreting(),
+        num_warps=_warps(block_r, block_n))
 
 
 def _bwd_programs(n_rows: int, block_r: int) -> int:

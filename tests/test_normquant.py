@@ -46,6 +46,33 @@ def test_rmsnorm_quant_matches_unfused_chain(device, dtype):
         assert int(q.abs().max()) == 127                  # each row's absmax maps to ±127
 
 
+@pytest.mark.parametrize("fake_quant", [False, True])
+def test_one_reduction_and_its_interpreter_twin_agree(device, fake_quant):
+    """Compiled, Σx² and max|x·w| come from one reduction with a combine function of our
+    own; the interpreter (which runs such a reduction element by element) takes tl.sum and
+    tl.max. Both paths, on a shape small enough for the interpreter's slow one, with a
+    partial block of rows and of columns."""
+    x = torch.randn(5, 40, device=device) * 3
+    w = torch.rand(40, device=device) + 0.5
+    got = []
+    for one in (True, False):
+        a, b = torch.full((5, 40), 99, device=device, dtype=torch.int8), torch.zeros(5, device=device)
+        y = torch.zeros(5, 40, device=device)
+        nq.rmsnorm_quant_fwd_kernel[(2,)](
+            x, w, a, b, y, b, 5, 40, x.stride(0), a.stride(0), y.stride(0), 1e-6, BLOCK_R=4, BLOCK_N=64,
+            FAKE_QUANT=fake_quant, ONE_REDUCTION=one)
+        got.append(y if fake_quant else a)
+        got.append(b)
+    q_ref, s_ref = nq.rmsnorm_quant_ref(x, w)
+    if fake_quant:
+        torch.testing.assert_close(got[0], got[2], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[0], nq.rmsnorm_fakequant_ref(x, w), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got[0], got[2]) and int((got[0].int() - q_ref.int()).abs().max()) <= 1
+        torch.testing.assert_close(got[1], s_ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[1], got[3], rtol=1e-6, atol=0)
+
+
 def test_zero_row_and_empty_batch(device):
     x = torch.zeros(3, 10, device=device)
     q, s = nq.rmsnorm_quant(x, torch.ones(10, device=device))
@@ -275,8 +302,10 @@ from triton.compiler import ASTSource
 from gpulab import normquant
 sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "yhat_ptr": "*bf16",
        "rstd_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_x": "i32", "stride_q": "i32",
-       "stride_y": "i32", "eps": "fp32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr", "FAKE_QUANT": "constexpr"}
-src = ASTSource(normquant.rmsnorm_quant_fwd_kernel, sig, constexprs={"BLOCK_R": 1, "BLOCK_N": 4096, "FAKE_QUANT": False})
+       "stride_y": "i32", "eps": "fp32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr", "FAKE_QUANT": "constexpr",
+       "ONE_REDUCTION": "constexpr"}
+src = ASTSource(normquant.rmsnorm_quant_fwd_kernel, sig,
+                constexprs={"BLOCK_R": 1, "BLOCK_N": 4096, "FAKE_QUANT": False, "ONE_REDUCTION": True})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
 print(len(re.findall(r"cvt\.rzi\.s32\.f32", ptx)), len(re.findall(r"cvt\.rm[i]|cvt\.rp[i]", ptx)))
 '''

@@ -3,8 +3,9 @@
 package kernel at 4 and 8 warps and the template (one row per program, a grid) at 4 and
 8 warps under each subset of the rewrites that might matter, all on the lab's bench
 tensors (8192 x 8192 bf16), in three interleaved rounds (median reported). The template
-with ``round_once`` alone is the package kernel before its one reduction (two in a row):
-the A/B of that change.
+with ``round_once`` alone is the package kernel before its one reduction (two in a row),
+and the package kernel with ``ONE_REDUCTION=False`` its two independent reductions: the
+A/B of that change.
 
     python tools/lab_rmsnorm_probe.py
 """
@@ -49,9 +50,11 @@ def t(fn):
 
 variants = {}
 for hand_w in (4, 8):
-    variants[f"hand-written kernel R1 W{hand_w}"] = (lambda nw: lambda: normquant.rmsnorm_quant_fwd_kernel[(8192,)](
-        x, w, q, s, x, s, 8192, 8192, 8192, 8192, 0, 1e-6, BLOCK_R=1, BLOCK_N=8192, FAKE_QUANT=False,
-        num_warps=nw))(hand_w)
+    for one in (True, False):
+        variants[f"hand-written kernel R1 W{hand_w}{'' if one else ', tl.sum and tl.max'}"] = (
+            lambda nw, one: lambda: normquant.rmsnorm_quant_fwd_kernel[(8192,)](
+                x, w, q, s, x, s, 8192, 8192, 8192, 8192, 0, 1e-6, BLOCK_R=1, BLOCK_N=8192, FAKE_QUANT=False,
+                ONE_REDUCTION=one, num_warps=nw))(hand_w, one)
 variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_into(x, w, q, s)
 for nw in (4, 8):
     for extra in ([], ["rsqrt"], ["int32_offsets"], ["stream_loads"], ["stream_loads", "stream_stores"],
