@@ -375,11 +375,10 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     process-isolated :class:`Evaluator`); ``archive`` (path or :class:`Archive`) receives
     every verified kernel and seeds the first population with the best it holds.
 
-    ``finalists`` (default: 3 when fitness is measured time and only the budget bounds
-    the search; none under the cost model or with ``max_evals``)
-    best kernels of the last population are verified and timed ``rounds`` more times
-    each, in turns, and the lowest median time wins: the best single timing among many
-    is biased low by noise. The evolution stops early enough to leave them time (as
+    The ``finalists`` best kernels of the last population (default: 3 when fitness is
+    measured time and only the budget bounds the search; none under the cost model or
+    with ``max_evals``) are verified and timed ``rounds`` more times each, in turns, and
+    the lowest median time wins: the best single timing among many is biased low by noise. The evolution stops early enough to leave them time (as
     many evaluations' worth as it takes on average); a finalist rejected in any round
     drops out (a kernel must pass every time)."""
     task = get_task(task) if isinstance(task, str) else task
@@ -403,7 +402,6 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     fitness_kind = "gpu-time" if runtime.mode() == "compiled" else "cost-model"
     if finalists is None:
         finalists = 3 if fitness_kind == "gpu-time" and max_evals is None else 0
-    n_final = finalists
     t0 = time.monotonic()
     seen: dict[str, Scored] = {}
     evaluated: list[Scored] = []
@@ -413,9 +411,9 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
 
     def evolution_budget() -> float:
         """The budget less the finalists' share, at the average wall time of an evaluation so far."""
-        if n_final < 2 or not evaluated:
+        if finalists < 2 or not evaluated:
             return budget
-        return max(0.0, budget - (time.monotonic() - t0) / len(evaluated) * n_final * rounds)
+        return max(0.0, budget - (time.monotonic() - t0) / len(evaluated) * finalists * rounds)
 
     def out_of_budget() -> bool:
         return (time.monotonic() - t0 > evolution_budget()
@@ -483,8 +481,8 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         pop = sorted(pool.values(), key=lambda s: s.fitness)[:population]
         history.append(_stats(generation, evaluated, pop))
     best, finals = pop[0], []
-    if n_final >= 2 and len(pop) >= 2:
-        best, finals = _final_round(pop[:n_final], rounds, verify_many)
+    if finalists >= 2 and len(pop) >= 2:
+        best, finals = _final_round(pop[:finalists], rounds, verify_many)
         if best is None:      # every finalist failed a re-run: the next best of the population, else the seed
             dropped = {f["candidate"] for f in finals}
             best = next((s for s in pop if s.candidate.id not in dropped), seed_scored)
