@@ -186,9 +186,15 @@ def num_sms() -> int:
     """Streaming multiprocessors of the current GPU (132 on an H100/H200 when there is
     none, so compile-only runs pick the same launch configurations as the H200)."""
     if _cuda_available():
-        import torch
-        return torch.cuda.get_device_properties(0).multi_processor_count
+        return _sm_count(0)
     return 132
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    # cached: decode launchers ask on every call, and torch reads the properties each time
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def autotuning() -> bool:

@@ -431,8 +431,9 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
     # the hand-written rmsnorm_quant's rounding and its one reduction are within the search's
     # reach, together too
     task = get_task("rmsnorm_quant")
-    assert {"round_once", "one_reduction"} <= set(rewrites.applicable(task.seed_source, rewrites.SAFE))
-    both = rewrites.apply_all(task.seed_source, ["rsqrt", "one_reduction", "round_once"])
+    safe = rewrites.applicable(task.seed_source, rewrites.SAFE)
+    assert {"round_once", "absmax_beside_norm"} <= set(safe)
+    both = rewrites.apply_all(task.seed_source, ["rsqrt", "absmax_beside_norm", "round_once"])
     assert "tl.max(tl.abs(xw), axis=1)" in both and "tl.rsqrt(sum_sq" in both
     gpulab.check(task.spec, inprocess.load(both).launch, **_few(task))
     # cache hints only on the data that moves with the row: the weight row stays in L2

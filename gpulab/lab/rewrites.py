@@ -132,11 +132,14 @@ def _round_once(src: str) -> str | None:
 
 
 _NORM_THEN_ABSMAX = re.compile(
-    r"(?P<ind>[ \t]*)rstd = (?P<inv>1\.0 / tl\.sqrt|tl\.rsqrt)\(tl\.sum\((?P<x>\w+) \* (?P=x), axis=1\) / n_cols \+ eps\)\n"
+    r"(?P<ind>[ \t]*)rstd = (?P<inv>1\.0 / tl\.sqrt|tl\.rsqrt)"
+    r"\(tl\.sum\((?P<x>\w+) \* (?P=x), axis=1\) / n_cols \+ eps\)\n"
     r"(?P=ind)(?P<y>\w+) = (?P=x) \* rstd\[:, None\] \* (?P<w>\w+)\[None, :\]\n"
     r"(?P=ind)scale = 127\.0 / tl\.maximum\(tl\.max\(tl\.abs\((?P=y)\), axis=1\), 1e-5\)\n"
     r"(?P=ind)(?P<v>\w+) = (?P=y) \* scale\[:, None\]")
-def _one_reduction(src: str) -> str | None:
+
+
+def _absmax_beside_norm(src: str) -> str | None:
     # max|x·rstd·w| = rstd·max|x·w|: the absmax need not wait for the norm, so the two
     # reductions are independent (the package's rmsnorm_quant goes further, compiled:
     # one reduction carrying both; the interpreter would run that one element by element)
@@ -175,8 +178,8 @@ REWRITES: dict[str, Rewrite] = {r.name: r for r in [
             'caches', _streamed("tl.store(", 'cache_modifier=".cs"', "cache_modifier")),
     Rewrite("round_once", "round half away from zero with one float-to-int conversion (|v| + 0.5, "
             "truncated, sign restored) instead of floor, ceil and a select", _round_once),
-    Rewrite("one_reduction", "RMSNorm then absmax: Σx² and max|x·w| side by side (max|y| = rstd·max|x·w|) "
-            "instead of the absmax waiting for the norm", _one_reduction),
+    Rewrite("absmax_beside_norm", "RMSNorm then absmax: Σx² and max|x·w| side by side (max|y| = "
+            "rstd·max|x·w|) instead of the absmax waiting for the norm", _absmax_beside_norm),
     Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
             _int32_offsets),
     Rewrite("fixed_block", "a block of 256 columns instead of the row length: no recompilation per width "

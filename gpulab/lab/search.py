@@ -378,9 +378,10 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     The ``finalists`` best kernels of the last population (default: 3 when fitness is
     measured time and only the budget bounds the search; none under the cost model or
     with ``max_evals``) are verified and timed ``rounds`` more times each, in turns, and
-    the lowest median time wins: the best single timing among many is biased low by noise. The evolution stops early enough to leave them time (as
-    many evaluations' worth as it takes on average); a finalist rejected in any round
-    drops out (a kernel must pass every time)."""
+    the lowest median time wins: the best single timing among many is biased low by
+    noise. The evolution stops early enough to leave them time (as many evaluations'
+    worth as it takes on average); a finalist rejected in any round drops out (a kernel
+    must pass every time)."""
     task = get_task(task) if isinstance(task, str) else task
     budget = parse_budget(budget_s)
     rng = random.Random(seed)
