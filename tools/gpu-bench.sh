@@ -14,7 +14,8 @@
 #   lab-planted (the planted kernels, saved batch by batch,
 #   LAB_TIMEOUT=90 s each), lab-search (LAB_TASKS=rmsnorm_quant
 #   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel; LAB_RESUME=DIR continues
-#   the searches of an earlier lab-search output).
+#   the searches of an earlier lab-search output; LAB_PARALLEL=N candidates checked at once, default 4:
+#   checking, mostly compiling, is what bounds a search's candidates, the timing never overlaps).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT RPT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
@@ -52,7 +53,8 @@ for job in "${@:-engine attention speculative}"; do
       lab-planted) run lab-planted "${LT:-300}" python3 tools/lab-bench.py "$b/lab-planted" --tasks "" --no-suite \
                        --planted-timeout "${LAB_TIMEOUT:-90}" ;;
       lab-search) run lab-search "${LT:-420}" python3 tools/lab-bench.py "$b/lab-search" \
-                    --tasks "${LAB_TASKS:-rmsnorm_quant}" --budget "${LAB_BUDGET:-300}" --no-suite --no-planted ${LAB_RESUME:+--resume "$LAB_RESUME"} ;;
+                    --tasks "${LAB_TASKS:-rmsnorm_quant}" --budget "${LAB_BUDGET:-300}" --no-suite --no-planted ${LAB_RESUME:+--resume "$LAB_RESUME"} \
+                    ${LAB_PARALLEL:+--parallel "$LAB_PARALLEL"} ;;
       piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;
       scan) run scan "${SCT:-180}" python3 tools/mlgru_scan_bench.py "$b/scan" ;;
       rmsnorm-probe) run rmsnorm-probe "${RPT:-150}" python3 tools/lab_rmsnorm_probe.py ;;
