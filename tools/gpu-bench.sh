@@ -14,8 +14,8 @@
 #   lab-planted (the planted kernels, saved batch by batch,
 #   LAB_TIMEOUT=90 s each), lab-search (LAB_TASKS=rmsnorm_quant
 #   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel; LAB_RESUME=DIR continues
-#   the searches of an earlier lab-search output; LAB_PARALLEL=N candidates checked at once, default 4:
-#   checking, mostly compiling, is what bounds a search's candidates, the timing never overlaps).
+#   the searches of an earlier lab-search output; LAB_PARALLEL=N candidates checked at once (default 4;
+#   their timings never overlap, so more at once only needs the host's cores and memory)).
 #   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT RPT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
