@@ -301,6 +301,30 @@ def test_evolution_can_drop_a_rewrite_as_well_as_add_one():
     assert kept and all("mutation" not in c.operator for c in kept)
 
 
+def test_neighbours_of_the_best_are_each_one_change_away_and_proposed_once():
+    """Every neighbour of the best kernel differs in one gene by one step, or in one
+    rewrite; over generations each is proposed once, then none is left."""
+    task = get_task("rmsnorm_quant")
+    best = search.build(task, {"ROWS_PER_PROGRAM": 2, "NUM_WARPS": 4, "PERSISTENT": False},
+                        ["int32_offsets", "round_once"])
+    pop = [search.Scored(best, Verdict(task.name, best.id, "correct", "correct", "", cost_ms=1.0))]
+    proposer, rng, seen = search.NeighbourProposer(), random.Random(0), []
+    while kids := proposer.propose(task, pop, 4, rng):
+        seen += kids
+    assert len({c.id for c in seen}) == len(seen)
+    changes = set()
+    for c in seen:
+        genes = {k for k in best.genes if c.genes[k] != best.genes[k]}
+        rws = set(c.rewrites) ^ set(best.rewrites)
+        assert len(genes) + len(rws) == 1, (c.genes, c.rewrites)
+        changes |= {(g, c.genes[g]) for g in genes} | rws
+    space = task.gene_space
+    assert {("ROWS_PER_PROGRAM", 1), ("ROWS_PER_PROGRAM", 4), ("NUM_WARPS", 2), ("NUM_WARPS", 8),
+            ("PERSISTENT", True)} <= changes
+    assert {"int32_offsets", "round_once", "stream_loads", "absmax_beside_norm"} <= changes
+    assert all(v in space[g] for g, v in (x for x in changes if isinstance(x, tuple)))
+
+
 def test_parallel_evaluation_isolates_each_candidate(tmp_path):
     names = ["correct", "hang", "cached-output", "crash"]
     with Evaluator(cases=SOFTMAX_CASES[:1], dtypes=[torch.float32], repeats=2, timeout_s=3, parallel=2,

@@ -4,9 +4,10 @@ The loop is a plain (μ + λ) evolution strategy:
 
 1. the first population is the task's seed, the best kernels the archive holds for the
    task (earlier searches), and random points of the template's gene space;
-2. each generation, the proposers make λ children: genes crossed between two parents
-   picked by tournament, then mutated; now and then a code-level rewrite
-   (:mod:`gpulab.lab.rewrites`) on top;
+2. each generation, the proposers make λ children: first a few untried neighbours of
+   the best kernel (one gene a step away, or one rewrite toggled), then genes crossed
+   between two parents picked by tournament and mutated, now and then with a code-level
+   rewrite (:mod:`gpulab.lab.rewrites`) added or dropped;
 3. every child goes through the verifier (by default the process-isolated
    :class:`~gpulab.lab.evaluate.Evaluator`); only correct children get a fitness:
    measured time on a GPU, the stated cost model on a CPU;
@@ -167,6 +168,46 @@ class EvolutionaryProposer(Proposer):
             if child is not None:
                 out.append(child)
         return out
+
+
+class NeighbourProposer(Proposer):
+    """The best kernel's untried neighbours: each gene one step either way (another
+    value for a gene that is not a number) and each safe rewrite toggled, in random
+    order, a few per generation. Evolution moves a lineage one change at a time, and a
+    lineage that carries a rewrite that hurts at its genes may never be picked again to
+    shed it; the neighbours of the best are where a small gain is most likely."""
+    name = "neighbours"
+
+    def __init__(self, rewrites=rw.SAFE):
+        self.rewrites = tuple(rewrites)
+        self.proposed: set[str] = set()
+
+    def neighbours(self, task: Task, best: cand.Candidate, rng: random.Random) -> list[cand.Candidate]:
+        out, genes, have = [], dict(best.genes), list(best.rewrites)
+        for name, values in task.gene_space.items():
+            i = values.index(genes[name]) if genes[name] in values else -1
+            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            steps = [j for j in ((i - 1, i + 1) if numeric and i >= 0 else range(len(values)))
+                     if 0 <= j < len(values) and j != i]
+            out += [build(task, {**genes, name: values[j]}, have, parents=(best.id,), operator="neighbour",
+                          proposer=self.name) for j in steps]
+        base = rw.apply_all(cand.render(task.seed_source, genes), have)
+        for r in self.rewrites:
+            if r in have:
+                toggled = [x for x in have if x != r]
+            elif base is not None and rw.REWRITES[r](base) is not None:
+                toggled = have + [r]
+            else:
+                continue
+            out.append(build(task, genes, toggled, parents=(best.id,), operator="neighbour", proposer=self.name))
+        out = [c for c in out if c is not None and c.id not in self.proposed]
+        rng.shuffle(out)
+        return out
+
+    def propose(self, task, population, n, rng):
+        kids = self.neighbours(task, population[0].candidate, rng)[:n]
+        self.proposed.update(c.id for c in kids)
+        return kids
 
 
 class RandomProposer(Proposer):
@@ -398,7 +439,7 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         def verify_many(cs, stop_after_s=None):
             return [verifier(task, c) for c in cs]
     archive = Archive(archive) if isinstance(archive, (str, Path)) else archive
-    proposers = proposers or [EvolutionaryProposer()]
+    proposers = proposers or [NeighbourProposer(), EvolutionaryProposer()]
     offspring = offspring or population
     fitness_kind = "gpu-time" if runtime.mode() == "compiled" else "cost-model"
     if finalists is None:
@@ -468,8 +509,9 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     while not out_of_budget() and stalled < 3:
         generation += 1
         kids: list[cand.Candidate] = []
-        for p in proposers:
-            kids += p.propose(task, pop, max(1, offspring // len(proposers)), rng)
+        for i, p in enumerate(proposers):     # each its share; the last fills what is left
+            share = offspring - len(kids) if i == len(proposers) - 1 else offspring // len(proposers)
+            kids += p.propose(task, pop, max(1, share), rng)
         fresh = [k for k in kids if k is not None and k.id not in seen]
         if not fresh:                     # the population has converged: restart part of it at random
             fresh = [build(task, cand.random_genes(task.gene_space, rng), operator="random", proposer="random")
