@@ -49,6 +49,11 @@ from .tasks import Task, get_task
 
 
 # -- mutation and crossover -------------------------------------------------------------------
+def _numeric(values) -> bool:
+    """A gene whose values are numbers (not booleans): it moves a step at a time."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
 def mutate(genes: dict, space: dict, rng: random.Random) -> dict:
     """Change one gene, sometimes two: numeric genes step to a neighbouring value
     (occasionally jump anywhere), others take another allowed value. Returns a new dict."""
@@ -59,8 +64,7 @@ def mutate(genes: dict, space: dict, rng: random.Random) -> dict:
     for name in rng.sample(names, k=min(len(names), 1 if rng.random() < 0.7 else 2)):
         values = space[name]
         i = values.index(child[name]) if child[name] in values else rng.randrange(len(values))
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        if numeric and rng.random() < 0.8:
+        if _numeric(values) and rng.random() < 0.8:
             j = i + rng.choice((-1, 1))
             j = min(max(j, 0), len(values) - 1)
             if j == i:
@@ -186,8 +190,7 @@ class NeighbourProposer(Proposer):
         out, genes, have = [], dict(best.genes), list(best.rewrites)
         for name, values in task.gene_space.items():
             i = values.index(genes[name]) if genes[name] in values else -1
-            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-            steps = [j for j in ((i - 1, i + 1) if numeric and i >= 0 else range(len(values)))
+            steps = [j for j in ((i - 1, i + 1) if _numeric(values) and i >= 0 else range(len(values)))
                      if 0 <= j < len(values) and j != i]
             out += [build(task, {**genes, name: values[j]}, have, parents=(best.id,), operator="neighbour",
                           proposer=self.name) for j in steps]
