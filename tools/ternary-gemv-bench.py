@@ -152,6 +152,10 @@ def bench_shape(m, n, k, quick, graph):
             lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out))
         add("ternary_mm_x16_into (int32x16 tensor cores)", "int32x16",
             lambda: bl.ternary_mm_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out))
+        # the first as-called row autotunes the tensor-core kernel; timed again once tuned
+        # (M=16 on 2026-12-02: 49.2 us as called against 31.2 us for its launcher)
+        add("ternary_matmul as called (uint8x4), again once tuned", "uint8x4",
+            lambda: bl.ternary_matmul(p["x_q"], p["x_s"], p["w8"], p["w_s"]))
     if not quick:
         for cfg in CONFIGS:
             for split in SPLITS:
