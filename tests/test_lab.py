@@ -460,6 +460,14 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
     both = rewrites.apply_all(task.seed_source, ["rsqrt", "absmax_beside_norm", "round_once"])
     assert "tl.max(tl.abs(xw), axis=1)" in both and "tl.rsqrt(sum_sq" in both
     gpulab.check(task.spec, inprocess.load(both).launch, **_few(task))
+    # then one reduction carrying both: the interpreter keeps tl.sum and tl.max (its generic
+    # reduce runs element by element), compiled takes tl.reduce; both paths checked here
+    one = rewrites.apply_all(task.seed_source, ["absmax_beside_norm", "one_reduction"])
+    assert rewrites.REWRITES["one_reduction"](task.seed_source) is None
+    assert "tl.reduce((x * x, tl.abs(xw)), 1, sum_and_max)" in one
+    for forced in ("not runtime.interpreting()", "True"):
+        src = one.replace("tl.constexpr(not runtime.interpreting())", f"tl.constexpr({forced})")
+        gpulab.check(task.spec, inprocess.load(src).launch, **_few(task))
     # cache hints only on the data that moves with the row: the weight row stays in L2
     streamed = rewrites.REWRITES["stream_loads"](get_task("rmsnorm_quant").seed_source)
     assert 'tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")' in streamed

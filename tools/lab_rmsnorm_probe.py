@@ -59,7 +59,8 @@ variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_int
 for nw in (4, 8):
     for extra in ([], ["rsqrt"], ["int32_offsets"], ["stream_loads"], ["stream_loads", "stream_stores"],
                   ["absmax_beside_norm"], ["absmax_beside_norm", "stream_loads"],
-                  ["absmax_beside_norm", "stream_loads", "stream_stores"]):
+                  ["absmax_beside_norm", "stream_loads", "stream_stores"], ["absmax_beside_norm", "one_reduction"],
+                  ["absmax_beside_norm", "one_reduction", "stream_loads"]):
         names = ["round_once", *extra]
         src = rw.apply_all(task.render({"ROWS_PER_PROGRAM": 1, "NUM_WARPS": nw, "PERSISTENT": False}).source, names)
         if src is None:

@@ -154,6 +154,39 @@ def _absmax_beside_norm(src: str) -> str | None:
     return out if n else None
 
 
+_SIDE_BY_SIDE = re.compile(
+    r"(?P<ind>[ \t]*)(?P<a>\w+), (?P<b>\w+) = tl\.sum\((?P<s>[^()]+), axis=1\), "
+    r"tl\.max\((?P<m>tl\.abs\(\w+\)), axis=1\)\n")
+
+# put before the kernels: a reduction with a combine function of its own runs element by
+# element in Triton's interpreter (minutes for one big row), so there tl.sum and tl.max stay
+_COMBINE = """# compiled, one reduction carries both sums; the interpreter would run it element by element
+ONE_REDUCTION = tl.constexpr(not runtime.interpreting())
+
+
+@triton.jit
+def sum_and_max(s0, m0, s1, m1):
+    return s0 + s1, tl.maximum(m0, m1)
+
+
+"""
+
+
+def _one_reduction(src: str) -> str | None:
+    # a sum and a max over the same rows, side by side: one tl.reduce carries both (two
+    # values per step), one pass and one set of barriers instead of two
+    m = _SIDE_BY_SIDE.search(src)
+    if not m or "from gpulab import runtime" not in src or "@triton.jit" not in src:
+        return None
+    ind, a, b = m["ind"], m["a"], m["b"]
+    both = (f"{ind}if ONE_REDUCTION:\n"
+            f"{ind}    {a}, {b} = tl.reduce(({m['s']}, {m['m']}), 1, sum_and_max)\n"
+            f"{ind}else:\n{ind}    {m.group(0)[len(ind):]}")
+    src = src[:m.start()] + both + src[m.end():]
+    first = src.index("@triton.jit")
+    return src[:first].rstrip("\n") + "\n\n\n" + _COMBINE + src[first:]
+
+
 def _drop_store_mask(src: str) -> str | None:
     if "tl.store(" not in src:
         return None
@@ -180,6 +213,8 @@ REWRITES: dict[str, Rewrite] = {r.name: r for r in [
             "truncated, sign restored) instead of floor, ceil and a select", _round_once),
     Rewrite("absmax_beside_norm", "RMSNorm then absmax: Σx² and max|x·w| side by side (max|y| = "
             "rstd·max|x·w|) instead of the absmax waiting for the norm", _absmax_beside_norm),
+    Rewrite("one_reduction", "a sum and a max over the same rows, side by side, as one reduction "
+            "carrying both (tl.reduce with a two-value combine; compiled only)", _one_reduction),
     Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
             _int32_offsets),
     Rewrite("fixed_block", "a block of 256 columns instead of the row length: no recompilation per width "
