@@ -537,8 +537,8 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
                          f"use ternary_matmul, which switches to the tensor-core kernel")
     n, q = w_packed.shape
     grid = lambda meta: (m, runtime.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-    _ternary_gemv[grid](x_q, x_scale, w_packed, w_scale, y, n, k, q,
-                        x_q.stride(0), w_packed.stride(0), y.stride(0))
+    runtime.launch_tuned(_ternary_gemv, grid, (n, k, y.dtype), x_q, x_scale, w_packed, w_scale, y, n, k, q,
+                         x_q.stride(0), w_packed.stride(0), y.stride(0))
 
 
 # The int32x16 GEMV's launch configuration, from the sweep of tools/ternary-gemv-bench.py on
@@ -618,9 +618,10 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
     m, k = x_q.shape
     n, q = w_packed.shape
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _ternary_mm_tuned[grid](x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
-                            x_q.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
-                            DOT_INT8=_int8_dot())
+    bucket = _m_bucket(m)
+    runtime.launch_tuned(_ternary_mm_tuned, grid, (bucket, n, k, y.dtype),
+                         x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
+                         x_q.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
 
 
 UNPACK_BLOCK_N, UNPACK_BLOCK_Q = 32, 128
@@ -645,8 +646,9 @@ def ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y):
     w_int8 = torch.empty((n, k), dtype=torch.int8, device=x_q.device)
     unpack_ternary_int8_into(w_packed, w_int8)
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _int8_mm_tuned[grid](x_q, x_scale, w_int8, w_scale, y, m, n, k,
-                         x_q.stride(0), w_int8.stride(0), y.stride(0), _m_bucket(m), DOT_INT8=_int8_dot())
+    bucket = _m_bucket(m)
+    runtime.launch_tuned(_int8_mm_tuned, grid, (bucket, n, k, y.dtype), x_q, x_scale, w_int8, w_scale, y,
+                         m, n, k, x_q.stride(0), w_int8.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
 
 
 def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
@@ -655,9 +657,10 @@ def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
     n, g = w_packed.shape
     xw = int8_rows_as_words(x_q)
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _ternary_mm_x16_tuned[grid](xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
-                                xw.stride(0), w_packed.stride(0), y.stride(0), _m_bucket(m),
-                                DOT_INT8=_int8_dot())
+    bucket = _m_bucket(m)
+    runtime.launch_tuned(_ternary_mm_x16_tuned, grid, (bucket, n, g, y.dtype),
+                         xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
+                         xw.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
 
 
 def _int8_dot() -> bool:

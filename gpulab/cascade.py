@@ -208,13 +208,15 @@ def prefix_partials_into(q, k_cache, v_cache, prefix_pages, prefix_len, o_part, 
         return
     n_rows = B * group
     grid = lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]), hkv, splits)  # noqa: E731
-    _prefix_tuned[config_list(q.dtype)][grid](
+    block_d = max(16, runtime.next_power_of_2(d))
+    upcast, ieee = runtime.interpreting() and q.dtype == torch.bfloat16, q.dtype == torch.float32
+    runtime.launch_tuned(
+        _prefix_tuned[config_list(q.dtype)], grid, (q.dtype, o_part.dtype, group, block_d, upcast, ieee),
         q, k_cache, v_cache, prefix_pages, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],   # tuples: fewer calls into torch
         *o_part.stride()[:3], *lse_part.stride()[:3],
         n_rows, prefix_len, part_len, d, k_cache.shape[0], PAGE_SIZE=k_cache.shape[1],
-        GROUP=group, BLOCK_D=max(16, runtime.next_power_of_2(d)),
-        UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
+        GROUP=group, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
 
 
 def merge_state_into(o_a, lse_a, o_b, lse_b, o, lse):

@@ -175,8 +175,10 @@ else:
 def _fwd_launch(grid, *args, num_warps, **kw):
     if runtime.interpreting():
         _fwd_tuned[grid](*args, num_warps=num_warps, **kw)
-    else:
-        _fwd_tuned[grid](*args, **kw)
+    else:   # the tuning key (n_cols, BLOCK_R, FAKE_QUANT) and the dtypes of x, weight, x_q and yhat
+        x, weight, x_q, _, yhat, _, _, n_cols = args[:8]
+        key = (n_cols, kw["BLOCK_R"], kw["FAKE_QUANT"], x.dtype, weight.dtype, x_q.dtype, yhat.dtype)
+        runtime.launch_tuned(_fwd_tuned, grid, key, *args, **kw)
 
 
 # -- launchers ------------------------------------------------------------------------------

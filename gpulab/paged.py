@@ -580,14 +580,16 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         return
     upcast = runtime.interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
+    block_g, block_d = group_block(hq // hkv), max(16, runtime.next_power_of_2(d))
     # each .stride() is one call into torch: the tuples, sliced, cost a decode call less host time
-    _decode_tuned[config_list(q.dtype), launch_regime(B * hkv * splits)][(B, hkv, splits)](
+    runtime.launch_tuned(
+        _decode_tuned[config_list(q.dtype), launch_regime(B * hkv * splits)], (B, hkv, splits),
+        (q.dtype, o_part.dtype, block_g, block_d, upcast, ieee),
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, fault_flag(q.device), scale * LOG2E,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         *o_part.stride()[:3], *lse_part.stride()[:3],
         part_len, d, k_cache.shape[0], block_table.shape[1], PAGE_SIZE=k_cache.shape[1],
-        GROUP=hq // hkv, BLOCK_G=group_block(hq // hkv), BLOCK_D=max(16, runtime.next_power_of_2(d)),
-        UPCAST=upcast, IEEE=ieee)
+        GROUP=hq // hkv, BLOCK_G=block_g, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
 
 
 def split_reduce_into(o_part, lse_part, o, lse):

@@ -211,6 +211,32 @@ def tuning_configs(configs: list) -> list:
     return list(configs) if autotuning() else list(configs[:1])
 
 
+# (autotuner, key) -> the launch arguments of the configuration it chose
+_TUNED_CHOICES: dict = {}
+
+
+def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel, without the
+    autotuner's wrapper once it has chosen for ``key``.
+
+    The wrapper rebuilds a dict of every argument and its key from them on every call:
+    16 µs of host time per launch with 30 arguments on this repository's CPU (Triton 3.8),
+    which a decode call pays per kernel while the GPU waits. The first call of a ``key``
+    goes through the autotuner (tuning if it must); later ones launch the kernel with
+    the configuration it chose. ``key`` (hashable) must determine the autotuner's own key:
+    the values of its key arguments and the dtypes of the tensor arguments."""
+    choice = _TUNED_CHOICES.get((kernel, key))
+    if choice is not None:
+        kernel.fn[grid](*args, **kwargs, **choice)
+        return
+    kernel[grid](*args, **kwargs)
+    # no choice is kept where a hook runs before each launch, nor where nothing launches
+    # (the compile check compiles several configurations on each call)
+    config = getattr(kernel, "best_config", None)
+    if config is not None and config.pre_hook is None and not COMPILE_ONLY:
+        _TUNED_CHOICES[(kernel, key)] = config.all_kwargs()
+
+
 def fast() -> bool:
     """True under CI (``CI`` set) or ``GPULAB_FAST=1``: notebooks shorten long demos
     such as training runs, and benchmarks run on a GPU leave out the ``torch.compile``

@@ -180,3 +180,46 @@ def test_the_host_path_tool_times_its_calls_without_launching():
     lines = [line for line in out.stdout.splitlines() if "µs a call (launches stubbed" in line]
     assert [line.split()[0] for line in lines] == ["paged_decode_attention", "cascade_decode_attention",
                                                    "ternary_matmul"], out.stdout
+
+
+def test_launch_tuned_asks_the_autotuner_once_per_key_then_launches_its_choice(monkeypatch):
+    """The first launch of a key goes through the autotuner; later ones launch the kernel
+    itself with the configuration the autotuner chose for that key, not another key's.
+    A configuration with a pre-launch hook, or the compile check, keeps the autotuner."""
+    import triton
+
+    class Kernel:
+        def __init__(self, log):
+            self.log = log
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.log.append(("kernel", grid, args, kwargs))
+
+    class Tuner:
+        def __init__(self, choices):
+            self.log, self.choices = [], choices
+            self.fn = Kernel(self.log)
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                self.best_config = self.choices[kwargs["K"]]
+                self.log.append(("autotuner", grid, args, kwargs))
+            return run
+
+    small, big = triton.Config({"BLOCK": 32}, num_warps=4), triton.Config({"BLOCK": 128}, num_warps=8)
+    tuner = Tuner({1: small, 2: big})
+    for k in (1, 1, 2, 1, 2):
+        runtime.launch_tuned(tuner, (7,), ("key", k), "x", K=k)
+    assert [entry[0] for entry in tuner.log] == ["autotuner", "kernel", "autotuner", "kernel", "kernel"]
+    assert tuner.log[1][1:] == ((7,), ("x",), {"K": 1, **small.all_kwargs()})
+    assert tuner.log[4][3] == {"K": 2, **big.all_kwargs()}
+
+    hooked = Tuner({1: triton.Config({"BLOCK": 32}, pre_hook=lambda nargs: None)})
+    for _ in range(2):
+        runtime.launch_tuned(hooked, (1,), "hooked", K=1)
+    assert [entry[0] for entry in hooked.log] == ["autotuner", "autotuner"]
+    monkeypatch.setattr(runtime, "COMPILE_ONLY", True)
+    compiling = Tuner({1: small})
+    for _ in range(2):
+        runtime.launch_tuned(compiling, (1,), "compile", K=1)
+    assert [entry[0] for entry in compiling.log] == ["autotuner", "autotuner"]
