@@ -56,6 +56,7 @@ for hand_w in (4, 8):
                 x, w, q, s, x, s, 8192, 8192, 8192, 8192, 0, 1e-6, BLOCK_R=1, BLOCK_N=8192, FAKE_QUANT=False,
                 ONE_REDUCTION=one, num_warps=nw))(hand_w, one)
 variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_into(x, w, q, s)
+variants["rmsnorm_quant (the public function, as called)"] = lambda: normquant.rmsnorm_quant(x, w)
 for nw in (4, 8):
     for extra in ([], ["rsqrt"], ["int32_offsets"], ["stream_loads"], ["stream_loads", "stream_stores"],
                   ["absmax_beside_norm"], ["absmax_beside_norm", "stream_loads"],
