@@ -51,6 +51,8 @@ def calls() -> dict:
     lens = torch.full((B,), length, dtype=torch.int32, device=dev)
     x_q = torch.randint(-127, 127, (1, 8192), dtype=torch.int8, device=dev)
     x_scale = torch.rand(1, device=dev) + 0.5
+    x_q16 = torch.randint(-127, 127, (16, 8192), dtype=torch.int8, device=dev)
+    x_scale16 = torch.rand(16, device=dev) + 0.5
     w = torch.randint(0, 255, (8192, 2048), dtype=torch.uint8, device=dev)
     w_scale = torch.tensor([0.7], device=dev)
     # cascade: a 32768-token prefix shared by 256 requests with 256 tokens each (32/8 heads)
@@ -62,7 +64,8 @@ def calls() -> dict:
     return {"paged_decode_attention B4 L32768": lambda: paged.paged_decode_attention(q, k, k, table, lens),
             "cascade_decode_attention 256 x (32768 + 256)": lambda: cascade.cascade_decode_attention(
                 cq, ck, ck, prefix, 32768, ctable, clens),
-            "ternary_matmul M=1 K=N=8192": lambda: bitlinear.ternary_matmul(x_q, x_scale, w, w_scale)}
+            "ternary_matmul M=1 K=N=8192": lambda: bitlinear.ternary_matmul(x_q, x_scale, w, w_scale),
+            "ternary_matmul M=16 K=N=8192": lambda: bitlinear.ternary_matmul(x_q16, x_scale16, w, w_scale)}
 
 
 def main(argv=None) -> int:
