@@ -178,8 +178,9 @@ def test_the_host_path_tool_times_its_calls_without_launching():
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if "µs a call (launches stubbed" in line]
-    assert [line.split()[0] for line in lines] == ["paged_decode_attention", "cascade_decode_attention",
-                                                   "ternary_matmul"], out.stdout
+    assert [" ".join(line.split()[:2]) for line in lines] == [
+        "paged_decode_attention B4", "cascade_decode_attention 256", "ternary_matmul M=1", "ternary_matmul M=16"], \
+        out.stdout
 
 
 def test_launch_tuned_asks_the_autotuner_once_per_key_then_launches_its_choice(monkeypatch):
