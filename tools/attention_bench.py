@@ -8,9 +8,7 @@ call costs beyond the GPU's own time when it is not hidden behind earlier work.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,23 +21,6 @@ from gpulab.harness import bench
 KERNELS = ("paged_decode_attention", "cascade_decode_attention", "merge_state")
 
 
-def host_us_per_call(fn, calls: int = 200, batches: int = 5) -> float:
-    """Host (Python + launch) µs per call: the GPU work queues up behind, unwaited. The
-    median over ``batches`` batches of ``calls`` calls, the GPU drained between batches
-    (so a full launch queue never makes the host wait): on the H200's host one batch moved
-    by up to 60% from one call of the tool to the next (2026-12-02)."""
-    fn()
-    per_batch = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_batch.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_batch)
-
-
 def host_overhead() -> dict:
     rows = {}
     spec = gpulab.get_spec("paged_decode_attention")
@@ -49,11 +30,11 @@ def host_overhead() -> dict:
         run = paged_grading.paged_decode_planned(inp)
         o, lse = torch.empty_like(inp["q"]), torch.empty(inp["q"].shape[:2], device="cuda")
         rows[f"paged decode {case.label}"] = {
-            "paged_decode_attention (as called)": host_us_per_call(lambda: paged.paged_decode_attention(*args)),
-            "paged_decode_attention(validate=True)": host_us_per_call(
+            "paged_decode_attention (as called)": bench.host_us_per_call(lambda: paged.paged_decode_attention(*args)),
+            "paged_decode_attention(validate=True)": bench.host_us_per_call(
                 lambda: paged.paged_decode_attention(*args, validate=True), calls=50),
-            "paged_decode_into (launcher)": host_us_per_call(lambda: paged.paged_decode_into(*args, o, lse)),
-            "PagedDecodeWrapper.run()": host_us_per_call(run)}
+            "paged_decode_into (launcher)": bench.host_us_per_call(lambda: paged.paged_decode_into(*args, o, lse)),
+            "PagedDecodeWrapper.run()": bench.host_us_per_call(run)}
         torch.cuda.empty_cache()
     spec = gpulab.get_spec("cascade_decode_attention")
     for case in spec.cases["bench"][:2]:
@@ -62,8 +43,8 @@ def host_overhead() -> dict:
         casc = cascade.CascadeDecodeWrapper()
         casc.plan(*args[3:], 32, inp["k_cache"].shape[2], 128, 16, inp["k_cache"].shape[0], torch.bfloat16)
         rows[f"cascade {case.label}"] = {
-            "cascade_decode_attention (as called)": host_us_per_call(lambda: cascade.cascade_decode_attention(*args)),
-            "CascadeDecodeWrapper.run()": host_us_per_call(lambda: casc.run(*args[:3]))}
+            "cascade_decode_attention (as called)": bench.host_us_per_call(lambda: cascade.cascade_decode_attention(*args)),
+            "CascadeDecodeWrapper.run()": bench.host_us_per_call(lambda: casc.run(*args[:3]))}
         torch.cuda.empty_cache()
     return rows
 

@@ -8,7 +8,9 @@ For each shape (M=1: K=N=8192, K=N=4096, N=14336 K=4096, N=4096 K=14336; M=16 K=
 first checks that the int32x16 GEMV (dp4a and portable twin, every split) gives the same
 bits as the uint8x4 GEMV and matches the float64 reference, then times, with
 ``triton.testing.do_bench`` (median, L2 flushed before every call, launched from Python:
-"as called"), and where --no-graph is not given also in a CUDA graph (no launch overhead):
+"as called"), and where --no-graph is not given also in a CUDA graph (no launch overhead);
+each row also gets the host's time per call (``host_us_per_call``), which says whether the
+as-called figure was the GPU's or the host's:
 
 * ``ternary_matmul`` as called with uint8x4 weights (today's default path) and with int32x16,
 * the launchers ``ternary_gemv_into`` (uint8x4) and ``ternary_gemv_x16_into`` (auto split),
@@ -109,6 +111,8 @@ def timed(fn, graph):
     row = {"us_do_bench": 1e3 * harness_bench.time_ms(fn)}
     if graph:
         row["us_cuda_graph"] = 1e3 * harness_bench.time_graph_ms(fn)
+    # above the GPU time, the call is host-bound: its do_bench figure is the host's
+    row["host_us_per_call"] = harness_bench.host_us_per_call(fn)
     return row
 
 
@@ -132,6 +136,7 @@ def bench_shape(m, n, k, quick, graph):
         res["rows"].append(row)
         print(f"  {impl:<58} {row.get('us_do_bench', float('nan')):9.2f} µs"
               + (f"  graph {row['us_cuda_graph']:8.2f} µs" if "us_cuda_graph" in row else "")
+              + (f"  host {row['host_us_per_call']:7.1f} µs" if "host_us_per_call" in row else "")
               + (f"  {row['error']}" if "error" in row else ""), flush=True)
 
     add("torch bf16 F.linear", "bf16", lambda: F.linear(p["x_bf16"], p["w_bf16"]))
@@ -190,7 +195,9 @@ def main(argv=None) -> int:
            "versions": runtime.versions(), "byte_ceiling_bytes_per_s": HBM_BYTES_PER_S,
            "method": ("triton.testing.do_bench median (gpulab.harness.bench.time_ms: L2 flushed before "
                       "every call, launched from Python = as called); us_cuda_graph: "
-                      "gpulab.harness.bench.time_graph_ms (CUDA graph, L2 flushed, no launch overhead)"),
+                      "gpulab.harness.bench.time_graph_ms (CUDA graph, L2 flushed, no launch overhead); "
+                      "host_us_per_call: gpulab.harness.bench.host_us_per_call (Python and launches, "
+                      "unwaited: above the GPU time, the as-called figure is the host's)"),
            "gpulab_x16_config": dict(bl.X16_CONFIG), "shapes": []}
     if args.dry_run:
         doc["what"] = "DRY RUN, nothing timed: " + doc["what"]

@@ -17,6 +17,7 @@ import argparse
 import datetime as _dt
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -82,6 +83,25 @@ def _median_of(fn: Callable[[], object], n: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[n // 2]
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200, batches: int = 5) -> float:
+    """Host time (Python and launches) of ``fn()`` in µs: ``calls`` calls unwaited, the
+    GPU work queuing up behind; the median over ``batches`` batches, the GPU drained
+    between them so that a full launch queue never makes the host wait. Where this
+    exceeds the GPU time, a call as timed by :func:`time_ms` is host-bound (on the H200's
+    host one batch moved by up to 60% from one call of a tool to the next, 2026-12-02)."""
+    require_gpu()
+    fn()
+    per_batch = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_batch.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return sorted(per_batch)[len(per_batch) // 2]
 
 
 _FLUSH = None
