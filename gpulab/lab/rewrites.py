@@ -141,8 +141,8 @@ _NORM_THEN_ABSMAX = re.compile(
 
 def _absmax_beside_norm(src: str) -> str | None:
     # max|x·rstd·w| = rstd·max|x·w|: the absmax need not wait for the norm, so the two
-    # reductions are independent (the package's rmsnorm_quant goes further, compiled:
-    # one reduction carrying both; the interpreter would run that one element by element)
+    # reductions are independent (one_reduction then fuses them, as the package's
+    # rmsnorm_quant does when compiled)
     def repl(m):
         ind, x, w, v = m["ind"], m["x"], m["w"], m["v"]
         return (f"{ind}xw = {x} * {w}[None, :]\n"
