@@ -250,6 +250,37 @@ def test_search_leaves_candidates_stopped_by_its_budget_out():
     assert r.best.candidate.id == task.seed().id
 
 
+def test_search_does_not_let_a_slow_candidate_hold_up_its_generation():
+    """Where several candidates are checked at once, a chunk stops at STRAGGLER_FACTOR
+    times the typical candidate's run: the straggler is left out unjudged, named in the
+    result, and never proposed again; the rest of its chunk is judged as usual."""
+    task = get_task("softmax")
+    asked, slow = [], set()
+
+    class Clocked:
+        parallel = 4
+
+        def evaluate_many(self, task_, cs, stop_after_s=None):
+            asked.append((stop_after_s, len(cs)))
+            out = []
+            for i, c in enumerate(cs):
+                if stop_after_s is not None and stop_after_s < 100 and i == 1:   # one per chunk takes 100 s
+                    slow.add(c.id)
+                    out.append(Verdict(task.name, c.id, "unfinished", "unfinished", "stopped"))
+                else:
+                    out.append(Verdict(task.name, c.id, "correct", "correct", "", cost_ms=1.0 + 0.01 * len(asked) + i,
+                                       run_s=10.0))
+            return out
+
+    r = search.search(task, evaluator=Clocked(), max_evals=14, population=4, seed=0, progress=False)
+    limits = [a for a, n in asked[1:] if n > 1]      # after the first generation, chunks of several
+    assert limits and all(a == max(search.STRAGGLER_MIN_S, search.STRAGGLER_FACTOR * 10.0) for a in limits), asked
+    assert slow and set(r.stragglers) == slow
+    assert not slow & {s.candidate.id for s in r.evaluated}
+    assert "stopped unjudged" in r.table() and r.to_json()["stragglers"] == r.stragglers
+    assert search.straggler_limit_s(r.evaluated[:3]) is None       # too few judged to know what is typical
+
+
 def test_search_times_its_finalists_again_and_the_lowest_median_wins():
     """One lucky timing makes a candidate the evolution's best; timed again with the other
     finalists (in turns), it loses to the truly fastest, and a finalist that fails a

@@ -9,14 +9,15 @@
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
 #   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py), rmsnorm-probe
-#   (tools/lab_rmsnorm_probe.py: rmsnorm_quant's variants, hand-written and lab). LABARGS= extra
+#   (tools/lab_rmsnorm_probe.py: rmsnorm_quant's variants, hand-written and lab), paged-probe
+#   (tools/paged_probe.py: paged decode's partitions and tiles in a CUDA graph against FlashInfer). LABARGS= extra
 #   arguments of tools/lab-bench.py for `lab`; the lab in parts that each fit a call:
 #   lab-planted (the planted kernels, saved batch by batch,
 #   LAB_TIMEOUT=90 s each), lab-search (LAB_TASKS=rmsnorm_quant
 #   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel; LAB_RESUME=DIR continues
 #   the searches of an earlier lab-search output; LAB_PARALLEL=N candidates checked at once (default 4;
 #   their timings never overlap, so more at once only needs the host's cores and memory)).
-#   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT RPT (see below). Carry .whl/ and .peers/
+#   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT RPT PPT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
 out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
@@ -57,6 +58,7 @@ for job in "${@:-engine attention speculative}"; do
                     ${LAB_PARALLEL:+--parallel "$LAB_PARALLEL"} ;;
       piecewise) run piecewise "${PWT:-180}" python3 tools/piecewise_bench.py "$b/piecewise" ;;
       scan) run scan "${SCT:-180}" python3 tools/mlgru_scan_bench.py "$b/scan" ;;
+      paged-probe) run paged-probe "${PPT:-240}" python3 tools/paged_probe.py ;;
       rmsnorm-probe) run rmsnorm-probe "${RPT:-150}" python3 tools/lab_rmsnorm_probe.py ;;
       profile) run profile "${PRT:-240}" bash tools/profile-all.sh "$b/profile" ;;
       *) echo "unknown job $j" >> "$b/log.txt" ;;

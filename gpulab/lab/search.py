@@ -12,7 +12,11 @@ The loop is a plain (μ + λ) evolution strategy:
    :class:`~gpulab.lab.evaluate.Evaluator`); only correct children get a fitness:
    measured time on a GPU, the stated cost model on a CPU;
 4. the best μ of parents and children survive (elitism: the best never gets worse);
-5. on a GPU, where one timing is off by a percent or two and the fastest of many
+5. a generation does not wait long for its stragglers: a candidate still compiling or
+   being checked at STRAGGLER_FACTOR times the typical candidate's time is stopped
+   unjudged and left out (on the H200, kernels at one warp per row of 8192 took 60–80 s
+   to compile where most took 10–15 s, and the other seven slots sat idle meanwhile);
+6. on a GPU, where one timing is off by a percent or two and the fastest of many
    noisy timings is most often a lucky one, the few best of the last population are
    timed again, in turns, near the end of the budget; the lowest median wins.
 
@@ -330,6 +334,20 @@ class Archive:
 
 
 # -- the loop -----------------------------------------------------------------------------------
+STRAGGLER_FACTOR = 3.0      # a generation waits this many typical candidates' times at most...
+STRAGGLER_MIN_S = 30.0      # ...and never less than this
+
+
+def straggler_limit_s(evaluated: list) -> float | None:
+    """How long a chunk of candidates checked at once may run: STRAGGLER_FACTOR times the
+    median run of the candidates judged so far (at least STRAGGLER_MIN_S); None (no limit)
+    before four have been judged."""
+    runs = sorted(s.verdict.run_s for s in evaluated if s.verdict.run_s > 0)
+    if len(runs) < 4:
+        return None
+    return max(STRAGGLER_MIN_S, STRAGGLER_FACTOR * runs[len(runs) // 2])
+
+
 @dataclass
 class SearchResult:
     task: str
@@ -340,6 +358,7 @@ class SearchResult:
     evaluated: list = field(default_factory=list)     # every Scored, in order
     elapsed_s: float = 0.0
     finals: list = field(default_factory=list)        # the finalists' re-timings (GPU)
+    stragglers: list = field(default_factory=list)    # ids stopped unjudged: slower than their generation
 
     @property
     def improvement(self) -> float:
@@ -370,6 +389,9 @@ class SearchResult:
                                         + ", ".join(f"{t * 1e3:.2f}" for t in f["times_ms"])
                                         if f["median_ms"] is not None else f"dropped: {f['reason']}")
                 for f in self.finals))
+        if self.stragglers:
+            lines.append(f"stopped unjudged (still compiling or checking at {STRAGGLER_FACTOR:g}× the typical "
+                         f"candidate's time, so as not to hold up their generation): {len(self.stragglers)}")
         rej = self.rejected()
         if rej:
             lines.append("rejected: " + ", ".join(f"{k} {v}" for k, v in sorted(rej.items(), key=lambda x: -x[1])))
@@ -383,7 +405,7 @@ class SearchResult:
                 "improvement": self.improvement, "seed": row(self.seed),
                 "best": {**row(self.best), "source": self.best.candidate.source},
                 "history": self.history, "evaluated": [row(s) for s in self.evaluated],
-                "finals": self.finals,
+                "finals": self.finals, "stragglers": self.stragglers,
                 "gpu": runtime.gpu_name(), "mode": runtime.mode(), "versions": runtime.versions(),
                 "date": _dt.datetime.now().isoformat(timespec="seconds")}
 
@@ -449,6 +471,7 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         finalists = 3 if fitness_kind == "gpu-time" and max_evals is None else 0
     t0 = time.monotonic()
     seen: dict[str, Scored] = {}
+    stragglers: list[str] = []
     evaluated: list[Scored] = []
     history: list[dict] = []
     bar = tqdm(total=max_evals or int(budget), disable=not progress, file=sys.stderr, leave=True,
@@ -479,7 +502,7 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
         After the first generation (the seed must be judged) the budget bounds a chunk too:
         a slow-compiling candidate could otherwise hold the search minutes past it;
         candidates stopped unjudged are left out, as if never proposed."""
-        todo, ids = [], set()
+        todo, ids = [], set(stragglers)
         for c in cs:
             if c is not None and c.id not in seen and c.id not in ids:
                 todo.append(c)
@@ -491,9 +514,14 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
             if max_evals is not None:
                 part = part[:max_evals - len(evaluated)]
             left = None if generation == 0 else max(0.0, evolution_budget() - (time.monotonic() - t0))
-            for c, v in zip(part, verify_many(part, left)):
+            # where several run at once, the chunk waits for its slowest: bound that too
+            limit = straggler_limit_s(evaluated) if generation > 0 and len(part) > 1 else None
+            stop = left if limit is None else (limit if left is None else min(left, limit))
+            for c, v in zip(part, verify_many(part, stop)):
                 if v.status != "unfinished":
                     record(Scored(c, v), generation)
+                elif limit is not None and (left is None or limit < left):
+                    stragglers.append(c.id)       # never proposed again
 
     first = [task.seed()]
     if archive is not None:
@@ -536,7 +564,7 @@ def search(task: Task | str, *, budget_s: float | str = 600, max_evals: int | No
     if owned is not None and evaluator is None:
         owned.close()
     return SearchResult(task.name, fitness_kind, seed_scored, best, history, evaluated,
-                        time.monotonic() - t0, finals)
+                        time.monotonic() - t0, finals, stragglers)
 
 
 def _final_round(top: list[Scored], rounds: int, verify_many) -> tuple[Scored | None, list[dict]]:
