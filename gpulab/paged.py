@@ -421,11 +421,12 @@ def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, num_splits, n
 
 # -- launch configuration --------------------------------------------------------------------
 # Tile configurations: the first list fits the 64 KiB of shared memory of sm_75 (Colab's
-# T4) for every dtype; the second, for sm_80+ (A100, H100/H200), adds deeper pipelines
-# and 128-token tiles. Compile-only checks (no GPU) use the first list.
+# T4) for every dtype; the second, for sm_80+ (A100, H100/H200), adds deeper pipelines,
+# 128-token tiles and two warps (the H200's fastest at B64 L4096 unsplit, by 1 µs).
+# Compile-only checks (no GPU) use the first list.
 _DECODE_SMALL = ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3))
 _DECODE_SMALL_FP32 = ((32, 4, 2), (32, 4, 3), (32, 8, 2))
-_DECODE_BIG = ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (64, 8, 4))
+_DECODE_BIG = ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (64, 8, 4), (64, 2, 3))
 
 
 def big_smem() -> bool:
@@ -469,7 +470,9 @@ FEW_PROGRAMS_PER_SM = 6
 
 def launch_regime(programs: int) -> str:
     """"few" when a launch has fewer than FEW_PROGRAMS_PER_SM programs per SM (long
-    contexts at small batch, split into partitions), else "full"."""
+    contexts at small batch, split into partitions; batches of a few hundred kv-head
+    programs, unsplit), else "full". On the H200 both kinds of "few" launch ranked the
+    tiles alike (tools/paged_probe.py)."""
     return "few" if programs < FEW_PROGRAMS_PER_SM * runtime.num_sms() else "full"
 
 
@@ -483,15 +486,24 @@ def min_part_len() -> int:
     return 32 if runtime.interpreting() else 512
 
 
+# Splitting costs a second launch and a round trip of the partial states through memory.
+# On the H200 (2026-12-02, tools/paged_probe.py, CUDA graph), B64 L4096 with 32/8 heads
+# (512 programs, 3.9 per SM) took 254-256 µs unsplit and 259-267 µs in two partitions.
+UNSPLIT_PROGRAMS_PER_SM = 2
+
+
 def plan_splits(batch: int, kv_heads: int, capacity: int, num_sms: int | None = None) -> tuple[int, int]:
     """(num_splits, part_len) for a decode launch.
 
-    Sequences are split when batch·kv_heads programs would leave SMs idle: aim at
-    ≥ 4 programs per SM, partitions of at least ``min_part_len()`` tokens. Planned
-    from the block table's capacity (no device sync), like FlashInfer's plan()."""
+    Sequences are split only when batch·kv_heads programs would leave SMs idle (fewer
+    than ``UNSPLIT_PROGRAMS_PER_SM`` per SM); then aim at ≥ 4 programs per SM, partitions
+    of at least ``min_part_len()`` tokens. Planned from the block table's capacity (no
+    device sync), like FlashInfer's plan()."""
     sms = runtime.num_sms() if num_sms is None else num_sms
     capacity = max(1, capacity)
     programs = max(1, batch * kv_heads)
+    if programs >= UNSPLIT_PROGRAMS_PER_SM * sms:
+        return fixed_splits(capacity, 1)
     want = -(-4 * sms // programs)
     splits = max(1, min(want, capacity // min_part_len()))
     return fixed_splits(capacity, splits)
