@@ -6,7 +6,8 @@
 # jobs (default: engine attention speculative): engine (tools/engine_bench.py; engine-eager-prefill:
 #   the same with steps that carry a prompt chunk run eagerly, not from piecewise graphs), host
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
-#   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary,
+#   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary (GARGS=--quick:
+#   no sweep),
 #   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
 #   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py), rmsnorm-probe
 #   (tools/lab_rmsnorm_probe.py: rmsnorm_quant's variants, hand-written and lab), paged-probe
@@ -47,7 +48,7 @@ for job in "${@:-engine attention speculative}"; do
               --model random:2048,16,16,4,128,5632,4096 --json "$0/big.json"' "$b/host" ;;
       attention) run attention "${AT:-300}" python3 tools/attention_bench.py "$b/attention" ${ANAMES:-} ;;
       speculative) run speculative "${ST:-240}" python3 tools/speculative_bench.py "$b/speculative" --quick ;;
-      ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ;;
+      ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ${GARGS:-} ;;
       rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
       prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
       lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ${LABARGS:-} ;;
