@@ -507,6 +507,16 @@ def test_safe_rewrites_keep_kernels_correct_and_unsafe_ones_are_flagged():
         'tl.store(y_ptr + offs, y, mask=m, cache_modifier=".cs")'
     assert rewrites.REWRITES["stream_stores"]("tl.store(y_ptr + cols, y)") is None
     assert "mask=" not in rewrites.REWRITES["drop_store_mask"]("tl.store(p + o, v, mask=m)")
+    # the row's loads before the weights': compiled, the weights' load and their layout
+    # change (barriers) would hold the row's HBM loads back. In the persistent kernel too.
+    moved = rewrites.REWRITES["row_before_weights"](task.seed_source)
+    helper = moved[moved.index("def norm_quant_rows"):moved.index("def rmsnorm_quant_kernel")]
+    assert helper.index("x = tl.load(") < helper.index("w = tl.load(w_ptr + cols") and "(x_ptr, w_ptr," in helper
+    assert "tl.load(w_ptr" not in moved[moved.index("def rmsnorm_quant_kernel"):]
+    assert rewrites.REWRITES["row_before_weights"](moved) is None
+    assert rewrites.REWRITES["row_before_weights"](get_task("softmax").seed_source) is None
+    persistent = cand.render(task.seed_source, {**task.seed().genes, "PERSISTENT": True, "ROWS_PER_PROGRAM": 2})
+    gpulab.check(task.spec, inprocess.load(rewrites.REWRITES["row_before_weights"](persistent)).launch, **_few(task))
 
 
 # -- mutation, search, archive ----------------------------------------------------------------------
@@ -635,6 +645,9 @@ def test_weak_verifier_survives_a_cheat_that_raises_when_timed(monkeypatch):
     monkeypatch.setattr(inprocess.runtime, "mode", lambda: "compiled")
     monkeypatch.setattr(inprocess.triton.testing, "do_bench", lambda fn, return_mode="median": (fn(), 1.0)[1])
     monkeypatch.setattr(inprocess.runtime, "device", lambda: torch.device("cpu"))
+    # the cheat draws its answers on gpulab.device() too: on the CPU here, also where torch
+    # has CUDA but no usable driver (it would fail at import, not when timed)
+    monkeypatch.setattr(gpulab, "device", lambda: torch.device("cpu"))
     task = get_task("softmax")
     v = inprocess.WeakVerifier(cost_model=False)(task, PLANTED["seed-dependent"].source)
     assert v.correct and v.time_ms is None and v.fitness_ms == float("inf")

@@ -187,6 +187,49 @@ def _one_reduction(src: str) -> str | None:
     return src[:first].rstrip("\n") + "\n\n\n" + _COMBINE + src[first:]
 
 
+_VECTOR_LOAD = re.compile(r"^(?P<ind>[ \t]*)(?P<v>\w+) = (?P<rhs>tl\.load\((?P<p>\w+) \+ cols\b[^\n]*)\n", re.M)
+_JIT_DEF = re.compile(r"@triton\.jit\ndef (?P<f>\w+)\((?P<args>[^)]*)\):\n")
+
+
+def _row_before_weights(src: str) -> str | None:
+    # A kernel that loads a vector reused by every row (the weights) and passes it to the
+    # helper that loads the row: compiled, the vector's load and its layout conversion
+    # (shared memory, barriers) come before the row's loads from HBM, which then wait.
+    # Load the vector in the helper, right after the row: the row's loads go out first.
+    m = _VECTOR_LOAD.search(src)
+    if not m:
+        return None
+    v, ptr = m["v"], m["p"]
+    helper = next((h for h in _JIT_DEF.finditer(src)
+                   if v in [a.strip() for a in h["args"].split(",")] and h.start() != src.rfind("@triton.jit", 0, m.start())
+                   and {"cols", "cmask"} <= {a.strip().split(":")[0] for a in h["args"].split(",")}), None)
+    if helper is None:
+        return None
+    names = [a.strip().split(":")[0] for a in helper["args"].split(",")]
+    at = names.index(v)
+    body_end = src.find("\n@triton.jit", helper.end())
+    body_end = len(src) if body_end < 0 else body_end
+    body = src[helper.end():body_end]
+    row = re.search(r"^(?P<ind>[ \t]*)\w+ = tl\.load\([^\n]*\n", body, re.M)
+    if row is None or f"{ptr}," in helper["args"]:
+        return None
+    body = body[:row.end()] + f"{row['ind']}{v} = {m['rhs']}\n" + body[row.end():]
+    args = ", ".join(ptr if i == at else a.strip() for i, a in enumerate(helper["args"].split(",")))
+    new_helper = f"@triton.jit\ndef {helper['f']}({args}):\n" + body
+    out = src[:helper.start()] + new_helper + src[body_end:]
+
+    def pass_pointer(call_args: str) -> str:
+        parts = call_args.split(",")
+        if len(parts) > at and parts[at].strip() == v:
+            parts[at] = parts[at].replace(v, ptr)
+        return f"{helper['f']}(" + ",".join(parts) + ")"
+    caller = m.start() + (len(new_helper) - (body_end - helper.start()) if m.start() > helper.start() else 0)
+    # the kernel: its load goes, its calls pass the pointer
+    head, tail = out[:caller], out[caller + len(m.group(0)):]
+    tail = _map_calls(tail, f"{helper['f']}(", pass_pointer)
+    return head + tail
+
+
 def _drop_store_mask(src: str) -> str | None:
     if "tl.store(" not in src:
         return None
@@ -215,6 +258,9 @@ REWRITES: dict[str, Rewrite] = {r.name: r for r in [
             "rstd·max|x·w|) instead of the absmax waiting for the norm", _absmax_beside_norm),
     Rewrite("one_reduction", "a sum and a max over the same rows, side by side, as one reduction "
             "carrying both (tl.reduce with a two-value combine; compiled only)", _one_reduction),
+    Rewrite("row_before_weights", "a vector every row reuses (the weights) loaded in the row function "
+            "after the row, not before it in the kernel: the row's loads from HBM go out first",
+            _row_before_weights),
     Rewrite("int32_offsets", "drop the int64 casts of offsets: cheaper index math, fine below 2^31 elements",
             _int32_offsets),
     Rewrite("fixed_block", "a block of 256 columns instead of the row length: no recompilation per width "
