@@ -189,45 +189,49 @@ def _one_reduction(src: str) -> str | None:
 
 _VECTOR_LOAD = re.compile(r"^(?P<ind>[ \t]*)(?P<v>\w+) = (?P<rhs>tl\.load\((?P<p>\w+) \+ cols\b[^\n]*)\n", re.M)
 _JIT_DEF = re.compile(r"@triton\.jit\ndef (?P<f>\w+)\((?P<args>[^)]*)\):\n")
+_FIRST_LOAD = re.compile(r"^(?P<ind>[ \t]*)\w+ = tl\.load\([^\n]*\n", re.M)
+
+
+def _params(args: str) -> list[str]:
+    """Parameter names of an argument list: 'x_ptr, w, R: tl.constexpr' -> ['x_ptr', 'w', 'R']."""
+    return [a.split(":")[0].strip() for a in args.split(",")]
 
 
 def _row_before_weights(src: str) -> str | None:
-    # A kernel that loads a vector reused by every row (the weights) and passes it to the
-    # helper that loads the row: compiled, the vector's load and its layout conversion
-    # (shared memory, barriers) come before the row's loads from HBM, which then wait.
-    # Load the vector in the helper, right after the row: the row's loads go out first.
-    m = _VECTOR_LOAD.search(src)
-    if not m:
+    # A kernel loads a vector every row reuses (the weights) and passes it to the helper
+    # that loads the rows. Compiled, the vector's load and its layout change through shared
+    # memory (barriers) then come before the rows' loads from HBM, which wait for them.
+    # Loaded in the helper, right after the row, the row's loads go out first.
+    load = _VECTOR_LOAD.search(src)
+    if not load:
         return None
-    v, ptr = m["v"], m["p"]
-    helper = next((h for h in _JIT_DEF.finditer(src)
-                   if v in [a.strip() for a in h["args"].split(",")] and h.start() != src.rfind("@triton.jit", 0, m.start())
-                   and {"cols", "cmask"} <= {a.strip().split(":")[0] for a in h["args"].split(",")}), None)
-    if helper is None:
+    v, ptr = load["v"], load["p"]
+    kernel = src.rfind("@triton.jit", 0, load.start())           # the function that loads it
+    helper = next((h for h in _JIT_DEF.finditer(src) if h.start() != kernel and v in _params(h["args"])
+                   and {"cols", "cmask"} <= set(_params(h["args"]))), None)
+    if helper is None or ptr in _params(helper["args"]):
         return None
-    names = [a.strip().split(":")[0] for a in helper["args"].split(",")]
-    at = names.index(v)
-    body_end = src.find("\n@triton.jit", helper.end())
-    body_end = len(src) if body_end < 0 else body_end
-    body = src[helper.end():body_end]
-    row = re.search(r"^(?P<ind>[ \t]*)\w+ = tl\.load\([^\n]*\n", body, re.M)
-    if row is None or f"{ptr}," in helper["args"]:
+    at = _params(helper["args"]).index(v)
+    end = src.find("\n@triton.jit", helper.end())
+    end = len(src) if end < 0 else end
+    body = src[helper.end():end]
+    row = _FIRST_LOAD.search(body)                                 # the helper's first load: the row
+    if row is None:
         return None
-    body = body[:row.end()] + f"{row['ind']}{v} = {m['rhs']}\n" + body[row.end():]
-    args = ", ".join(ptr if i == at else a.strip() for i, a in enumerate(helper["args"].split(",")))
-    new_helper = f"@triton.jit\ndef {helper['f']}({args}):\n" + body
-    out = src[:helper.start()] + new_helper + src[body_end:]
+    body = body[:row.end()] + f"{row['ind']}{v} = {load['rhs']}\n" + body[row.end():]
+    args = [ptr if i == at else a.strip() for i, a in enumerate(helper["args"].split(","))]
+    new_helper = f"@triton.jit\ndef {helper['f']}({', '.join(args)}):\n" + body
+    out = src[:helper.start()] + new_helper + src[end:]
+    # the kernel's own load goes (where it now stands), and its calls pass the pointer
+    where = load.start() + (len(new_helper) - (end - helper.start()) if load.start() > helper.start() else 0)
+    head, tail = out[:where], out[where + len(load.group(0)):]
 
     def pass_pointer(call_args: str) -> str:
         parts = call_args.split(",")
         if len(parts) > at and parts[at].strip() == v:
             parts[at] = parts[at].replace(v, ptr)
         return f"{helper['f']}(" + ",".join(parts) + ")"
-    caller = m.start() + (len(new_helper) - (body_end - helper.start()) if m.start() > helper.start() else 0)
-    # the kernel: its load goes, its calls pass the pointer
-    head, tail = out[:caller], out[caller + len(m.group(0)):]
-    tail = _map_calls(tail, f"{helper['f']}(", pass_pointer)
-    return head + tail
+    return head + _map_calls(tail, f"{helper['f']}(", pass_pointer)
 
 
 def _drop_store_mask(src: str) -> str | None:
