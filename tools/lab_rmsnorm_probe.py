@@ -5,7 +5,9 @@ package kernel at 4 and 8 warps and the template (one row per program, a grid) a
 tensors (8192 x 8192 bf16), in three interleaved rounds (median reported). The template
 with ``round_once`` alone is the package kernel before its one reduction (two in a row),
 and the package kernel with ``ONE_REDUCTION=False`` its two independent reductions: the
-A/B of that change.
+A/B of that change. The template with ``one_reduction`` and ``row_before_weights`` is
+the package kernel's code (with ``rsqrt``: one reciprocal square root where the package
+kernel divides by a square root).
 
     python tools/lab_rmsnorm_probe.py
 """
@@ -58,10 +60,12 @@ for hand_w in (4, 8):
 variants["rmsnorm_quant_into (autotuned)"] = lambda: normquant.rmsnorm_quant_into(x, w, q, s)
 variants["rmsnorm_quant (the public function, as called)"] = lambda: normquant.rmsnorm_quant(x, w)
 for nw in (4, 8):
-    for extra in ([], ["rsqrt"], ["int32_offsets"], ["stream_loads"], ["stream_loads", "stream_stores"],
-                  ["absmax_beside_norm"], ["absmax_beside_norm", "stream_loads"],
-                  ["absmax_beside_norm", "stream_loads", "stream_stores"], ["absmax_beside_norm", "one_reduction"],
-                  ["absmax_beside_norm", "one_reduction", "stream_loads"]):
+    for extra in ([], ["rsqrt"], ["stream_loads"], ["absmax_beside_norm"], ["absmax_beside_norm", "one_reduction"],
+                  ["absmax_beside_norm", "one_reduction", "stream_loads"],
+                  ["absmax_beside_norm", "one_reduction", "rsqrt"],
+                  # the hand-written kernel's order of loads (the row before the weights)
+                  ["absmax_beside_norm", "one_reduction", "row_before_weights"],
+                  ["absmax_beside_norm", "one_reduction", "rsqrt", "row_before_weights"]):
         names = ["round_once", *extra]
         src = rw.apply_all(task.render({"ROWS_PER_PROGRAM": 1, "NUM_WARPS": nw, "PERSISTENT": False}).source, names)
         if src is None:
