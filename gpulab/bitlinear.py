@@ -263,7 +263,7 @@ def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N,
 
     Split-K (grid axis 2): program s covers words [s·G_SPLIT, (s+1)·G_SPLIT). With
     PARTIAL it stores its exact int32 partial sum to part[s, m, n] and
-    :func:`ternary_gemv_x16_reduce_kernel` adds the splits in a fixed order and scales:
+    :func:`split_k_reduce_kernel` adds the splits in a fixed order and scales:
     deterministic, and bit-identical to the unsplit kernel (integer sums are exact)."""
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -319,10 +319,10 @@ def ternary_gemv_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N,
 
 
 @triton.jit
-def ternary_gemv_x16_reduce_kernel(part_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLIT, stride_ym,
-                                   BLOCK: tl.constexpr):
-    """Second pass of split-K: y[m, n] = (Σ_s part[s, m, n]) / (s_x[m] s_w), splits added
-    in order s = 0, 1, ... (exact int32, so any order would give the same bits)."""
+def split_k_reduce_kernel(part_ptr, xs_ptr, ws_ptr, y_ptr, M, N, SPLIT, stride_ym, BLOCK: tl.constexpr):
+    """Second pass of split-K (the int32x16 GEMV's and the tensor-core kernel's):
+    y[m, n] = (Σ_s part[s, m, n]) / (s_x[m] s_w), splits added in order s = 0, 1, ...
+    (exact int32, so any order would give the same bits)."""
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = n < N
@@ -359,19 +359,26 @@ def store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym):
 
 
 @triton.jit(do_not_specialize=["M"])
-def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
+def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, K, Q, Q_SPLIT,
                        stride_xm, stride_wn, stride_ym, M_BUCKET,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                       GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr):
+                       GROUP_M: tl.constexpr, DOT_INT8: tl.constexpr, PARTIAL: tl.constexpr):
     """Tile [BLOCK_M, BLOCK_N] of y; each step reads BLOCK_Q packed bytes per output
-    column (4·BLOCK_Q weights) and issues four int8 dots (one per quarter)."""
+    column (4·BLOCK_Q weights) and issues four int8 dots (one per quarter).
+
+    Split-K (grid axis 1, for a few rows): program s covers packed columns
+    [s·Q_SPLIT, (s+1)·Q_SPLIT). With PARTIAL it stores its exact int32 sums to
+    part[s, m, n] and :func:`split_k_reduce_kernel` adds the splits and scales: the
+    same bits as one pass."""
     rm, rn = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
+    q_lo = tl.program_id(1) * Q_SPLIT
+    q_hi = tl.minimum(q_lo + Q_SPLIT, Q)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
-    for j0 in range(0, Q, BLOCK_Q):
+    for j0 in range(q_lo, q_hi, BLOCK_Q):
         j = j0 + tl.arange(0, BLOCK_Q)
-        j_mask = j < Q
+        j_mask = j < q_hi
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + j[:, None],
                     mask=j_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)   # [BLOCK_Q, BLOCK_N]
         for i in tl.static_range(4):
@@ -383,7 +390,11 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                 acc = tl.dot(a, wi.to(tl.int8), acc, out_dtype=tl.int32)
             else:            # sm_75 has no int8 dot in Triton: fp16 is exact up to |acc| < 2^24
                 acc = tl.dot(a.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
-    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
+    if PARTIAL:      # exact integers either way: the int32 partial sums of this split
+        tl.store(part_ptr + (tl.program_id(1) * M + rm)[:, None].to(tl.int64) * N + rn[None, :],
+                 acc.to(tl.int32), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -549,7 +560,7 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
 X16_CONFIG = {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}
 X16_INTERPRETER_CONFIG = {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}
 X16_MAX_SPLIT = 16
-X16_REDUCE_BLOCK = 1024
+SPLIT_REDUCE_BLOCK = 1024
 
 
 def x16_split_k(m: int, n: int, k: int, block_n: int, block_g: int) -> int:
@@ -609,19 +620,52 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
         BLOCK_N=block_n, BLOCK_G=block_g, PARTIAL=split > 1, USE_ASM=asm, num_warps=warps,
         EVEN=(n % block_n == 0 and g % block_g == 0 and xw.shape[1] == 4 * g))
     if split > 1:
-        ternary_gemv_x16_reduce_kernel[(m, runtime.cdiv(n, X16_REDUCE_BLOCK))](
-            part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=X16_REDUCE_BLOCK, num_warps=4)
+        split_k_reduce_kernel[(m, runtime.cdiv(n, SPLIT_REDUCE_BLOCK))](
+            part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)
 
 
-def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y):
-    """Prefill launcher (check calling convention): one program per output tile."""
+# Split-K for the tensor-core kernel at a few rows: at M = 16, K = N = 8192 its small-M
+# tiles make 128-256 programs for 132 SMs, each walking all of K (27.9 µs on the H200,
+# 0.6 TB/s; 2026-12-02). Splits are multiples of the largest BLOCK_Q, each at least
+# MM_MIN_SPLIT_Q packed columns (4 weights each) long.
+MM_SPLIT_MAX_M = 16
+MM_MIN_SPLIT_Q = 512
+MM_MAX_SPLIT = 8
+MM_SPLIT_ALIGN = 256        # the largest BLOCK_Q of the tensor-core configs
+
+
+def mm_split_k(m: int, n: int, q: int) -> int:
+    """Split-K factor for :func:`ternary_mm_into`: 1 above MM_SPLIT_MAX_M rows; else
+    enough programs for about four per SM (runtime.num_sms(); 132 without a GPU),
+    counting 64-column tiles, within MM_MIN_SPLIT_Q and MM_MAX_SPLIT. Depends only on
+    the shapes, so an autotuner key (M bucket, N, K) always meets the same split."""
+    if m > MM_SPLIT_MAX_M:
+        return 1
+    want = runtime.cdiv(4 * runtime.num_sms(), runtime.cdiv(n, 64))
+    return max(1, min(want, q // MM_MIN_SPLIT_Q, MM_MAX_SPLIT))
+
+
+def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=None):
+    """Prefill launcher (check calling convention): one program per output tile (and per
+    split of K: ``split_k`` None chooses with :func:`mm_split_k`, 1 is one pass; s > 1
+    adds a deterministic reduce over an [s, M, N] int32 workspace)."""
     m, k = x_q.shape
     n, q = w_packed.shape
-    grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    split = mm_split_k(m, n, q) if split_k is None else split_k
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
+    q_split = runtime.cdiv(runtime.cdiv(q, split), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
+    split = runtime.cdiv(q, q_split)                          # no empty splits
+    part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
+    grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     bucket = _m_bucket(m)
-    runtime.launch_tuned(_ternary_mm_tuned, grid, (bucket, n, k, y.dtype),
-                         x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
-                         x_q.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
+    runtime.launch_tuned(_ternary_mm_tuned, grid, (bucket, n, k, y.dtype, split),
+                         x_q, x_scale, w_packed, w_scale, y, part, m, n, k, q, q_split,
+                         x_q.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot(),
+                         PARTIAL=split > 1)
+    if split > 1:
+        split_k_reduce_kernel[(m, runtime.cdiv(n, SPLIT_REDUCE_BLOCK))](
+            part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)
 
 
 UNPACK_BLOCK_N, UNPACK_BLOCK_Q = 32, 128

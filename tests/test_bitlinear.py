@@ -114,6 +114,33 @@ def test_unpacked_and_per_tile_prefill_agree_exactly(device):
     assert torch.equal(ys[0], ys[1])         # the same integer sums, the same scaling
 
 
+@pytest.mark.parametrize("m, k, n, split", [(3, 2100, 20, 2), (16, 4099, 33, 5), (2, 1030, 7, 3)])
+def test_tensor_core_split_k_is_bit_identical_to_one_pass(device, m, k, n, split):
+    """Split-K for a few rows: exact int32 partial sums, added in order and scaled once,
+    give the same bits as one pass (the last split shorter than the others, K not /4)."""
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    x_q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8).to(device)
+    x_scale = (torch.rand(m, generator=gen) + 0.5).to(device)
+    w_t = (torch.randint(0, 3, (n, k), generator=gen) - 1).to(torch.int8).to(device)
+    w_packed, w_scale = bl.pack_ternary(w_t), torch.tensor([0.7], device=device)
+    ys = [torch.full((m, n), float("nan"), device=device) for _ in range(2)]
+    bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[0], split_k=1)
+    bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[1], split_k=split)
+    assert torch.equal(ys[0], ys[1])
+    ref = bl.ternary_matmul_ref(x_q, x_scale, w_t, w_scale)
+    torch.testing.assert_close(ys[1].double(), ref, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="split_k"):
+        bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[1], split_k=0)
+
+
+def test_tensor_core_split_k_only_for_few_rows_and_long_k(monkeypatch):
+    monkeypatch.setattr(bl.runtime, "num_sms", lambda: 132)
+    assert bl.mm_split_k(16, 8192, 2048) == 4          # 128 tiles of 64 columns: split in four
+    assert bl.mm_split_k(17, 8192, 2048) == 1          # more rows: tiles enough, no split
+    assert bl.mm_split_k(16, 8192, 300) == 1           # K too short to split
+    assert bl.mm_split_k(1, 256, 8192) == bl.MM_MAX_SPLIT
+
+
 @pytest.mark.parametrize("lead, k, n", [((1,), 5, 3), ((2, 3), 301, 40), ((20,), 130, 17)]
                          + ([((4, 1000), 4099, 3001)] if on_gpu() else []))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
