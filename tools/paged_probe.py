@@ -8,6 +8,9 @@ median, L2 flushed). Prints one line per configuration, best first, and what pla
 the autotuner chose.
 
     python tools/paged_probe.py [--quick]
+
+A probe, not a user of the package: it swaps one-config autotuners into `paged`'s tuning
+table (`_decode_tuned`) for each measurement and puts the originals back.
 """
 import sys
 from pathlib import Path
