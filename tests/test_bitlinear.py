@@ -115,15 +115,12 @@ def test_unpacked_and_per_tile_prefill_agree_exactly(device):
 
 
 @pytest.mark.parametrize("m, k, n, split", [(3, 2100, 20, 2), (16, 4099, 33, 5), (2, 1030, 7, 3)])
-def test_tensor_core_split_k_is_bit_identical_to_one_pass(device, m, k, n, split):
+def test_tensor_core_split_k_is_bit_identical_to_one_pass(m, k, n, split):
     """Split-K for a few rows: exact int32 partial sums, added in order and scaled once,
     give the same bits as one pass (the last split shorter than the others, K not /4)."""
-    gen = torch.Generator().manual_seed(m * 100 + k)
-    x_q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8).to(device)
-    x_scale = (torch.rand(m, generator=gen) + 0.5).to(device)
-    w_t = (torch.randint(0, 3, (n, k), generator=gen) - 1).to(torch.int8).to(device)
-    w_packed, w_scale = bl.pack_ternary(w_t), torch.tensor([0.7], device=device)
-    ys = [torch.full((m, n), float("nan"), device=device) for _ in range(2)]
+    x_q, x_scale, w_t, w_scale = _x16_problem(m, k, n, seed=m * 100 + k)
+    w_packed = bl.pack_ternary(w_t)
+    ys = [torch.full((m, n), float("nan"), device=x_q.device) for _ in range(2)]
     bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[0], split_k=1)
     bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[1], split_k=split)
     assert torch.equal(ys[0], ys[1])
