@@ -41,6 +41,10 @@ def test_gemv_bench_without_gpu_and_dry_run(tmp_path, capsys):
     bench = _load("ternary-gemv-bench")
     with pytest.raises(SystemExit):
         bench.parse_args([])                             # OUTDIR is required
+    assert bench.parse_args(["o", "--shapes", "16x4096x14336,1X8X4"]).shapes == [(16, 4096, 14336), (1, 8, 4)]
+    for bad in ("16x4096", "16x0x4", "a,b"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["o", "--shapes", bad])
     if gpulab.mode() == "compiled":
         pytest.skip("the no-GPU refusal and the interpreter dry run are for CPU machines")
     assert bench.main([str(tmp_path / "none")]) == 2

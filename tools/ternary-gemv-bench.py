@@ -2,7 +2,7 @@
 and bf16 F.linear, on the same tensors.
 
 usage (repository root, on the H200; offline is fine):
-    PYTHONPATH=$PWD python tools/ternary-gemv-bench.py OUTDIR [--quick] [--no-graph]
+    PYTHONPATH=$PWD python tools/ternary-gemv-bench.py OUTDIR [--quick] [--no-graph] [--shapes MxNxK,...]
 
 For each shape (M=1: K=N=8192, K=N=4096, N=14336 K=4096, N=4096 K=14336; M=16 K=N=8192) it
 first checks that the int32x16 GEMV (dp4a and portable twin, every split) gives the same
@@ -56,11 +56,23 @@ CONFIGS = [bl.X16_CONFIG] + [c for c in ({"BLOCK_N": 16, "BLOCK_G": 64, "num_war
           {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}) if c != bl.X16_CONFIG]   # the default first, once
 
 
+def parse_shapes(text):
+    try:
+        shapes = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"shapes are MxNxK,... with positive sizes, got {text!r}")
+    return shapes
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outdir", type=Path, help="directory for ternary_gemv_bench.json")
     ap.add_argument("--quick", action="store_true", help="default config and auto split only")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--shapes", type=parse_shapes, default=None,
+                    help='MxNxK,... instead of the default shapes (e.g. "16x4096x14336,16x14336x4096")')
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU needed: call every variant once on tiny shapes in the current mode, time nothing")
     return ap.parse_args(argv)
@@ -204,7 +216,7 @@ def main(argv=None) -> int:
            "gpulab_x16_config": dict(bl.X16_CONFIG), "shapes": []}
     if args.dry_run:
         doc["what"] = "DRY RUN, nothing timed: " + doc["what"]
-    for m, n, k in (DRY_SHAPES if args.dry_run else SHAPES):
+    for m, n, k in (DRY_SHAPES if args.dry_run else args.shapes or SHAPES):
         print(f"== M={m} N={n} K={k}", flush=True)
         try:
             doc["shapes"].append(bench_shape(m, n, k, args.quick, None if args.dry_run else not args.no_graph))
