@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
-                         ternary_gemv_x16_into, ternary_matmul_into, ternary_matmul_ref, ternary_mm_into,
-                         ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize, unpack_ternary,
-                         unpack_ternary_x16)
+                         ternary_gemv_x16_into, ternary_matmul, ternary_matmul_into, ternary_matmul_ref,
+                         ternary_mm_into, ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize,
+                         unpack_ternary, unpack_ternary_x16)
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
@@ -234,7 +234,7 @@ _MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), 
 
 
 def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_matmul_inputs,
-                 bytes_moved=_matmul_bytes, baselines=None, **extra) -> KernelSpec:
+                 bytes_moved=_matmul_bytes, baselines=None, bench_impl=None, **extra) -> KernelSpec:
     """The matmul specs differ only in which launcher runs, on which shapes, and (int32x16)
     in how the weights are packed."""
     return KernelSpec(
@@ -245,7 +245,7 @@ def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_ma
         dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
         tolerances=_MATMUL_TOLERANCES, bytes_moved=bytes_moved, **extra,
         flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"], compute_ceiling="int8_ops_per_s",
-        baselines=baselines or {"torch bf16 F.linear": _bf16_linear}, bench_impl=_bench_with(launcher),
+        baselines=baselines or {"torch bf16 F.linear": _bf16_linear}, bench_impl=bench_impl or _bench_with(launcher),
         bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 
 
@@ -266,7 +266,12 @@ TERNARY_MATMUL = _matmul_spec(
              Case("prefill, two K steps", dict(m=20, k=257, n=65))],
      "gpu": [Case("decode", dict(m=1, k=13, n=9)), Case("prefill, K not /4", dict(m=37, k=301, n=70)),
              Case("prefill ragged", dict(m=1000, k=4099, n=3001)), Case("M=17", dict(m=17, k=2048, n=512))],
-     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]})
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (1, 16, 4096)]},
+    # benchmarks lead with the public function as a user calls it (output allocated per call)
+    bench_impl=lambda inp: ternary_matmul(inp["x_q"], inp["x_scale"], inp["w_packed"], inp["w_scale"]),
+    baselines={"torch bf16 F.linear": _bf16_linear,
+               "ternary_matmul_into (launcher, output preallocated)": _bench_with(ternary_matmul_into)},
+    notes="gpulab = ternary_matmul as called")
 
 TERNARY_MM = _matmul_spec(
     "ternary_mm", "int8 × 2-bit ternary matmul, tensor-core path only (prefill)", ternary_mm_into,
