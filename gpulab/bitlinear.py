@@ -624,36 +624,24 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
             part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)
 
 
-# Split-K for the tensor-core kernel at a few rows: at M = 16, K = N = 8192 its small-M
-# tiles make 128-256 programs for 132 SMs, each walking all of K (27.9 µs on the H200,
-# 0.6 TB/s; 2026-12-02). Splits are multiples of the largest BLOCK_Q, each at least
-# MM_MIN_SPLIT_Q packed columns (4 weights each) long.
-MM_SPLIT_MAX_M = 16
-MM_MIN_SPLIT_Q = 512
-MM_MAX_SPLIT = 8
-MM_SPLIT_ALIGN = 256        # the largest BLOCK_Q of the tensor-core configs
+# Split-K for the tensor-core kernel (opt-in): at M = 16, K = N = 8192 its tiles make
+# 128-256 programs for 132 SMs, each walking all of K, so splitting K looked like more work
+# in flight. Measured on the H200 (2026-12-02, M = 16, in a CUDA graph) it lost at every
+# shape tried: 29.7 vs 27.9 µs one pass at 8192 x 8192, 29.0 vs 25.1 µs at N 4096 x K 14336,
+# 28.2 vs 27.8 µs at N 14336 x K 4096 (the workspace round trip and the reduce launch cost
+# more than the extra programs gain). Splits are multiples of the largest BLOCK_Q.
+MM_SPLIT_ALIGN = 256
 
 
-def mm_split_k(m: int, n: int, q: int) -> int:
-    """Split-K factor for :func:`ternary_mm_into`: 1 above MM_SPLIT_MAX_M rows; else
-    enough programs for about four per SM (runtime.num_sms(); 132 without a GPU),
-    counting 64-column tiles, within MM_MIN_SPLIT_Q and MM_MAX_SPLIT. Depends only on
-    the shapes, so an autotuner key (M bucket, N, K) always meets the same split."""
-    if m > MM_SPLIT_MAX_M:
-        return 1
-    want = runtime.cdiv(4 * runtime.num_sms(), runtime.cdiv(n, 64))
-    return max(1, min(want, q // MM_MIN_SPLIT_Q, MM_MAX_SPLIT))
-
-
-def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=None):
+def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1):
     """Prefill launcher (check calling convention): one program per output tile (and per
-    split of K: ``split_k`` None chooses with :func:`mm_split_k`, 1 is one pass; s > 1
-    adds a deterministic reduce over an [s, M, N] int32 workspace)."""
+    split of K: ``split_k`` 1, the default, is one pass; s > 1 adds a deterministic reduce
+    over an [s, M, N] int32 workspace, slower on the H200: see MM_SPLIT_ALIGN's note)."""
     m, k = x_q.shape
     n, q = w_packed.shape
-    split = mm_split_k(m, n, q) if split_k is None else split_k
+    split = split_k
     if not isinstance(split, int) or split < 1:
-        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
+        raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
     q_split = runtime.cdiv(runtime.cdiv(q, split), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
     split = runtime.cdiv(q, q_split)                          # no empty splits
     part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y

@@ -130,14 +130,6 @@ def test_tensor_core_split_k_is_bit_identical_to_one_pass(m, k, n, split):
         bl.ternary_mm_into(x_q, x_scale, w_packed, w_scale, ys[1], split_k=0)
 
 
-def test_tensor_core_split_k_only_for_few_rows_and_long_k(monkeypatch):
-    monkeypatch.setattr(bl.runtime, "num_sms", lambda: 132)
-    assert bl.mm_split_k(16, 8192, 2048) == 4          # 128 tiles of 64 columns: split in four
-    assert bl.mm_split_k(17, 8192, 2048) == 1          # more rows: tiles enough, no split
-    assert bl.mm_split_k(16, 8192, 300) == 1           # K too short to split
-    assert bl.mm_split_k(1, 256, 8192) == bl.MM_MAX_SPLIT
-
-
 @pytest.mark.parametrize("lead, k, n", [((1,), 5, 3), ((2, 3), 301, 40), ((20,), 130, 17)]
                          + ([((4, 1000), 4099, 3001)] if on_gpu() else []))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

@@ -165,11 +165,10 @@ def bench_shape(m, n, k, quick, graph):
     add("ternary_gemv_x16_into (portable twin compiled, auto split)", "int32x16",
         lambda: bl.ternary_gemv_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out, asm=False))
     if m > 1:   # ternary_matmul sends M > 1 to the tensor-core kernels: time both layouts' own
-        add("ternary_mm_into (uint8x4 tensor cores)", "uint8x4",
-            lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out),
-            split_k=bl.mm_split_k(m, n, p["w8"].shape[1]))
-        add("ternary_mm_into (uint8x4 tensor cores, one pass: split_k=1)", "uint8x4",
-            lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out, split_k=1), split_k=1)
+        add("ternary_mm_into (uint8x4 tensor cores, one pass)", "uint8x4",
+            lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out), split_k=1)
+        add("ternary_mm_into (uint8x4 tensor cores, split_k=4)", "uint8x4",
+            lambda: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out, split_k=4), split_k=4)
         add("ternary_mm_x16_into (int32x16 tensor cores)", "int32x16",
             lambda: bl.ternary_mm_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out))
         # the first as-called row autotunes the tensor-core kernel; timed again once tuned

@@ -246,6 +246,7 @@ def _matmul_spec(name: str, summary: str, launcher, cases: dict, make_inputs=_ma
         tolerances=_MATMUL_TOLERANCES, bytes_moved=bytes_moved, **extra,
         flops=lambda p, dtype: 2 * p["m"] * p["n"] * p["k"], compute_ceiling="int8_ops_per_s",
         baselines=baselines or {"torch bf16 F.linear": _bf16_linear}, bench_impl=bench_impl or _bench_with(launcher),
+        compile_baselines=("torch bf16 F.linear",),      # the others are gpulab's or cuBLAS's own
         bench_dtypes=[torch.bfloat16], read_inputs=("x_q", "x_scale", "w_packed"))
 
 
