@@ -33,6 +33,17 @@ def test_notebooks_get_an_html_table_with_every_row():
     assert repr(table) == bench.format_table(r)
 
 
+def test_a_roofline_left_out_shows_as_a_dash_and_the_note_says_why():
+    r = json.loads(json.dumps(bench.load("softmax")))
+    r["rows"][0]["roofline_pct"] = None
+    r["note"] = "ceiling not trusted in this run"
+    text, md, html = bench.format_table(r), bench.markdown(r), bench.BenchTable(r)._repr_html_()
+    assert all("ceiling not trusted in this run" in t for t in (text, md, html))
+    first_row = next(line for line in text.splitlines() if line.startswith(r["rows"][0]["case"]))
+    assert " — " in first_row and "| — |" in md and "<td>—</td>" in html
+    assert "None" not in text + md + html
+
+
 def test_log_axis_ticks_are_the_plotted_values_as_plain_numbers():
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots()
