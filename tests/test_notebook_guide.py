@@ -53,3 +53,13 @@ def test_guide_line_states_only_measured_run_times():
     assert not authoring.fill_guide(nb, "99_x.ipynb", times)          # idempotent
     assert nb.cells[0].source.count(authoring.GUIDE_PREFIX) == 1
     assert "Prerequisites: none." in authoring.guide_line(_nb(100, 2), "99_x.ipynb", {})
+
+
+def test_numbered_sections_run_without_gaps():
+    # a section dropped or merged must not leave "## 3." followed by "## 5.": learners
+    # (and the text's own "see section 4") rely on the numbers
+    for path in SOLUTIONS:
+        nb = nbformat.read(path, as_version=4)
+        numbers = [int(m.group(1)) for cell in nb.cells if cell.cell_type == "markdown"
+                   for m in re.finditer(r"^## (\d+)\.", cell.source, re.M)]
+        assert numbers == list(range(1, len(numbers) + 1)), (path.name, numbers)
