@@ -636,7 +636,7 @@ MM_SPLIT_ALIGN = 256
 def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1):
     """Prefill launcher (check calling convention): one program per output tile (and per
     split of K: ``split_k`` 1, the default, is one pass; s > 1 adds a deterministic reduce
-    over an [s, M, N] int32 workspace, slower on the H200: see MM_SPLIT_ALIGN's note)."""
+    over an [s, M, N] int32 workspace, slower on the H200: see the note above)."""
     m, k = x_q.shape
     n, q = w_packed.shape
     split = split_k

@@ -356,7 +356,8 @@ def table_html(result: dict) -> str:
         if "error" in r:
             right = [f'<td colspan="5">{html.escape(r["error"])}</td>']
         else:
-            graph = " (CUDA graph)" if r.get("timing", "").startswith("CUDA graph") else ""
+            graph = (f" (CUDA graph; as called {r['ms_launched'] * 1e3:.1f} µs)" if r.get("ms_launched")
+                     else " (CUDA graph)") if r.get("timing", "").startswith("CUDA graph") else ""
             right = [f"<td>{v}</td>" for v in (
                 f"{r['ms'] * 1e3:.1f} µs{graph}", f"{r.get('GB/s', 0):.0f}", f"{r.get('TFLOP/s', 0):.1f}",
                 _pct(r), f"{r.get('speedup_vs_this', float('nan')):.2f}")]
