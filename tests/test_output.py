@@ -77,3 +77,19 @@ def test_expected_interpreter_warnings_are_silenced_for_their_spec_only():
 def test_a_passing_split_kv_check_prints_no_warning(recwarn):
     gpulab.check("split_kv_reduce", gpulab.get_spec("split_kv_reduce").implementation)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_bench_cli_shows_saved_figures_without_a_gpu_and_names_what_it_lacks(capsys):
+    if gpulab.mode() == "compiled":
+        pytest.skip("without a GPU the command shows saved figures; with one it measures")
+    assert bench.main(["ternary_matmul"]) == 2
+    out, err = capsys.readouterr()
+    assert "needs a GPU" in err and "gpulab bench --markdown NAME" in err
+    assert out.startswith("ternary_matmul on NVIDIA H200")
+    assert bench.main(["--markdown", "rmsnorm_quant"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("### ") == 1 and out.startswith("### rmsnorm_quant\n")
+    assert bench.main(["no_such_kernel"]) == 2
+    assert "no kernel spec named no_such_kernel (gpulab bench --list" in capsys.readouterr().err
+    assert bench.main(["--markdown", "no_such_kernel"]) == 2
+    assert "no saved results for no_such_kernel; saved: " in capsys.readouterr().err

@@ -413,20 +413,31 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print saved results as markdown tables")
     a = p.parse_args(argv)
+    saved = {path.stem: path for path in sorted(RESULTS.glob("*.json"))}
     if a.markdown:
-        for path in sorted(RESULTS.glob("*.json")):
-            print(markdown(json.loads(path.read_text())) + "\n")
+        missing = [n for n in a.kernels if n not in saved]
+        if missing:
+            print(f"no saved results for {', '.join(missing)}; saved: {', '.join(saved)}", file=sys.stderr)
+            return 2
+        for name in a.kernels or saved:
+            print(markdown(json.loads(saved[name].read_text())) + "\n")
         return 0
     specs = all_specs()
     if a.list:
         for n, s in sorted(specs.items()):
             print(f"{n:28} {s.summary}")
         return 0
+    unknown = [n for n in a.kernels if n not in specs]
+    if unknown:
+        print(f"no kernel spec named {', '.join(unknown)} (gpulab bench --list names them)", file=sys.stderr)
+        return 2
     names = a.kernels or [n for n, s in sorted(specs.items()) if s.cases.get("bench")]
     try:
         require_gpu("gpulab bench")
-    except InterpreterTiming as e:
-        print(e, file=sys.stderr)
+    except InterpreterTiming as e:       # show what was measured on a GPU instead
+        print(f"{e}\nSaved figures follow (as markdown: gpulab bench --markdown NAME).\n", file=sys.stderr)
+        for n in (n for n in names if n in saved):
+            print(format_table(json.loads(saved[n].read_text())) + "\n")
         return 2
     for n in names:
         result = run(n, compile_baselines=not a.no_compile)
