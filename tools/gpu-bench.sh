@@ -8,7 +8,8 @@
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary (GARGS=--quick:
 #   no sweep),
-#   rerun (tools/rerun-benchmarks.py --memory), prefill, lab, profile (tools/profile-all.sh),
+#   rerun (tools/rerun-benchmarks.py --memory; RNAMES="spec ..." those specs only, e.g.
+#   RNAMES="ternary_matmul rmsnorm_quant"), prefill, lab, profile (tools/profile-all.sh),
 #   piecewise (tools/piecewise_bench.py), scan (tools/mlgru_scan_bench.py), rmsnorm-probe
 #   (tools/lab_rmsnorm_probe.py: rmsnorm_quant's variants, hand-written and lab), paged-probe
 #   (tools/paged_probe.py: paged decode's partitions and tiles in a CUDA graph against FlashInfer). LABARGS= extra
@@ -49,7 +50,11 @@ for job in "${@:-engine attention speculative}"; do
       attention) run attention "${AT:-300}" python3 tools/attention_bench.py "$b/attention" ${ANAMES:-} ;;
       speculative) run speculative "${ST:-240}" python3 tools/speculative_bench.py "$b/speculative" --quick ;;
       ternary) run ternary "${GT:-120}" python3 tools/ternary-gemv-bench.py "$b/ternary" ${GARGS:-} ;;
-      rerun) run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory ;;
+      rerun) if [ -n "${RNAMES:-}" ]; then      # some specs only (no activation-memory run)
+               run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" $RNAMES
+             else
+               run rerun "${RT:-180}" python3 tools/rerun-benchmarks.py "$b/rerun" --memory
+             fi ;;
       prefill) run prefill "${PT:-120}" python3 tools/prefill_gpu.py "$b/prefill" --quick ;;
       lab) run lab "${LT:-300}" python3 tools/lab-bench.py "$b/lab" ${LABARGS:-} ;;
       lab-planted) run lab-planted "${LT:-300}" python3 tools/lab-bench.py "$b/lab-planted" --tasks "" --no-suite \
