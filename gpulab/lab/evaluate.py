@@ -245,7 +245,7 @@ class WorkerPool:
 
     def close(self) -> None:
         # kill every spare first, then wait: a CUDA process takes seconds to tear down,
-        # and waiting for each in turn kept lab-bench ~20 s past its last line
+        # and waiting for each in turn kept lab-bench 16 s and more past its last line
         for w in self.spares:
             w.kill()
         deadline = time.monotonic() + 5
