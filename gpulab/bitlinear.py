@@ -639,10 +639,9 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1):
     over an [s, M, N] int32 workspace, slower on the H200: see the note above)."""
     m, k = x_q.shape
     n, q = w_packed.shape
-    split = split_k
-    if not isinstance(split, int) or split < 1:
+    if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    q_split = runtime.cdiv(runtime.cdiv(q, split), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
+    q_split = runtime.cdiv(runtime.cdiv(q, split_k), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
     split = runtime.cdiv(q, q_split)                          # no empty splits
     part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
