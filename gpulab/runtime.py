@@ -213,18 +213,25 @@ def tuning_configs(configs: list) -> list:
 
 # (autotuner, key) -> the launch arguments of the configuration it chose
 _TUNED_CHOICES: dict = {}
+# (autotuner, key) -> its DirectLaunch (compiled mode): the chosen kernel's compiled forms
+_DIRECT: dict = {}
 
 
 def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel, without the
-    autotuner's wrapper once it has chosen for ``key``.
+    autotuner's wrapper or Triton's launch path once it has chosen for ``key``.
 
     The wrapper rebuilds a dict of every argument and its key from them on every call:
     16 µs of host time per launch with 30 arguments on this repository's CPU (Triton 3.8),
     which a decode call pays per kernel while the GPU waits. The first call of a ``key``
-    goes through the autotuner (tuning if it must); later ones launch the kernel with
-    the configuration it chose. ``key`` (hashable) must determine the autotuner's own key:
-    the values of its key arguments and the dtypes of the tensor arguments."""
+    goes through the autotuner (tuning if it must); later ones launch the configuration
+    it chose, compiled, through :class:`DirectLaunch`. ``key`` (hashable) must determine
+    the autotuner's own key: the values of its key arguments and the dtypes of the
+    tensor arguments."""
+    direct = _DIRECT.get((kernel, key))
+    if direct is not None:
+        direct(grid, args, kwargs)
+        return
     choice = _TUNED_CHOICES.get((kernel, key))
     if choice is not None:
         kernel.fn[grid](*args, **kwargs, **choice)
@@ -234,7 +241,96 @@ def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
     # (the compile check compiles several configurations on each call)
     config = getattr(kernel, "best_config", None)
     if config is not None and config.pre_hook is None and not COMPILE_ONLY:
-        _TUNED_CHOICES[(kernel, key)] = config.all_kwargs()
+        _TUNED_CHOICES[(kernel, key)] = choice = config.all_kwargs()
+        if not interpreting():
+            _DIRECT[(kernel, key)] = DirectLaunch(kernel.fn, choice)
+
+
+def _arg_class(v):
+    """What Triton specialises a kernel argument on (or something finer): an int's
+    equality to 1, divisibility by 16 and width; a tensor's dtype and 16-byte alignment;
+    the type of a float or bool; any other value itself."""
+    t = type(v)
+    if t is int:
+        return (v == 1) | (v & 15 == 0) << 1 | (-0x80000000 <= v <= 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3
+    if t is float or t is bool:
+        return t
+    if hasattr(v, "data_ptr"):
+        return v.dtype, v.data_ptr() & 15 == 0
+    return v
+
+
+class DirectLaunch:
+    """Launch one configuration of a ``@triton.jit`` kernel through its compiled form.
+
+    ``fn[grid](*args)`` binds every argument into a dict, specialises each one, builds
+    a cache key as a string and launch metadata for profiler hooks before the launch
+    itself: tens of µs of host time on a GPU host, more than a decode GEMV runs. Here
+    the first call of each argument class goes through ``fn[grid]`` (which compiles
+    if it must) and keeps the compiled kernel it returns; later calls of the same class
+    (:func:`_arg_class` of every argument: the same compiled specialisation) call its
+    launcher directly. Triton's own path is taken whenever a launch hook is set (a
+    profiler such as Proton), a ``pre_run_hook`` or a keyword argument that is not a
+    constexpr is given, or the internals used here are missing (another Triton)."""
+
+    def __init__(self, fn, choice: dict):
+        self.fn, self.choice = fn, choice
+        self.meta = dict(choice)                       # what a grid function reads
+        self.compiled: dict = {}                       # argument classes -> launch parts
+        self.constexpr = frozenset(getattr(fn, "constexprs", ()))
+        try:
+            from triton import knobs
+            from triton.runtime import driver
+            self.hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            self.current_device = driver.active.get_current_device
+            self.current_stream = driver.active.get_current_stream
+            self.usable = all(hasattr(h, "calls") for h in self.hooks) and hasattr(fn, "params")
+        except Exception:                               # no driver, or another Triton
+            self.usable = False
+
+    def _triton_launch(self, grid, args, kwargs):
+        return self.fn[grid](*args, **kwargs, **self.choice)
+
+    def __call__(self, grid, args: tuple, kwargs: dict) -> None:
+        if not self.usable or self.hooks[0].calls or self.hooks[1].calls or self.fn.pre_run_hooks:
+            self._triton_launch(grid, args, kwargs)
+            return
+        device = self.current_device()
+        try:
+            key = (device, tuple(map(_arg_class, args)), tuple(kwargs.items()),
+                   tuple(args[i] for i in self.constexpr if i < len(args)))
+            parts = self.compiled.get(key)
+        except TypeError:                               # an unhashable argument
+            self._triton_launch(grid, args, kwargs)
+            return
+        if parts is None:
+            compiled = self._triton_launch(grid, args, kwargs)
+            self.compiled[key] = self._parts(compiled, args, kwargs)
+            return
+        if parts is False:                              # this class always takes Triton's path
+            self._triton_launch(grid, args, kwargs)
+            return
+        run, function, metadata, tail = parts
+        if callable(grid):
+            meta = self.meta if not kwargs else {**self.meta, **kwargs}
+            grid = grid(meta)
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.current_stream(device),
+            function, metadata, None, None, None, *args, *tail)
+
+    def _parts(self, compiled, args, kwargs):
+        """(launcher, function, packed metadata, trailing constexpr arguments) of a
+        compiled kernel, or False where it cannot be launched directly."""
+        params = self.fn.params
+        rest = params[len(args):]
+        if not all(p.is_constexpr for p in rest) or not all(
+                p.is_constexpr for p in params if p.name in kwargs):
+            return False
+        try:
+            tail = tuple(kwargs.get(p.name, self.choice.get(p.name, p.default)) for p in rest)
+            return compiled.run, compiled.function, compiled.packed_metadata, tail
+        except AttributeError:
+            return False
 
 
 def fast() -> bool:

@@ -224,3 +224,76 @@ def test_launch_tuned_asks_the_autotuner_once_per_key_then_launches_its_choice(m
     for _ in range(2):
         runtime.launch_tuned(compiling, (1,), "compile", K=1)
     assert [entry[0] for entry in compiling.log] == ["autotuner", "autotuner"]
+
+
+def test_direct_launch_reuses_a_compiled_kernel_only_for_its_argument_class():
+    """DirectLaunch launches the compiled kernel Triton returned for the same argument
+    class (an int's 1 / multiple of 16 / width, a tensor's dtype and 16-byte alignment,
+    a constexpr's value) and goes through Triton's path for a new class, a launch hook,
+    a pre-run hook or a keyword argument that is not a constexpr."""
+    import types
+
+    import torch
+    from triton import knobs
+
+    log = []
+
+    class Compiled:
+        def __init__(self, n):
+            self.function, self.packed_metadata, self.n = f"function{n}", f"meta{n}", n
+
+        @property
+        def run(self):
+            return lambda *a: log.append(("direct", self.n, a))
+
+    def param(name, constexpr=False, default=None):
+        return types.SimpleNamespace(name=name, is_constexpr=constexpr, default=default)
+
+    class Fn:
+        params = [param("x"), param("n"), param("SCALE", True), param("FLAG", True, default=0),
+                  param("BLOCK", True)]
+        constexprs = [2, 3, 4]
+        pre_run_hooks = []
+
+        def __getitem__(self, grid):
+            def triton_path(*args, **kwargs):
+                compiled = Compiled(len([e for e in log if e[0] == "triton"]))
+                log.append(("triton", compiled.n, grid, args, kwargs))
+                return compiled
+            return triton_path
+
+    launch = runtime.DirectLaunch(Fn(), {"BLOCK": 64})
+    launch.usable, launch.current_device, launch.current_stream = True, lambda: 0, lambda device: "stream"
+    x = torch.zeros(64)
+    grid = lambda meta: (meta["BLOCK"], 2)  # noqa: E731
+
+    def call(*args, **kwargs):
+        launch(grid, args, kwargs)
+        return log[-1]
+
+    first = call(x, 32, 1.0)
+    assert first[0] == "triton" and first[4] == {"BLOCK": 64}
+    again = call(x, 48, 1.0)                             # same class: 48 is a multiple of 16 too
+    assert again[:2] == ("direct", 0)
+    assert again[2] == (64, 2, 1, "stream", "function0", "meta0", None, None, None, x, 48, 1.0, 0, 64)
+    for args in ((x, 33, 1.0), (x, 1, 1.0), (x[1:], 32, 1.0), (x.half(), 32, 1.0), (x, 32, 2.0), (x, 1 << 40, 1.0)):
+        assert call(*args)[0] == "triton", args            # a new class (or constexpr value) compiles
+        assert call(*args)[0] == "direct", args
+    assert call(x, 32, 1.0, FLAG=1)[0] == "triton"        # a constexpr keyword is part of the class
+    assert call(x, 32, 1.0, FLAG=1)[0] == "direct"
+
+    knobs.runtime.launch_enter_hook.add(hook := lambda metadata: None)
+    try:
+        assert call(x, 32, 1.0)[0] == "triton"           # a profiler sees every launch
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    Fn.pre_run_hooks.append(lambda *a, **k: None)
+    assert call(x, 32, 1.0)[0] == "triton"
+    Fn.pre_run_hooks.clear()
+    assert call(x, 32, 1.0)[0] == "direct"
+
+    not_constexpr = runtime.DirectLaunch(Fn(), {"BLOCK": 64})
+    not_constexpr.usable, not_constexpr.current_device = True, lambda: 0
+    for _ in range(2):                                   # n given by keyword: never direct
+        not_constexpr(grid, (x,), {"n": 32, "SCALE": 1.0})
+        assert log[-1][0] == "triton"

@@ -1,0 +1,95 @@
+"""Where the host time of one decode call goes (GPU only): ``ternary_matmul`` at M=1
+taken apart into its checks, its allocation, Triton's launch path and the compiled
+kernel's own launcher. A probe, not a benchmark: it reaches into Triton's
+``JITFunction`` and ``CompiledKernel`` internals (3.6-3.8) to time their parts.
+
+    python tools/launch_probe.py [--n 8192] [--out probe.json]
+"""
+import argparse
+import json
+import platform
+import subprocess
+
+import torch
+import torch.nn.functional as F
+
+import gpulab
+from gpulab import bitlinear, runtime
+from gpulab.harness.bench import host_us_per_call, time_ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    n = k = a.n
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    w_t, s = bitlinear.ternary_quantize(w)
+    wp = bitlinear.pack_ternary(w_t)
+    ws = s.reshape(1).float()
+    xq = torch.randint(-127, 128, (1, k), device=dev, dtype=torch.int8)
+    xs = torch.rand(1, device=dev) + 0.5
+    y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+    bitlinear.ternary_matmul(xq, xs, wp, ws)          # tune and compile
+    kern = bitlinear._ternary_gemv
+    choice = runtime._TUNED_CHOICES[(kern, (n, k, y.dtype))]
+    q = wp.shape[1]
+    args = (xq, xs, wp, ws, y, n, k, q, xq.stride(0), wp.stride(0), y.stride(0))
+    grid = (1, runtime.cdiv(n, choice["BLOCK_N"]))
+    compiled = kern.fn[grid](*args, **choice)
+    device = torch.cuda.current_device()
+    binder = kern.fn.device_caches[device][4]
+    bound, spec, opts = binder(*args, **choice)
+    vals = list(bound.values())
+    stream = torch.cuda.current_stream().cuda_stream
+    from triton import knobs
+    run = compiled.run
+    direct_launch = runtime._DIRECT[(kern, (n, k, y.dtype))]
+
+    def direct():
+        run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None,
+            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *vals)
+
+    def fingerprint():
+        return tuple((v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor) else
+                     (v == 1, v & 15 == 0) if type(v) is int else v for v in args)
+
+    parts = {
+        "F.linear bf16 (host)": lambda: F.linear(x, w),
+        "ternary_matmul as called": lambda: bitlinear.ternary_matmul(xq, xs, wp, ws),
+        "ternary_matmul_into (dispatch + launch_tuned)": lambda: bitlinear.ternary_matmul_into(xq, xs, wp, ws, y),
+        "ternary_gemv_into (launch_tuned)": lambda: bitlinear.ternary_gemv_into(xq, xs, wp, ws, y),
+        "JITFunction[grid](*args, **choice) (Triton's path)": lambda: kern.fn[grid](*args, **choice),
+        "runtime.DirectLaunch": lambda: direct_launch(grid, args, {}),
+        "CompiledKernel.run direct": direct,
+        "binder only": lambda: binder(*args, **choice),
+        "python fingerprint of the args": fingerprint,
+        "runtime._arg_class of the args": lambda: tuple(map(runtime._arg_class, args)),
+        "torch.empty bf16 [1, N]": lambda: torch.empty((1, n), dtype=torch.bfloat16, device=dev),
+        "plainly_valid_matmul_args": lambda: bitlinear.plainly_valid_matmul_args(xq, xs, wp, ws, torch.bfloat16),
+        "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
+        "driver get_current_stream": lambda: __import__("triton").runtime.driver.active.get_current_stream(device),
+    }
+    out = {"gpu": torch.cuda.get_device_name(), "cpu": platform.processor() or "",
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version()},
+           "host_us_per_call": {}, "us_do_bench": {}}
+    try:
+        out["cpu"] = subprocess.run(["bash", "-c", "lscpu | grep 'Model name'"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    for name, fn in parts.items():
+        out["host_us_per_call"][name] = round(host_us_per_call(fn, calls=300, batches=7), 2)
+        print(f"{name:50s} host {out['host_us_per_call'][name]:7.2f} us", flush=True)
+    for name in ("ternary_matmul as called", "ternary_gemv_into (launch_tuned)", "CompiledKernel.run direct",
+                 "JITFunction[grid](*args, **choice) (Triton's path)", "F.linear bf16 (host)"):
+        out["us_do_bench"][name] = round(time_ms(parts[name]) * 1e3, 2)
+        print(f"{name:50s} do_bench {out['us_do_bench'][name]:7.2f} us", flush=True)
+    if a.out:
+        json.dump(out, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
