@@ -252,7 +252,7 @@ def _arg_class(v):
     the type of a float or bool; any other value itself."""
     t = type(v)
     if t is int:
-        return (v == 1) | (v & 15 == 0) << 1 | (-0x80000000 <= v <= 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3
+        return t, v == 1, v & 15 == 0, -0x80000000 <= v <= 0x7FFFFFFF, v >= 1 << 63
     if t is float or t is bool:
         return t
     if hasattr(v, "data_ptr"):
@@ -260,23 +260,49 @@ def _arg_class(v):
     return v
 
 
+def _classifier(args: tuple, constexpr: frozenset):
+    """A function of the argument tuple that returns what :func:`_arg_class` returns for
+    each argument (a constexpr's value itself), written out for the types seen in
+    ``args``: about half the host time of calling :func:`_arg_class` per argument. An
+    int position that receives something else falls back to :func:`_arg_class`; a
+    tensor position that receives something without ``dtype`` and ``data_ptr`` raises
+    AttributeError (the caller then takes Triton's path)."""
+    parts = []
+    for i, v in enumerate(args):
+        if i in constexpr:
+            parts.append(f"a[{i}]")
+        elif type(v) is int:
+            parts.append(f"(int, a[{i}] == 1, a[{i}] & 15 == 0, -0x80000000 <= a[{i}] <= 0x7FFFFFFF, "
+                         f"a[{i}] >= 1 << 63) if type(a[{i}]) is int else arg_class(a[{i}])")
+        elif hasattr(v, "data_ptr") and hasattr(v, "dtype"):
+            parts.append(f"(a[{i}].dtype, a[{i}].data_ptr() & 15 == 0)")
+        else:
+            parts.append(f"arg_class(a[{i}])")
+    namespace = {"arg_class": _arg_class}
+    exec(f"def classify(a):\n    return ({', '.join(parts)},)\n", namespace)
+    return namespace["classify"]
+
+
 class DirectLaunch:
     """Launch one configuration of a ``@triton.jit`` kernel through its compiled form.
 
     ``fn[grid](*args)`` binds every argument into a dict, specialises each one, builds
     a cache key as a string and launch metadata for profiler hooks before the launch
-    itself: tens of µs of host time on a GPU host, more than a decode GEMV runs. Here
-    the first call of each argument class goes through ``fn[grid]`` (which compiles
-    if it must) and keeps the compiled kernel it returns; later calls of the same class
-    (:func:`_arg_class` of every argument: the same compiled specialisation) call its
-    launcher directly. Triton's own path is taken whenever a launch hook is set (a
-    profiler such as Proton), a ``pre_run_hook`` or a keyword argument that is not a
-    constexpr is given, or the internals used here are missing (another Triton)."""
+    itself: 19-29 µs of host time per call on the H200's host (Triton 3.6, the decode
+    GEMV's 11 arguments, `tools/launch_probe.py`), more than the GEMV runs. Here the
+    first call of each argument class goes through ``fn[grid]`` (which compiles if it
+    must) and keeps the compiled kernel it returns; later calls of the same class
+    (:func:`_arg_class` of every argument, a constexpr's value: the same compiled
+    specialisation) call its launcher directly. Triton's own path is taken whenever a
+    launch hook is set (a profiler such as Proton), a ``pre_run_hook`` or a keyword
+    argument that is not a constexpr is given, or the internals used here are missing
+    (another Triton)."""
 
     def __init__(self, fn, choice: dict):
         self.fn, self.choice = fn, choice
         self.meta = dict(choice)                       # what a grid function reads
         self.compiled: dict = {}                       # argument classes -> launch parts
+        self.classifiers: dict = {}                    # number of arguments -> classifier
         self.constexpr = frozenset(getattr(fn, "constexprs", ()))
         try:
             from triton import knobs
@@ -291,14 +317,24 @@ class DirectLaunch:
     def _triton_launch(self, grid, args, kwargs):
         return self.fn[grid](*args, **kwargs, **self.choice)
 
+    def _key(self, device, args: tuple, kwargs: dict):
+        classify = self.classifiers.get(len(args))
+        if classify is None:
+            classify = self.classifiers[len(args)] = _classifier(args, self.constexpr)
+        try:
+            classes = classify(args)
+        except AttributeError:                          # another type where a tensor was
+            classes = ("any",) + tuple(_arg_class(v) if i not in self.constexpr else v
+                                       for i, v in enumerate(args))
+        return device, classes, tuple(kwargs.items()) if kwargs else ()
+
     def __call__(self, grid, args: tuple, kwargs: dict) -> None:
         if not self.usable or self.hooks[0].calls or self.hooks[1].calls or self.fn.pre_run_hooks:
             self._triton_launch(grid, args, kwargs)
             return
         device = self.current_device()
+        key = self._key(device, args, kwargs)
         try:
-            key = (device, tuple(map(_arg_class, args)), tuple(kwargs.items()),
-                   tuple(args[i] for i in self.constexpr if i < len(args)))
             parts = self.compiled.get(key)
         except TypeError:                               # an unhashable argument
             self._triton_launch(grid, args, kwargs)
@@ -312,8 +348,7 @@ class DirectLaunch:
             return
         run, function, metadata, tail = parts
         if callable(grid):
-            meta = self.meta if not kwargs else {**self.meta, **kwargs}
-            grid = grid(meta)
+            grid = grid(self.meta if not kwargs else {**self.meta, **kwargs})
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.current_stream(device),
             function, metadata, None, None, None, *args, *tail)

@@ -281,6 +281,9 @@ def test_direct_launch_reuses_a_compiled_kernel_only_for_its_argument_class():
         assert call(*args)[0] == "direct", args
     assert call(x, 32, 1.0, FLAG=1)[0] == "triton"        # a constexpr keyword is part of the class
     assert call(x, 32, 1.0, FLAG=1)[0] == "direct"
+    for args in ((7, 32, 1.0), (x, x, 1.0), (x, x.half(), 1.0), (x, True, 1.0)):
+        assert call(*args)[0] == "triton", args            # another type where the first call had one
+        assert call(*args)[0] == "direct", args
 
     knobs.runtime.launch_enter_hook.add(hook := lambda metadata: None)
     try:

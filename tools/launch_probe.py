@@ -51,24 +51,30 @@ def main():
 
     def direct():
         run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None,
-            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *vals)
+            None, None, *vals)
 
-    def fingerprint():
-        return tuple((v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor) else
-                     (v == 1, v & 15 == 0) if type(v) is int else v for v in args)
+    def stubbed(module, name, fn):
+        """fn, timed with module.name replaced by a no-op: the host time of what calls it."""
+        return fn, (module, name)
 
     parts = {
         "F.linear bf16 (host)": lambda: F.linear(x, w),
         "ternary_matmul as called": lambda: bitlinear.ternary_matmul(xq, xs, wp, ws),
+        "ternary_matmul, ternary_matmul_into stubbed (checks + allocation)":
+            stubbed(bitlinear, "ternary_matmul_into", lambda: bitlinear.ternary_matmul(xq, xs, wp, ws)),
         "ternary_matmul_into (dispatch + launch_tuned)": lambda: bitlinear.ternary_matmul_into(xq, xs, wp, ws, y),
+        "ternary_matmul_into, ternary_gemv_into stubbed (dispatch)":
+            stubbed(bitlinear, "ternary_gemv_into", lambda: bitlinear.ternary_matmul_into(xq, xs, wp, ws, y)),
         "ternary_gemv_into (launch_tuned)": lambda: bitlinear.ternary_gemv_into(xq, xs, wp, ws, y),
+        "ternary_gemv_into, launch_tuned stubbed (the launcher's Python)":
+            stubbed(runtime, "launch_tuned", lambda: bitlinear.ternary_gemv_into(xq, xs, wp, ws, y)),
         "JITFunction[grid](*args, **choice) (Triton's path)": lambda: kern.fn[grid](*args, **choice),
         "runtime.DirectLaunch": lambda: direct_launch(grid, args, {}),
+        "DirectLaunch's key": lambda: direct_launch._key(0, args, {}),
         "CompiledKernel.run direct": direct,
         "binder only": lambda: binder(*args, **choice),
-        "python fingerprint of the args": fingerprint,
-        "runtime._arg_class of the args": lambda: tuple(map(runtime._arg_class, args)),
-        "torch.empty bf16 [1, N]": lambda: torch.empty((1, n), dtype=torch.bfloat16, device=dev),
+        "torch.empty bf16 [1, N], device=x_q.device": lambda: torch.empty((1, n), dtype=torch.bfloat16, device=xq.device),
+        "torch.empty bf16 [1, N], device='cuda'": lambda: torch.empty((1, n), dtype=torch.bfloat16, device=dev),
         "plainly_valid_matmul_args": lambda: bitlinear.plainly_valid_matmul_args(xq, xs, wp, ws, torch.bfloat16),
         "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
         "driver get_current_stream": lambda: __import__("triton").runtime.driver.active.get_current_stream(device),
@@ -81,7 +87,15 @@ def main():
     except OSError:
         pass
     for name, fn in parts.items():
-        out["host_us_per_call"][name] = round(host_us_per_call(fn, calls=300, batches=7), 2)
+        fn, (module, stub) = fn if isinstance(fn, tuple) else (fn, (None, None))
+        saved = module and getattr(module, stub)
+        if module:
+            setattr(module, stub, lambda *a, **k: None)
+        try:
+            out["host_us_per_call"][name] = round(host_us_per_call(fn, calls=300, batches=7), 2)
+        finally:
+            if module:
+                setattr(module, stub, saved)
         print(f"{name:50s} host {out['host_us_per_call'][name]:7.2f} us", flush=True)
     for name in ("ternary_matmul as called", "ternary_gemv_into (launch_tuned)", "CompiledKernel.run direct",
                  "JITFunction[grid](*args, **choice) (Triton's path)", "F.linear bf16 (host)"):
