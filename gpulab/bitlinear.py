@@ -676,6 +676,15 @@ def ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y):
     n = w_packed.shape[0]
     w_int8 = torch.empty((n, k), dtype=torch.int8, device=x_q.device)
     unpack_ternary_int8_into(w_packed, w_int8)
+    int8_mm_into(x_q, x_scale, w_int8, w_scale, y)
+
+
+def int8_mm_into(x_q, x_scale, w_int8, w_scale, y):
+    """y = (x_q · w_int8ᵀ) / (x_scale[:, None] · w_scale): the int8 GEMM of the prefill path
+    (x_q int8 [M, K], w_int8 int8 [N, K] with unit stride along K). The benchmarks also
+    time it alone, as a measured int8 roof (``harness.bench.ceilings``)."""
+    m, k = x_q.shape
+    n = w_int8.shape[0]
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     bucket = _m_bucket(m)
     runtime.launch_tuned(_int8_mm_tuned, grid, (bucket, n, k, y.dtype), x_q, x_scale, w_int8, w_scale, y,
