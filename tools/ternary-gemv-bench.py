@@ -53,7 +53,10 @@ SPLITS = (1, 2, 4, 8)
 CONFIGS = [bl.X16_CONFIG] + [c for c in ({"BLOCK_N": 16, "BLOCK_G": 64, "num_warps": 4},
           {"BLOCK_N": 32, "BLOCK_G": 32, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_G": 128, "num_warps": 4},
           {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}, {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4},
-          {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}) if c != bl.X16_CONFIG]   # the default first, once
+          {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_G": 128, "num_warps": 4},
+          {"BLOCK_N": 16, "BLOCK_G": 128, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_G": 128, "num_warps": 8},
+          {"BLOCK_N": 8, "BLOCK_G": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_G": 256, "num_warps": 8})
+          if c != bl.X16_CONFIG]   # the default first, once
 
 
 def parse_shapes(text):
