@@ -215,6 +215,16 @@ def tuning_configs(configs: list) -> list:
 _TUNED_CHOICES: dict = {}
 # (autotuner, key) -> its DirectLaunch (compiled mode): the chosen kernel's compiled forms
 _DIRECT: dict = {}
+# GPULAB_DIRECT_LAUNCH=0 (or set_direct_launch(False)): every launch takes Triton's own path
+_DIRECT_ON = os.environ.get("GPULAB_DIRECT_LAUNCH", "1") not in ("0", "false", "False", "off")
+
+
+def set_direct_launch(on: bool) -> None:
+    """Launch chosen configurations through :class:`DirectLaunch` (the default) or
+    through Triton's own launch path (``GPULAB_DIRECT_LAUNCH=0`` at start-up): to compare
+    the two, or to rule the direct path out when a launch misbehaves."""
+    global _DIRECT_ON
+    _DIRECT_ON = bool(on)
 
 
 def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
@@ -229,7 +239,7 @@ def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
     the autotuner's own key: the values of its key arguments and the dtypes of the
     tensor arguments."""
     direct = _DIRECT.get((kernel, key))
-    if direct is not None:
+    if direct is not None and _DIRECT_ON:
         direct(grid, args, kwargs)
         return
     choice = _TUNED_CHOICES.get((kernel, key))

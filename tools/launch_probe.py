@@ -101,8 +101,36 @@ def main():
                  "JITFunction[grid](*args, **choice) (Triton's path)", "F.linear bf16 (host)"):
         out["us_do_bench"][name] = round(time_ms(parts[name]) * 1e3, 2)
         print(f"{name:50s} do_bench {out['us_do_bench'][name]:7.2f} us", flush=True)
+    out["as_called_vs_launcher"] = as_called_vs_launcher(dev)
     if a.out:
         json.dump(out, open(a.out, "w"), indent=1)
+
+
+def as_called_vs_launcher(dev, repeats: int = 3) -> list[dict]:
+    """``ternary_matmul`` as called against its launcher (``ternary_matmul_into``, output
+    preallocated) at M=1 over the decode shapes, with the direct launch and with Triton's
+    path (``runtime.set_direct_launch``), each timed ``repeats`` times in turn."""
+    rows = []
+    for n, k in ((8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)):
+        w_t, s = bitlinear.ternary_quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16))
+        wp, ws = bitlinear.pack_ternary(w_t), s.reshape(1).float()
+        xq = torch.randint(-127, 128, (1, k), device=dev, dtype=torch.int8)
+        xs = torch.rand(1, device=dev) + 0.5
+        y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        for direct in (True, False):
+            runtime.set_direct_launch(direct)
+            fns = {"as called": lambda: bitlinear.ternary_matmul(xq, xs, wp, ws),
+                   "launcher": lambda: bitlinear.ternary_matmul_into(xq, xs, wp, ws, y)}
+            row = {"N": n, "K": k, "direct_launch": direct}
+            for name, fn in fns.items():
+                row[f"{name} us"] = [round(time_ms(fn) * 1e3, 2) for _ in range(repeats)]
+                row[f"{name} host us"] = round(host_us_per_call(fn), 2)
+            row["apart us (medians)"] = round(sorted(row["as called us"])[repeats // 2]
+                                              - sorted(row["launcher us"])[repeats // 2], 2)
+            print(row, flush=True)
+            rows.append(row)
+    runtime.set_direct_launch(True)
+    return rows
 
 
 if __name__ == "__main__":
