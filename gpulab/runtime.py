@@ -279,17 +279,21 @@ def _classifier(args: tuple, constexpr: frozenset):
     AttributeError (the caller then takes Triton's path)."""
     parts = []
     for i, v in enumerate(args):
+        a = f"a{i}"
         if i in constexpr:
-            parts.append(f"a[{i}]")
+            parts.append(a)
         elif type(v) is int:
-            parts.append(f"(int, a[{i}] == 1, a[{i}] & 15 == 0, -0x80000000 <= a[{i}] <= 0x7FFFFFFF, "
-                         f"a[{i}] >= 1 << 63) if type(a[{i}]) is int else arg_class(a[{i}])")
+            parts.append(f"(int, {a} == 1, {a} & 15 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} >= 1 << 63) "
+                         f"if type({a}) is int else arg_class({a})")
         elif hasattr(v, "data_ptr") and hasattr(v, "dtype"):
-            parts.append(f"(a[{i}].dtype, a[{i}].data_ptr() & 15 == 0)")
+            parts.append(f"({a}.dtype, {a}.data_ptr() & 15 == 0)")
         else:
-            parts.append(f"arg_class(a[{i}])")
+            parts.append(f"arg_class({a})")
+    if not args:
+        return lambda args: ()
+    names = ", ".join(f"a{i}" for i in range(len(args)))
     namespace = {"arg_class": _arg_class}
-    exec(f"def classify(a):\n    return ({', '.join(parts)},)\n", namespace)
+    exec(f"def classify(args):\n    {names}, = args\n    return ({', '.join(parts)},)\n", namespace)
     return namespace["classify"]
 
 
@@ -317,10 +321,11 @@ class DirectLaunch:
         try:
             from triton import knobs
             from triton.runtime import driver
-            self.hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            self.enter_hooks, self.exit_hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
             self.current_device = driver.active.get_current_device
             self.current_stream = driver.active.get_current_stream
-            self.usable = all(hasattr(h, "calls") for h in self.hooks) and hasattr(fn, "params")
+            self.usable = (hasattr(self.enter_hooks, "calls") and hasattr(self.exit_hooks, "calls")
+                           and hasattr(fn, "params"))
         except Exception:                               # no driver, or another Triton
             self.usable = False
 
@@ -339,7 +344,7 @@ class DirectLaunch:
         return device, classes, tuple(kwargs.items()) if kwargs else ()
 
     def __call__(self, grid, args: tuple, kwargs: dict) -> None:
-        if not self.usable or self.hooks[0].calls or self.hooks[1].calls or self.fn.pre_run_hooks:
+        if not self.usable or self.enter_hooks.calls or self.exit_hooks.calls or self.fn.pre_run_hooks:
             self._triton_launch(grid, args, kwargs)
             return
         device = self.current_device()

@@ -300,3 +300,25 @@ def test_direct_launch_reuses_a_compiled_kernel_only_for_its_argument_class():
     for _ in range(2):                                   # n given by keyword: never direct
         not_constexpr(grid, (x,), {"n": 32, "SCALE": 1.0})
         assert log[-1][0] == "triton"
+
+
+def test_written_out_classifier_agrees_with_arg_class():
+    """The classifier DirectLaunch writes out for an argument layout returns what
+    _arg_class returns argument by argument (a constexpr position: the value), for every
+    kind of value each position may later receive."""
+    import torch
+
+    x = torch.zeros(40)
+    layout = (x, 5, 2.0, None, True, 16)
+    classify = runtime._classifier(layout, frozenset({5}))
+    values = [x, x[1:], x.half(), 1, 16, 17, 0, -16, 1 << 40, (1 << 63) + 5, 2.5, True, False, None, "s"]
+    for i in range(len(layout)):
+        for v in values:
+            args = layout[:i] + (v,) + layout[i + 1:]
+            expected = tuple(a if j == 5 else runtime._arg_class(a) for j, a in enumerate(args))
+            try:
+                got = classify(args)
+            except AttributeError:       # a tensor position given something else: Triton's path
+                assert i == 0 and not isinstance(v, torch.Tensor)
+                continue
+            assert got == expected, (i, v)
