@@ -3,7 +3,7 @@ taken apart into its checks, its allocation, Triton's launch path and the compil
 kernel's own launcher. A probe, not a benchmark: it reaches into Triton's
 ``JITFunction`` and ``CompiledKernel`` internals (3.6-3.8) to time their parts.
 
-    python tools/launch_probe.py [--n 8192] [--out probe.json]
+    python tools/launch_probe.py [--n 8192] [--out probe.json] [--compare-only]
 """
 import argparse
 import json
@@ -22,8 +22,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compare-only", action="store_true",
+                    help="only ternary_matmul as called against its launcher, first thing in the process")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.compare_only:
+        out = {"gpu": torch.cuda.get_device_name(), "as_called_vs_launcher": as_called_vs_launcher(dev)}
+        if a.out:
+            json.dump(out, open(a.out, "w"), indent=1)
+        return
     n = k = a.n
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
