@@ -256,10 +256,15 @@ def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
             _DIRECT[(kernel, key)] = DirectLaunch(kernel.fn, choice)
 
 
+class _Unclassified(Exception):
+    """An argument DirectLaunch does not classify (a tuple, an object): Triton's path."""
+
+
 def _arg_class(v):
     """What Triton specialises a kernel argument on (or something finer): an int's
     equality to 1, divisibility by 16 and width; a tensor's dtype and 16-byte alignment;
-    the type of a float or bool; any other value itself."""
+    the type of a float or bool; None or a string itself. Anything else (a tuple of
+    arguments, an object) raises :class:`_Unclassified`: a key must never hold it."""
     t = type(v)
     if t is int:
         return t, v == 1, v & 15 == 0, -0x80000000 <= v <= 0x7FFFFFFF, v >= 1 << 63
@@ -267,7 +272,9 @@ def _arg_class(v):
         return t
     if hasattr(v, "data_ptr"):
         return v.dtype, v.data_ptr() & 15 == 0
-    return v
+    if v is None or t is str:
+        return v
+    raise _Unclassified
 
 
 def _classifier(args: tuple, constexpr: frozenset):
@@ -276,7 +283,7 @@ def _classifier(args: tuple, constexpr: frozenset):
     ``args``: about half the host time of calling :func:`_arg_class` per argument. An
     int position that receives something else falls back to :func:`_arg_class`; a
     tensor position that receives something without ``dtype`` and ``data_ptr`` raises
-    AttributeError (the caller then takes Triton's path)."""
+    AttributeError (the caller then classifies argument by argument)."""
     parts = []
     for i, v in enumerate(args):
         a = f"a{i}"
@@ -318,6 +325,7 @@ class DirectLaunch:
         self.compiled: dict = {}                       # argument classes -> launch parts
         self.classifiers: dict = {}                    # number of arguments -> classifier
         self.constexpr = frozenset(getattr(fn, "constexprs", ()))
+        self.constexpr_names = frozenset(p.name for p in getattr(fn, "params", ()) if p.is_constexpr)
         try:
             from triton import knobs
             from triton.runtime import driver
@@ -333,14 +341,20 @@ class DirectLaunch:
         return self.fn[grid](*args, **kwargs, **self.choice)
 
     def _key(self, device, args: tuple, kwargs: dict):
+        """The argument class of a call, or None where it has none (Triton's path)."""
         classify = self.classifiers.get(len(args))
         if classify is None:
             classify = self.classifiers[len(args)] = _classifier(args, self.constexpr)
         try:
-            classes = classify(args)
-        except AttributeError:                          # another type where a tensor was
-            classes = ("any",) + tuple(_arg_class(v) if i not in self.constexpr else v
-                                       for i, v in enumerate(args))
+            try:
+                classes = classify(args)
+            except AttributeError:                      # another type where a tensor was
+                classes = ("any",) + tuple(_arg_class(v) if i not in self.constexpr else v
+                                           for i, v in enumerate(args))
+        except _Unclassified:
+            return None
+        if kwargs and not self.constexpr_names.issuperset(kwargs):
+            return None                                 # a runtime argument by keyword
         return device, classes, tuple(kwargs.items()) if kwargs else ()
 
     def __call__(self, grid, args: tuple, kwargs: dict) -> None:
@@ -350,8 +364,10 @@ class DirectLaunch:
         device = self.current_device()
         key = self._key(device, args, kwargs)
         try:
-            parts = self.compiled.get(key)
-        except TypeError:                               # an unhashable argument
+            parts = None if key is None else self.compiled.get(key)
+        except TypeError:                               # an unhashable constexpr value
+            key = None
+        if key is None:
             self._triton_launch(grid, args, kwargs)
             return
         if parts is None:
@@ -371,10 +387,8 @@ class DirectLaunch:
     def _parts(self, compiled, args, kwargs):
         """(launcher, function, packed metadata, trailing constexpr arguments) of a
         compiled kernel, or False where it cannot be launched directly."""
-        params = self.fn.params
-        rest = params[len(args):]
-        if not all(p.is_constexpr for p in rest) or not all(
-                p.is_constexpr for p in params if p.name in kwargs):
+        rest = self.fn.params[len(args):]
+        if not all(p.is_constexpr for p in rest):
             return False
         try:
             tail = tuple(kwargs.get(p.name, self.choice.get(p.name, p.default)) for p in rest)

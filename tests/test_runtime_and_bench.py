@@ -300,6 +300,10 @@ def test_direct_launch_reuses_a_compiled_kernel_only_for_its_argument_class():
     for _ in range(2):                                   # n given by keyword: never direct
         not_constexpr(grid, (x,), {"n": 32, "SCALE": 1.0})
         assert log[-1][0] == "triton"
+    kept = len(launch.compiled)
+    for _ in range(2):                                   # a tuple argument: never direct, never kept
+        assert call(x, (x, 1), 1.0)[0] == "triton"
+    assert len(launch.compiled) == kept and not not_constexpr.compiled
 
 
 def test_written_out_classifier_agrees_with_arg_class():
@@ -311,14 +315,19 @@ def test_written_out_classifier_agrees_with_arg_class():
     x = torch.zeros(40)
     layout = (x, 5, 2.0, None, True, 16)
     classify = runtime._classifier(layout, frozenset({5}))
-    values = [x, x[1:], x.half(), 1, 16, 17, 0, -16, 1 << 40, (1 << 63) + 5, 2.5, True, False, None, "s"]
+    values = [x, x[1:], x.half(), 1, 16, 17, 0, -16, 1 << 40, (1 << 63) + 5, 2.5, True, False, None, "s",
+              (x, 1), object()]
     for i in range(len(layout)):
         for v in values:
             args = layout[:i] + (v,) + layout[i + 1:]
+            if i != 5 and type(v) in (tuple, object):
+                with pytest.raises((runtime._Unclassified, AttributeError)):    # never part of a key
+                    classify(args)
+                continue
             expected = tuple(a if j == 5 else runtime._arg_class(a) for j, a in enumerate(args))
             try:
                 got = classify(args)
-            except AttributeError:       # a tensor position given something else: Triton's path
+            except AttributeError:       # a tensor position given something else: classified one by one
                 assert i == 0 and not isinstance(v, torch.Tensor)
                 continue
             assert got == expected, (i, v)
