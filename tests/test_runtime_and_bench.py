@@ -331,3 +331,32 @@ def test_written_out_classifier_agrees_with_arg_class():
                 assert i == 0 and not isinstance(v, torch.Tensor)
                 continue
             assert got == expected, (i, v)
+
+
+@pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
+def test_decode_kernels_launch_directly_once_compiled():
+    """Compiled, the decode path's autotuned kernels (ternary GEMV, rmsnorm_quant, paged
+    decode) really take DirectLaunch's path from their second call: a change that sent
+    them back to Triton's launch path would still give right answers, so only this
+    notices."""
+    from gpulab import bitlinear, normquant, paged
+
+    dev = torch.device("cuda")
+    x = torch.randn(3, 256, device=dev, dtype=torch.bfloat16)
+    w_t, s = bitlinear.ternary_quantize(torch.randn(512, 256, device=dev))
+    wp, ws = bitlinear.pack_ternary(w_t), s.reshape(1).float()
+    k_cache = torch.randn(8, 16, 2, 64, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 64, device=dev, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], device=dev, dtype=torch.int32)
+    lens = torch.tensor([40, 17], device=dev, dtype=torch.int32)
+    for _ in range(3):
+        x_q, x_scale = normquant.rmsnorm_quant(x, torch.ones(256, device=dev))
+        bitlinear.ternary_matmul(x_q[:1], x_scale[:1], wp, ws)
+        paged.paged_decode_attention(q, k_cache, k_cache, table, lens)
+    torch.cuda.synchronize()
+    launched = {}                                        # kernel name -> launched directly at least once
+    for direct in runtime._DIRECT.values():
+        name = direct.fn.fn.__name__
+        launched[name] = launched.get(name, False) or (direct.usable and any(direct.compiled.values()))
+    for part in ("ternary_gemv", "rmsnorm_quant_fwd", "decode_partition"):
+        assert any(part in name and ok for name, ok in launched.items()), (part, launched)
