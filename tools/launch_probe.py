@@ -13,7 +13,6 @@ import subprocess
 import torch
 import torch.nn.functional as F
 
-import gpulab
 from gpulab import bitlinear, runtime
 from gpulab.harness.bench import host_us_per_call, time_ms
 
@@ -52,7 +51,6 @@ def main():
     bound, spec, opts = binder(*args, **choice)
     vals = list(bound.values())
     stream = torch.cuda.current_stream().cuda_stream
-    from triton import knobs
     run = compiled.run
     direct_launch = runtime._DIRECT[(kern, (n, k, y.dtype))]
 
