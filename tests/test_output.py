@@ -79,7 +79,7 @@ def test_a_passing_split_kv_check_prints_no_warning(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
-def test_bench_cli_shows_saved_figures_without_a_gpu_and_names_what_it_lacks(capsys):
+def test_bench_cli_shows_saved_figures_without_a_gpu_and_names_what_it_lacks(capsys, monkeypatch, tmp_path):
     if gpulab.mode() == "compiled":
         pytest.skip("without a GPU the command shows saved figures; with one it measures")
     assert bench.main(["ternary_matmul"]) == 2
@@ -93,3 +93,9 @@ def test_bench_cli_shows_saved_figures_without_a_gpu_and_names_what_it_lacks(cap
     assert "no kernel spec named no_such_kernel (gpulab bench --list" in capsys.readouterr().err
     assert bench.main(["--markdown", "no_such_kernel"]) == 2
     assert "no saved results for no_such_kernel; saved: " in capsys.readouterr().err
+
+    # a spec no GPU has measured: the command says so instead of printing nothing
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    assert bench.main(["rmsnorm_quant"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not measured on a GPU yet: rmsnorm_quant" in err

@@ -443,6 +443,9 @@ def main(argv=None) -> int:
         print(f"{e}\nSaved figures follow (as markdown: gpulab bench --markdown NAME).\n", file=sys.stderr)
         for n in (n for n in names if n in saved):
             print(format_table(json.loads(saved[n].read_text())) + "\n")
+        unmeasured = [n for n in names if n not in saved]
+        if unmeasured:
+            print(f"not measured on a GPU yet: {', '.join(unmeasured)}", file=sys.stderr)
         return 2
     for n in names:
         result = run(n, compile_baselines=not a.no_compile)
