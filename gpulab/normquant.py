@@ -134,8 +134,8 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
         tl.store(scale_ptr + rows, scale, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def rmsnorm_quant_chunked_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x, stride_q, eps,
+@triton.jit
+def rmsnorm_quant_chunked_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, eps,
                                  CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """The forward of :func:`rmsnorm_quant_fwd_kernel` for one row per program, read in
     CHUNK-wide pieces and twice: the first pass sums x² and takes max|x·w|, the second
@@ -262,7 +262,9 @@ def rmsnorm_quant_chunked_into(x, weight, x_q, scale, eps: float = 1e-6, chunk: 
             CHUNK_COLS, runtime.next_power_of_2(n_cols))
     elif chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
-    rmsnorm_quant_chunked_kernel[(n_rows,)](x, weight, x_q, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), eps,
+    if n_rows == 0:
+        return
+    rmsnorm_quant_chunked_kernel[(n_rows,)](x, weight, x_q, scale, n_cols, x.stride(0), x_q.stride(0), eps,
                                             CHUNK=chunk, EVEN=n_cols % chunk == 0,
                                             num_warps=4 if chunk <= 1024 else 8)
 
