@@ -7,6 +7,8 @@ gpulab's int8 poison, -128, is a value absmax quantization never writes, so an
 unwritten ``x_q`` element is always recognised."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..harness import memory
@@ -263,28 +265,20 @@ RMSNORM_QUANT = KernelSpec(
           "within 0.5 of it is correct.",
 )
 
-RMSNORM_QUANT_CHUNKED = KernelSpec(
+# The one-pass spec's inputs, cases, tolerances and roofline, for the opt-in two-pass
+# kernel; its benchmark puts it beside the one-pass launcher and the public function.
+RMSNORM_QUANT_CHUNKED = dataclasses.replace(
+    RMSNORM_QUANT,
     name="rmsnorm_quant_chunked",
     summary="the same forward in two passes over 2048-column chunks, one row per program (opt-in)",
-    args=("x", "weight", "x_q", "scale"),
-    make_inputs=_rows_inputs,
-    reference=rmsnorm_quant_reference,
-    outputs=RMSNORM_QUANT.outputs,
     implementation=rmsnorm_quant_chunked_into,
     # the GPU's "wide" row (12345 columns) takes seven chunks, the last one masked
-    cases={"cpu": ROW_CASES_CPU, "gpu": ROW_CASES_GPU,
-           "bench": [Case("4096x14336", dict(rows=4096, cols=14336)),
-                     Case("8192x8192", dict(rows=8192, cols=8192))]},
-    dtypes=RMSNORM_QUANT.dtypes,
-    tolerances=RMSNORM_QUANT.tolerances,
-    output_tolerances=RMSNORM_QUANT.output_tolerances,
-    bytes_moved=RMSNORM_QUANT.bytes_moved,
-    flops=RMSNORM_QUANT.flops,
+    cases={**RMSNORM_QUANT.cases, "bench": [Case("4096x14336", dict(rows=4096, cols=14336)),
+                                            Case("8192x8192", dict(rows=8192, cols=8192))]},
+    bench_impl=None,
     baselines={LAUNCHER_ROW: _launcher_outputs_preallocated(),
                "rmsnorm_quant (one pass, as called)": lambda inp: rmsnorm_quant(inp["x"], inp["weight"])},
-    bench_dtypes=[torch.bfloat16],
-    read_inputs=("x", "weight"),
-    hint=RMSNORM_QUANT_HINT,
+    compile_baselines=(),
     notes="gpulab = rmsnorm_quant_chunked_into, outputs allocated once (like the one-pass launcher's "
           "row); not what rmsnorm_quant runs until a GPU has measured it (BENCHMARKS.md).",
 )
