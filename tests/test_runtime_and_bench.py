@@ -360,3 +360,14 @@ def test_decode_kernels_launch_directly_once_compiled():
         launched[name] = launched.get(name, False) or (direct.usable and any(direct.compiled.values()))
     for part in ("ternary_gemv", "rmsnorm_quant_fwd", "decode_partition"):
         assert any(part in name and ok for name, ok in launched.items()), (part, launched)
+
+
+def test_direct_launch_can_be_turned_off_from_the_environment():
+    """GPULAB_DIRECT_LAUNCH=0 at start-up sends every launch through Triton's own path."""
+    code = "from gpulab import runtime; print(runtime._DIRECT_ON)"
+    for value, expected in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "GPULAB_DIRECT_LAUNCH"}
+        if value is not None:
+            env["GPULAB_DIRECT_LAUNCH"] = value
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.stdout.strip() == expected, (value, out.stderr[-500:])
