@@ -135,6 +135,14 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
 
 
 @triton.jit
+def _chunk_f32(ptr, cols, n_cols, EVEN: tl.constexpr):
+    """One chunk of a row as float32 (masked unless every chunk is whole)."""
+    if EVEN:
+        return tl.load(ptr + cols).to(tl.float32)
+    return tl.load(ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def rmsnorm_quant_chunked_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, eps,
                                  CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """The forward of :func:`rmsnorm_quant_fwd_kernel` for one row per program, read in
@@ -149,28 +157,19 @@ def rmsnorm_quant_chunked_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, stride_
     sum_sq = tl.zeros([CHUNK], dtype=tl.float32)
     max_xw = tl.zeros([CHUNK], dtype=tl.float32)
     for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + offs
-        if EVEN:
-            x = tl.load(x_row + cols).to(tl.float32)
-            w = tl.load(w_ptr + cols).to(tl.float32)
-        else:
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        x = _chunk_f32(x_row, c0 + offs, n_cols, EVEN)
         sum_sq += x * x
-        max_xw = tl.maximum(max_xw, tl.abs(x * w))
+        max_xw = tl.maximum(max_xw, tl.abs(x * _chunk_f32(w_ptr, c0 + offs, n_cols, EVEN)))
     rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
     scale = 127.0 / tl.maximum(tl.max(max_xw, axis=0) * rstd, 1e-5)
     for c0 in range(0, n_cols, CHUNK):
         cols = c0 + offs
+        xw = _chunk_f32(x_row, cols, n_cols, EVEN) * _chunk_f32(w_ptr, cols, n_cols, EVEN)
+        q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)), -128), 127).to(tl.int8)
         if EVEN:
-            xw = tl.load(x_row + cols).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
-            q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)), -128), 127)
-            tl.store(q_row + cols, q.to(tl.int8))
+            tl.store(q_row + cols, q)
         else:
-            xw = (tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-                  * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32))
-            q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)), -128), 127)
-            tl.store(q_row + cols, q.to(tl.int8), mask=cols < n_cols)
+            tl.store(q_row + cols, q, mask=cols < n_cols)
     tl.store(scale_ptr + row, scale)
 
 

@@ -320,8 +320,7 @@ class DirectLaunch:
     (another Triton)."""
 
     def __init__(self, fn, choice: dict):
-        self.fn, self.choice = fn, choice
-        self.meta = dict(choice)                       # what a grid function reads
+        self.fn, self.choice = fn, choice              # choice: also what a grid function reads
         self.compiled: dict = {}                       # argument classes -> launch parts
         self.classifiers: dict = {}                    # number of arguments -> classifier
         self.constexpr = frozenset(getattr(fn, "constexprs", ()))
@@ -379,7 +378,7 @@ class DirectLaunch:
             return
         run, function, metadata, tail = parts
         if callable(grid):
-            grid = grid(self.meta if not kwargs else {**self.meta, **kwargs})
+            grid = grid(self.choice if not kwargs else {**self.choice, **kwargs})
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.current_stream(device),
             function, metadata, None, None, None, *args, *tail)
