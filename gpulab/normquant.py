@@ -135,45 +135,6 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
 
 
 @triton.jit
-def _chunk_f32(ptr, cols, n_cols, EVEN: tl.constexpr):
-    """One chunk of a row as float32 (masked unless every chunk is whole)."""
-    if EVEN:
-        return tl.load(ptr + cols).to(tl.float32)
-    return tl.load(ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def rmsnorm_quant_chunked_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, eps,
-                                 CHUNK: tl.constexpr, EVEN: tl.constexpr):
-    """The forward of :func:`rmsnorm_quant_fwd_kernel` for one row per program, read in
-    CHUNK-wide pieces and twice: the first pass sums x² and takes max|x·w|, the second
-    reads the row again (from L2: a program's row is a few tens of KB) and stores q.
-    Rows whose length is not a power of two then need no padded lanes (14336 = 7 · 2048
-    columns, where one pass pads to 16384), and a program holds CHUNK elements, not the
-    whole row, so more programs fit on an SM. EVEN (n_cols % CHUNK == 0) drops the masks."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
-    offs = tl.arange(0, CHUNK)
-    sum_sq = tl.zeros([CHUNK], dtype=tl.float32)
-    max_xw = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, n_cols, CHUNK):
-        x = _chunk_f32(x_row, c0 + offs, n_cols, EVEN)
-        sum_sq += x * x
-        max_xw = tl.maximum(max_xw, tl.abs(x * _chunk_f32(w_ptr, c0 + offs, n_cols, EVEN)))
-    rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
-    scale = 127.0 / tl.maximum(tl.max(max_xw, axis=0) * rstd, 1e-5)
-    for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + offs
-        xw = _chunk_f32(x_row, cols, n_cols, EVEN) * _chunk_f32(w_ptr, cols, n_cols, EVEN)
-        q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)), -128), 127).to(tl.int8)
-        if EVEN:
-            tl.store(q_row + cols, q)
-        else:
-            tl.store(q_row + cols, q, mask=cols < n_cols)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
 def rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr,
                               n_rows, n_cols, stride_x, stride_dy, stride_dx,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -244,28 +205,6 @@ def rmsnorm_quant_into(x, weight, x_q, scale, eps: float = 1e-6):
         x, weight, x_q, scale, x, scale, n_rows, n_cols, x.stride(0), x_q.stride(0), 0, eps,
         BLOCK_R=block_r, BLOCK_N=block_n, FAKE_QUANT=False, ONE_REDUCTION=not runtime.interpreting(),
         num_warps=_warps(block_r, block_n))
-
-
-CHUNK_COLS = 2048
-
-
-def rmsnorm_quant_chunked_into(x, weight, x_q, scale, eps: float = 1e-6, chunk: int | None = None):
-    """Launcher (check calling convention) of the two-pass, one-row-per-program forward
-    (:func:`rmsnorm_quant_chunked_kernel`), for rows whose length is not a power of two.
-    Opt-in: not measured on a GPU yet, so :func:`rmsnorm_quant` keeps the one-pass kernel.
-    ``chunk`` (a power of two) defaults to :data:`CHUNK_COLS` on a GPU and to the whole
-    row in the interpreter, which pays per loop step."""
-    n_rows, n_cols = x.shape
-    if chunk is None:
-        chunk = runtime.next_power_of_2(n_cols) if runtime.interpreting() else min(
-            CHUNK_COLS, runtime.next_power_of_2(n_cols))
-    elif chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two, got {chunk}")
-    if n_rows == 0:
-        return
-    rmsnorm_quant_chunked_kernel[(n_rows,)](x, weight, x_q, scale, n_cols, x.stride(0), x_q.stride(0), eps,
-                                            CHUNK=chunk, EVEN=n_cols % chunk == 0,
-                                            num_warps=4 if chunk <= 1024 else 8)
 
 
 def rmsnorm_fakequant_fwd_into(x, weight, y, rstd, eps: float = 1e-6):

@@ -1,6 +1,5 @@
 """Fused RMSNorm + int8 quantization: forward, straight-through backward, the autograd
 Function, input validation, and checks that reject wrong kernels."""
-import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,34 +20,6 @@ from helpers import few, on_gpu, subprocess_env
 
 def test_forward_passes_its_check():
     gpulab.check("rmsnorm_quant", nq.rmsnorm_quant_into)
-
-
-def test_two_pass_forward_passes_its_check_in_one_chunk_and_in_several():
-    """The opt-in two-pass kernel: its own spec's check with the default chunk (in the
-    interpreter, the whole row), and the check again with chunks shorter than the rows, so
-    that the loops run several times and end on a masked chunk (7 or 33 columns) or on a
-    whole one (300 columns in chunks of 4)."""
-    gpulab.check("rmsnorm_quant_chunked", nq.rmsnorm_quant_chunked_into)
-    for chunk in (4, 64):
-        gpulab.check("rmsnorm_quant", functools.partial(nq.rmsnorm_quant_chunked_into, chunk=chunk))
-
-
-def test_two_pass_forward_equals_the_one_pass_kernel():
-    """Same scale and same int8 codes as the one-pass kernel, for a row length that is a
-    whole number of chunks (no masks) and one that is not."""
-    g = torch.Generator().manual_seed(3)
-    for cols, chunk in ((448, 64), (300, 64)):
-        x = torch.randn(5, cols, generator=g) * torch.rand(5, 1, generator=g) * 4
-        w = torch.rand(cols, generator=g) + 0.5
-        q1, s1 = torch.empty(5, cols, dtype=torch.int8), torch.empty(5)
-        q2, s2 = torch.empty(5, cols, dtype=torch.int8), torch.empty(5)
-        nq.rmsnorm_quant_into(x, w, q1, s1)
-        nq.rmsnorm_quant_chunked_into(x, w, q2, s2, chunk=chunk)
-        torch.testing.assert_close(s2, s1, rtol=1e-6, atol=0)
-        assert (q2.int() - q1.int()).abs().max() <= 1      # a product at a rounding boundary may move
-        assert (q2 != q1).float().mean() < 1e-3
-    with pytest.raises(ValueError, match="power of two"):
-        nq.rmsnorm_quant_chunked_into(x, w, q2, s2, chunk=48)
 
 
 def test_backward_passes_its_check():

@@ -111,10 +111,11 @@ def main():
         json.dump(out, open(a.out, "w"), indent=1)
 
 
-def as_called_vs_launcher(dev, repeats: int = 3) -> list[dict]:
+def as_called_vs_launcher(dev, repeats: int = 5) -> list[dict]:
     """``ternary_matmul`` as called against its launcher (``ternary_matmul_into``, output
     preallocated) at M=1 over the decode shapes, with the direct launch and with Triton's
-    path (``runtime.set_direct_launch``), each timed ``repeats`` times in turn."""
+    path (``runtime.set_direct_launch``). The two are timed in alternation, ``repeats``
+    times each, so that a slow stretch of the host or a GPU clock change falls on both."""
     rows = []
     for n, k in ((8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)):
         w_t, s = bitlinear.ternary_quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16))
@@ -126,9 +127,11 @@ def as_called_vs_launcher(dev, repeats: int = 3) -> list[dict]:
             runtime.set_direct_launch(direct)
             fns = {"as called": lambda: bitlinear.ternary_matmul(xq, xs, wp, ws),
                    "launcher": lambda: bitlinear.ternary_matmul_into(xq, xs, wp, ws, y)}
-            row = {"N": n, "K": k, "direct_launch": direct}
+            row = {"N": n, "K": k, "direct_launch": direct, **{f"{name} us": [] for name in fns}}
+            for _ in range(repeats):
+                for name, fn in fns.items():
+                    row[f"{name} us"].append(round(time_ms(fn) * 1e3, 2))
             for name, fn in fns.items():
-                row[f"{name} us"] = [round(time_ms(fn) * 1e3, 2) for _ in range(repeats)]
                 row[f"{name} host us"] = round(host_us_per_call(fn), 2)
             row["apart us (medians)"] = round(sorted(row["as called us"])[repeats // 2]
                                               - sorted(row["launcher us"])[repeats // 2], 2)

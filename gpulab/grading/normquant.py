@@ -1,13 +1,10 @@
 """Grading of notebook 02 (:mod:`gpulab.normquant`): float64 references, inputs, cases,
-baselines, the specs ``rmsnorm_quant`` (and its opt-in two-pass twin
-``rmsnorm_quant_chunked``), ``rmsnorm_quant_bwd`` and ``rmsnorm_fakequant_fwd``, and the
-activation-memory comparison.
+baselines, the specs ``rmsnorm_quant``, ``rmsnorm_quant_bwd`` and ``rmsnorm_fakequant_fwd``,
+and the activation-memory comparison.
 
 gpulab's int8 poison, -128, is a value absmax quantization never writes, so an
 unwritten ``x_q`` element is always recognised."""
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -15,7 +12,6 @@ from ..harness import memory
 from ..harness.checking import Hypothesis, hypotheses_hint, rounding_tolerance
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import (ABSMAX_FLOOR, RMSNormFakeQuant, rmsnorm_fakequant, rmsnorm_fakequant_fwd_into,
-                         rmsnorm_quant_chunked_into,
                          rmsnorm_quant_bwd_partials_into,
                          rmsnorm_fakequant_ref, rmsnorm_quant, rmsnorm_quant_bwd_into, rmsnorm_quant_into,
                          rmsnorm_quant_ref, round_half_away)
@@ -263,24 +259,6 @@ RMSNORM_QUANT = KernelSpec(
     hint=RMSNORM_QUANT_HINT,
     notes="gpulab = rmsnorm_quant as called; x_q's reference is the unrounded y·scale; an int8 "
           "within 0.5 of it is correct.",
-)
-
-# The one-pass spec's inputs, cases, tolerances and roofline, for the opt-in two-pass
-# kernel; its benchmark puts it beside the one-pass launcher and the public function.
-RMSNORM_QUANT_CHUNKED = dataclasses.replace(
-    RMSNORM_QUANT,
-    name="rmsnorm_quant_chunked",
-    summary="the same forward in two passes over 2048-column chunks, one row per program (opt-in)",
-    implementation=rmsnorm_quant_chunked_into,
-    # the GPU's "wide" row (12345 columns) takes seven chunks, the last one masked
-    cases={**RMSNORM_QUANT.cases, "bench": [Case("4096x14336", dict(rows=4096, cols=14336)),
-                                            Case("8192x8192", dict(rows=8192, cols=8192))]},
-    bench_impl=None,
-    baselines={LAUNCHER_ROW: _launcher_outputs_preallocated(),
-               "rmsnorm_quant (one pass, as called)": lambda inp: rmsnorm_quant(inp["x"], inp["weight"])},
-    compile_baselines=(),
-    notes="gpulab = rmsnorm_quant_chunked_into, outputs allocated once (like the one-pass launcher's "
-          "row); not what rmsnorm_quant runs until a GPU has measured it (BENCHMARKS.md).",
 )
 
 RMSNORM_QUANT_BWD = KernelSpec(
