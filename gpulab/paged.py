@@ -395,18 +395,22 @@ def _decode_partition_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, num_splits, num_heads,
+def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, limit_ptr, num_splits, num_heads,
                          stride_pb, stride_ph, stride_ps,
                          stride_lpb, stride_lph, stride_lps,
                          stride_ob, stride_oh, stride_lb, stride_lh, head_dim,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (sequence, query head): merge num_splits partial states."""
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """One program per (sequence, query head): merge num_splits partial states. With
+    HAS_LIMIT, rows from the int32 at limit_ptr on are left alone (a count on the device)."""
     row = tl.program_id(0)
     b = row // num_heads
     h = row % num_heads
+    live = True
+    if HAS_LIMIT:
+        live = b < tl.load(limit_ptr)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
+    s_mask = (s < num_splits) & live
     lse_p = tl.load(lse_part_ptr + b * stride_lpb + h * stride_lph + s * stride_lps,
                     mask=s_mask, other=float("-inf"))
     m = merge_max(tl.max(lse_p, axis=0))
@@ -415,8 +419,8 @@ def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, num_splits, n
     o_p = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                   mask=s_mask[:, None] & (d[None, :] < head_dim), other=0.0).to(tl.float32)
     o = tl.sum(w[:, None] * o_p, axis=0) * inv
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < head_dim)
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=(d < head_dim) & live)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse, mask=live)
 
 
 # -- launch configuration --------------------------------------------------------------------
@@ -604,15 +608,18 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         GROUP=hq // hkv, BLOCK_G=block_g, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
 
 
-def split_reduce_into(o_part, lse_part, o, lse):
-    """Merge o_part [B, H, S, D], lse_part [B, H, S] into o [B, H, D], lse [B, H]."""
+def split_reduce_into(o_part, lse_part, o, lse, row_limit=None):
+    """Merge o_part [B, H, S, D], lse_part [B, H, S] into o [B, H, D], lse [B, H]; only
+    rows below ``row_limit`` (a one-element int32 tensor on the device, read there) when
+    given: the rest of o and lse stay as they are."""
     B, h, s, d = o_part.shape
     if B * h == 0:
         return
     _split_reduce_kernel[(B * h,)](
-        o_part, lse_part, o, lse, s, h, *o_part.stride()[:3], *lse_part.stride()[:3],
-        *o.stride()[:2], *lse.stride()[:2], d,
-        BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d), num_warps=4)
+        o_part, lse_part, o, lse, row_limit if row_limit is not None else lse, s, h,
+        *o_part.stride()[:3], *lse_part.stride()[:3], *o.stride()[:2], *lse.stride()[:2], d,
+        BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d),
+        HAS_LIMIT=row_limit is not None, num_warps=4)
 
 
 def decode_partitioning(batch: int, kv_heads: int, capacity: int, num_splits: int | None = None):

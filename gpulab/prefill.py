@@ -72,6 +72,7 @@ epilogue run inside the kernel).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -80,7 +81,8 @@ import triton.language as tl
 
 from . import runtime
 from .attention_state import LOG2E, online_update, state_epilogue
-from .paged import FAULT_PAGE, FAULT_SEQ_LEN, checked_pages, fault_flag, gather_kv, raise_recorded_faults
+from .paged import (FAULT_PAGE, FAULT_SEQ_LEN, checked_pages, fault_flag, gather_kv, raise_recorded_faults,
+                    split_reduce_into)
 from .validate import require_float, require_same_device, require_tensor
 
 MAX_HEAD_DIM = 256
@@ -166,26 +168,30 @@ def _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t_mask, d, d_mask, kvh,
 
 # Sizes that change from one engine step to the next are not specialised on: Triton would
 # compile the kernel again (about a second) for each new value class (1, multiple of 16, other).
-@triton.jit(do_not_specialize=["num_req", "total_q", "bt_width", "stride_btb"])
+@triton.jit(do_not_specialize=["num_req", "total_q", "bt_width", "stride_btb", "part_len"])
 def _append_attention_kernel(
         q_ptr, k_ptr, v_ptr, qo_indptr_ptr, bt_ptr, kv_lens_ptr, work_req_ptr, work_tile_ptr,
         o_ptr, lse_ptr, fault_ptr,
         qk_scale,                          # sm_scale · log2(e): scores in base 2
         num_req, total_q, num_pages, bt_width,
+        part_len,                          # KV positions per program along grid axis 2 (split-KV)
         stride_qt, stride_qh,
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
-        stride_btb, stride_ot, stride_oh, stride_lt, stride_lh,
+        stride_btb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
         PAGE_SIZE: tl.constexpr,        # constant: p // PAGE_SIZE is a shift, not a division
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, PAGE_FAULT: tl.constexpr, LEN_FAULT: tl.constexpr):
-    """Program (w, kvh): work item w = (request b, q tile) and kv head kvh. Rows of the
-    tile are (new token, query head) pairs: row r = token t0 + r // GROUP of request b,
-    query head kvh·GROUP + r % GROUP."""
+    """Program (w, kvh, p): work item w = (request b, q tile), kv head kvh, and part p of
+    the KV positions (positions p·part_len up to (p+1)·part_len; one part unless split-KV,
+    whose partial states o, lse then go to slice p of o and lse, merged afterwards). Rows
+    of the tile are (new token, query head) pairs: row r = token t0 + r // GROUP of
+    request b, query head kvh·GROUP + r % GROUP."""
     TILE: tl.constexpr = BLOCK_M // GROUP           # new tokens per tile
     w = tl.program_id(0)
     kvh = tl.program_id(1)
+    part = tl.program_id(2)
     b = tl.load(work_req_ptr + w)
     tile = tl.load(work_tile_ptr + w)
     has_work = (b >= 0) & (b < num_req) & (tile >= 0)   # surplus items carry b = -1
@@ -225,6 +231,11 @@ def _append_attention_kernel(
         full = kv_len
     hi = tl.where(n_tile > 0, hi, 0)                        # an empty item streams nothing
     full = (tl.minimum(full, hi) // BLOCK_N) * BLOCK_N
+    # this program's part of [0, hi): [lo, hi), unmasked up to full (part_len is a multiple
+    # of BLOCK_N, so every part starts on a block and full stays one)
+    lo = part * part_len
+    hi = tl.minimum(hi, lo + part_len)
+    full = tl.minimum(tl.maximum(full, lo), hi)
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -235,7 +246,7 @@ def _append_attention_kernel(
     # Visible to every row: no score mask. (A bad page's tokens read a clamped page and
     # still get a score: the result is wrong, as it must be for a bad layout, but no
     # address outside the cache is formed, and the fault is recorded.)
-    for start in range(0, full, BLOCK_N):
+    for start in range(lo, full, BLOCK_N):
         t = start + cols
         s, v, n_bad = _kv_scores(q, qk_scale, k_ptr, v_ptr, bt_row_ptr, t, t < hi, d, d_mask, kvh,
                                  num_pages, stride_kp, stride_kt, stride_kh, stride_vp,
@@ -256,11 +267,11 @@ def _append_attention_kernel(
         tl.atomic_or(fault_ptr, faults)
         tl.atomic_min(fault_ptr + 1, b)
 
-    out, lse = state_epilogue(m, l, acc)
-    tl.store(o_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+    out, lse = state_epilogue(m, l, acc)          # an empty part: o = 0, lse = -inf
+    tl.store(o_ptr + part * stride_os + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     if HAS_LSE:
-        tl.store(lse_ptr + row * stride_lt + head * stride_lh, lse, mask=row_ok)
+        tl.store(lse_ptr + part * stride_ls + row * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_req", "total_new", "bt_width", "stride_btb"])
@@ -378,41 +389,113 @@ def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: i
 # =========================================================================================
 # Launchers (no validation)
 # =========================================================================================
+@dataclass
+class KVSplit:
+    """Split-KV for the append kernel: each (work item, kv head) program's KV positions cut
+    into parts of ``part_len``, one program each (grid axis 2), so that a batch of few
+    tiles over long histories still fills the GPU (one request of 40 new tokens after a
+    2K-token cached prompt is 2 tiles × kv heads programs, each streaming 2K positions).
+    Each part writes its partial state to ``o_part`` [T, Hq, S, D] and ``lse_part``
+    [T, Hq, S] (float32), merged afterwards by :func:`gpulab.paged.split_reduce_into`.
+    A workspace, so a plan holds it and its layers reuse it one after another."""
+    part_len: int
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+
+    @property
+    def num_splits(self) -> int:
+        return self.o_part.shape[2]
+
+
+def plan_kv_split(num_items: int, kv_heads: int, capacity: int, num_rows: int, num_qo_heads: int,
+                  head_dim: int, block_n: int, device, num_splits: int | None = None) -> KVSplit | None:
+    """The split of ``capacity`` KV positions (a block table's width × page size: known on
+    the host, no sync) for a launch of ``num_items`` work items, or None for one part.
+
+    Splits only when items × kv heads programs leave SMs idle, aiming at two programs
+    per SM, with parts of at least 4·BLOCK_N positions (each part costs a state round
+    trip through memory and the merge). ``num_splits`` forces the number of parts (the
+    split check; the interpreter pays per program, so it only splits when told)."""
+    capacity = max(1, capacity)
+    if num_splits is None:
+        programs = max(1, num_items * kv_heads)
+        sms = runtime.num_sms()
+        if runtime.interpreting() or not sms or programs >= sms:
+            return None
+        num_splits = min(-(-2 * sms // programs), capacity // (4 * block_n))
+    if num_splits <= 1:
+        return None
+    part = -(-capacity // num_splits)
+    part = -(-part // block_n) * block_n
+    splits = -(-capacity // part)
+    if splits <= 1:
+        return None
+    return KVSplit(part, torch.empty((num_rows, num_qo_heads, splits, head_dim), dtype=torch.float32, device=device),
+                   torch.empty((num_rows, num_qo_heads, splits), dtype=torch.float32, device=device))
+
+
 def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
-                            o, lse, fault, causal: bool, sm_scale: float | None, config: dict):
-    """One launch over the work list (grid: items × kv heads); lse may be None."""
+                            o, lse, fault, causal: bool, sm_scale: float | None, config: dict,
+                            split: KVSplit | None = None):
+    """One launch over the work list (grid: items × kv heads × parts); lse may be None.
+    With ``split`` (its workspace at least q's rows), the parts' states are merged into
+    o (and lse) by a second launch."""
     total_q, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_cache.shape
     if work_req.shape[0] == 0 or total_q == 0:
         return
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    lse_t = lse if lse is not None else o                  # unused when HAS_LSE is False
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _append_attention_kernel[(work_req.shape[0], hkv)](
-        q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile, o, lse_t, fault,
-        scale * LOG2E, qo_indptr.shape[0] - 1, total_q, num_pages, block_tables.shape[1],
+    if split is not None:
+        o_part, lse_part = split.o_part[:total_q], split.lse_part[:total_q]
+        out, out_lse, parts, part_len = o_part, lse_part, split.num_splits, split.part_len
+        o_strides, lse_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)), lse_part.stride()
+    else:
+        out, out_lse, parts = o, (lse if lse is not None else o), 1   # out_lse unused without HAS_LSE
+        part_len = block_tables.shape[1] * page_size + config["BLOCK_N"]     # every position
+        o_strides = (o.stride(0), o.stride(1), 0)
+        lse_strides = (lse.stride(0), lse.stride(1), 0) if lse is not None else (0, 0, 0)
+    _append_attention_kernel[(work_req.shape[0], hkv, parts)](
+        q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile, out, out_lse, fault,
+        scale * LOG2E, qo_indptr.shape[0] - 1, total_q, num_pages, block_tables.shape[1], part_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1), *lse_strides,
+        block_tables.stride(0), *o_strides, *lse_strides,
         PAGE_SIZE=page_size, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_D=max(16, runtime.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=lse is not None,
+        BLOCK_D=max(16, runtime.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=split is not None or lse is not None,
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if split is not None:
+        # Only the rows requests own (below qo_indptr[B], read on the device): the others
+        # keep what o held. Without an lse to return, part 0's slice takes it (the merge
+        # reads a row's parts before it writes that row's lse).
+        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0],
+                          row_limit=qo_indptr[qo_indptr.shape[0] - 1:])
 
 
-def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse):
+def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse,
+                          num_splits: int | None = None):
     """Launcher with the check's calling convention: attention into o [total_q, Hq, D]
-    and lse [total_q, Hq] (or None); work list built on the device (no host sync)."""
+    and lse [total_q, Hq] (or None); work list built on the device (no host sync), KV
+    split when the work list alone would leave SMs idle (``num_splits``: forced)."""
     B = qo_indptr.shape[0] - 1
     total_q, hq, d = q.shape
     if B <= 0 or total_q == 0:
         return
-    config = append_tile_config(q.dtype, d, hq // k_cache.shape[2])
-    work_req, work_tile = append_schedule_device(qo_indptr, total_q, config["BLOCK_M"] // (hq // k_cache.shape[2]))
+    group = hq // k_cache.shape[2]
+    config = append_tile_config(q.dtype, d, group)
+    work_req, work_tile = append_schedule_device(qo_indptr, total_q, config["BLOCK_M"] // group)
+    split = plan_kv_split(work_req.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                          total_q, hq, d, config["BLOCK_N"], q.device, num_splits)
     launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
-                            o, lse, fault_flag(q.device), causal, sm_scale, config)
+                            o, lse, fault_flag(q.device), causal, sm_scale, config, split)
+
+
+def append_attention_split_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse):
+    """The launcher with the KV always split in three parts (the split check's)."""
+    append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse,
+                          num_splits=3)
 
 
 def append_kv_config() -> dict:
@@ -664,6 +747,7 @@ class AppendAttention:
         self._set_config(append_tile_config(self.dtype, head_dim, self.group))
         fault_flag(self.device)             # allocated now, not inside a graph capture
         self._shape = None          # (batch, tokens, pages per request) the buffers hold
+        self.split = None           # the plan's KVSplit (its workspace), if any
         self.planned = False
         if self.fixed:
             self._allocate(*maxes)
@@ -736,6 +820,12 @@ class AppendAttention:
         for dst, src in ((self.qo_indptr, host_indptr), (self.block_tables, host_bt), (self.kv_lens, host_lens),
                          (self.work_req, host_req), (self.work_tile, host_tile)):
             dst.copy_(src)
+        # Split-KV when the tiles alone would leave SMs idle (a buffer of this plan's size;
+        # with fixed buffers a captured grid cannot change, so never)
+        longest = int(lens.max()) if B else 0
+        self.split = None if self.fixed else plan_kv_split(
+            len(req), self.num_kv_heads, longest, total, self.num_qo_heads, self.head_dim,
+            self.config["BLOCK_N"], self.device)
         self.batch_size, self.num_tokens, self.num_work = B, total, len(req)
         self.causal, self.sm_scale = bool(causal), sm_scale
         self.planned = True
@@ -773,7 +863,7 @@ class AppendAttention:
             require_rows("lse", lse, shape=q.shape[:2], dtype=torch.float32)
         launch_append_attention(q, k_cache, v_cache, self.qo_indptr, self.block_tables, self.kv_lens,
                                 self.work_req, self.work_tile, out, lse, fault_flag(self.device), self.causal,
-                                self.sm_scale, self.config)
+                                self.sm_scale, self.config, self.split)
         return (out, lse) if lse is not None else out
 
     def append_kv(self, k, v, k_cache, v_cache) -> None:

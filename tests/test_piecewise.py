@@ -241,19 +241,28 @@ def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypat
     kc, vc = torch.randn(pages, page, hkv, d, device=dev), torch.randn(pages, page, hkv, d, device=dev)
     indptr_host = torch.tensor([0, 3, 4, 9], dtype=torch.int32)             # as a plan has it
     indptr = indptr_host.to(dev)
-    table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32, device=dev)
-    lens = torch.tensor([7, 4, 11], dtype=torch.int32, device=dev)
+    # 8 pages of 4 per request: 32 positions, room for parts of the interpreter's 16-token blocks
+    table = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 0, 0, 0, 0, 0, 0], [4, 5, 6, 7, 8, 9, 10, 11]],
+                         dtype=torch.int32, device=dev)
+    lens = torch.tensor([21, 4, 30], dtype=torch.int32, device=dev)
     q = torch.randn(9, hq, d, device=dev)
     want = batch_attention.append_attention_reference(q, kc, vc, indptr, table, lens)
     monkeypatch.setattr(batch_attention.runtime, "mode", lambda: "compiled")
     # built from a host indptr, the list still lands on q's device
     work = batch_attention.plan_append_attention(indptr_host, 9, q.dtype, hq, hkv, d, device=q.device)
-    assert all(t.device == q.device for t in work[1:]), [t.device for t in work[1:]]
+    assert all(t.device == q.device for t in work[1:3]), [t.device for t in work[1:3]]
     out = torch.full((9, hq, d), float("nan"), device=dev)
     got = batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=work)
     assert got is out
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # with the KV of each tile split in parts (a workspace the plan holds), merged after
+    split_work = batch_attention.plan_append_attention(indptr_host, 9, q.dtype, hq, hkv, d, device=q.device,
+                                                       capacity=table.shape[1] * page, num_splits=3)
+    assert split_work[3] is not None and split_work[3].num_splits > 1
+    out.fill_(float("nan"))
+    got = batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=split_work)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # a work list on another device than q is refused before any launch
-    elsewhere = (work[0], *(t.to("meta") for t in work[1:]))
+    elsewhere = (work[0], *(t.to("meta") for t in work[1:3]), None)
     with pytest.raises(ValueError, match="one device.*work_req on meta"):
         batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=elsewhere)

@@ -1,6 +1,7 @@
 """Append (paged-prefill) attention and append_kv: kernels, plan/run, validation, safety,
 and the checks against wrong kernels."""
 import contextlib
+import functools
 import importlib.util
 import math
 import re
@@ -42,7 +43,7 @@ def _assert_matches(o, lse, ref, dtype):
 
 
 # -- the package passes its own checks (GPU cases, compiled, when a GPU is present) ----------
-@pytest.mark.parametrize("name", ["append_attention", "append_attention_plan", "append_kv"])
+@pytest.mark.parametrize("name", ["append_attention", "append_attention_plan", "append_attention_split", "append_kv"])
 def test_implementation_passes(name):
     gpulab.check(name, gpulab.get_spec(name).implementation, quiet=True)
 
@@ -450,11 +451,56 @@ def test_missing_row_mask_is_named_when_only_surplus_items_write_outside():
 def test_a_shifted_store_is_still_named_a_wrong_base_pointer():
     """Rows stored one row early: one row before o's start, and o's last row never written:
     a shifted pointer, not extra rows."""
-    fn = _mutant_module("o_row_minus_one", ("tl.store(o_ptr + row[:, None] * stride_ot",
-                                            "tl.store(o_ptr + (row[:, None] - 1) * stride_ot"))
+    fn = _mutant_module("o_row_minus_one", ("tl.store(o_ptr + part * stride_os + row[:, None] * stride_ot",
+                                            "tl.store(o_ptr + part * stride_os + (row[:, None] - 1) * stride_ot"))
     msg = rejects("append_attention", fn, cases=_mutant_cases(*_RAGGED), dtypes=[torch.float32])
     assert "before the start of output `o`: a negative offset or a wrong base pointer" in msg, msg
     assert "mask the tile's rows" not in msg, msg
+
+
+def test_split_kv_equals_one_part_for_any_number_of_parts():
+    """Split-KV gives the unsplit result (o and lse), with parts that do not divide the
+    histories, more parts than some requests' positions (empty parts: o 0, lse -inf
+    merged with weight 0), and rows past the batch's tokens left as they were."""
+    inp = _inputs([5, 17, 1, 0], [7, 0, 40, 3], page=4, hq=4, hkv=2, d=16, pad=3)
+    q, kc, vc, lay = inp["q"], inp["k_cache"], inp["v_cache"], _layout(inp)
+    ref = prefill.append_attention_reference(**inp)
+    capacity = lay["block_tables"].shape[1] * kc.shape[1]
+    for parts in (2, 3, 7):
+        o, lse = torch.full_like(q, 5.0), torch.full(q.shape[:2], 5.0, device=DEV)
+        prefill.append_attention_into(q, kc, vc, **lay, causal=True, sm_scale=None, o=o, lse=lse,
+                                      num_splits=parts)
+        assert prefill.plan_kv_split(1, 1, capacity, 1, 1, 1, 16, DEV, parts).num_splits > 1
+        n = int(lay["qo_indptr"][-1])
+        _assert_matches(o[:n], lse[:n], {k: v[:n] for k, v in ref.items()}, torch.float32)
+        assert (o[n:] == 5.0).all() and (lse[n:] == 5.0).all()       # padding rows untouched
+    # the plan/run path splits from the plan's longest request, when SMs would idle
+    attn = _plan_for(inp)
+    attn.plan(**lay)
+    assert attn.split is None or attn.split.num_splits > 1
+
+
+SPLIT_MUTANTS = {
+    "parts_overlap": [("    hi = tl.minimum(hi, lo + part_len)\n", "")],
+    "no_merge": [("        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0],\n"
+                  "                          row_limit=qo_indptr[qo_indptr.shape[0] - 1:])",
+                  "        n = int(qo_indptr[-1])\n"
+                  "        o[:n].copy_(o_part[:n, :, 0])\n"
+                  "        lse[:n].copy_(lse_part[:n, :, 0])")],
+}
+
+
+@pytest.mark.parametrize("mutant, expect", [("parts_overlap", "KV parts overlap"),
+                                            ("no_merge", "first KV part's state alone")])
+def test_split_check_names_split_mistakes(mutant, expect):
+    fn = _mutant_module(mutant, *SPLIT_MUTANTS[mutant])
+    split_fn = functools.partial(_call_split, fn)
+    msg = rejects("append_attention_split", split_fn, cases=_mutant_cases(*_RAGGED), dtypes=[torch.float32])
+    assert expect in msg, msg
+
+
+def _call_split(fn, *args):
+    fn(*args, num_splits=3)
 
 
 def _torch_mutant(**mistake):

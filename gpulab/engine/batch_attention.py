@@ -25,7 +25,7 @@ import torch
 from ..cascade import cascade_decode_attention
 from ..paged import fault_flag, gather_kv, paged_decode_attention, paged_decode_into
 from ..prefill import append_attention as append_attention_kernel
-from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
+from ..prefill import append_schedule_device, append_tile_config, launch_append_attention, plan_kv_split
 from .. import runtime
 from ..validate import require_same_device
 
@@ -69,33 +69,42 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
         if work is None:
             return append_attention_kernel(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
                                            sm_scale=scale, out=out)
-        tiles, work_req, work_tile = work
+        tiles, work_req, work_tile, split = work
         # attribute reads only (no sync): a list left on another device than q is an
         # error here, not a launch on host memory or another GPU's
         require_same_device(q=q, k_cache=k_cache, qo_indptr=qo_indptr, block_tables=block_tables,
                             kv_lens=kv_lens, work_req=work_req, work_tile=work_tile, out=out)
         o = torch.empty_like(q) if out is None else out
         launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
-                                o, None, fault_flag(q.device), True, scale, tiles)
+                                o, None, fault_flag(q.device), True, scale, tiles, split)
         return o
     o = append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
     return o if out is None else out.copy_(o)
 
 
 def plan_append_attention(qo_indptr: torch.Tensor, total_q: int, dtype: torch.dtype, n_heads: int,
-                          n_kv_heads: int, head_dim: int, device=None) -> tuple:
-    """The append kernel's tile sizes and work list for a step's ``total_q`` append rows
-    (what :func:`gpulab.prefill.append_attention` builds at every call), built on the
-    device without a host sync: (tiles, work_req, work_tile).
+                          n_kv_heads: int, head_dim: int, device=None, capacity: int | None = None,
+                          num_splits: int | None = None) -> tuple:
+    """The append kernel's tile sizes, work list and KV split for a step's ``total_q``
+    append rows (what :func:`gpulab.prefill.append_attention` builds at every call), built
+    on the device without a host sync: (tiles, work_req, work_tile, split).
 
     ``device``: where the step's q and caches live (default: ``qo_indptr``'s). The work
     list is built there; an indptr on another device (the host) is copied there first,
-    once per step (non-blocking), so that every layer's launch finds the list beside q."""
+    once per step (non-blocking), so that every layer's launch finds the list beside q.
+    ``capacity``: the KV positions the append rows' block table can hold (its width ×
+    page size, known on the host): with it, a step of few tiles over long histories
+    splits each tile's KV range (:func:`gpulab.prefill.plan_kv_split`; its workspace is
+    allocated here, once for all layers; ``num_splits`` forces the number of parts)."""
     if device is not None and qo_indptr.device != torch.device(device):
         qo_indptr = qo_indptr.to(device, non_blocking=True)
     group = n_heads // n_kv_heads
     tiles = append_tile_config(dtype, head_dim, group)
-    return (tiles, *append_schedule_device(qo_indptr, total_q, tiles["BLOCK_M"] // group))
+    work_req, work_tile = append_schedule_device(qo_indptr, total_q, tiles["BLOCK_M"] // group)
+    split = None if capacity is None else plan_kv_split(
+        work_req.shape[0], n_kv_heads, capacity, total_q, n_heads, head_dim, tiles["BLOCK_N"], qo_indptr.device,
+        num_splits)
+    return tiles, work_req, work_tile, split
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, hook=None, prefix=None):

@@ -148,11 +148,14 @@ def append_baselines():
 def append_attention_variant(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal=True,
                              sm_scale=None, *, limit_shift=0, square=False, no_mask=False,
                              gqa_modulo=False, table_row0=False, new_keys_only=False,
-                             scale_mul=1.0, **_):
+                             scale_mul=1.0, first_part=None, overlapping_parts=None, **_):
     """The reference with one deliberate mistake (float64): the causal limit shifted by
     ``limit_shift``, a square mask ignoring the history (token j sees positions ≤ j), no
     mask at all, kv head h % Hkv, every request reading row 0 of the block table, or
-    only the new tokens' keys, or the softmax scale times ``scale_mul``."""
+    only the new tokens' keys, or the softmax scale times ``scale_mul``. Split-KV
+    mistakes, for parts of ``(part_len, parts)``: ``first_part``, only the first part's
+    state (positions < part_len); ``overlapping_parts``, every part streams to the end,
+    so position p counts min(p // part_len + 1, parts) times in the merged state."""
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     scale = (d ** -0.5 if sm_scale is None else float(sm_scale)) * scale_mul
@@ -179,6 +182,11 @@ def append_attention_variant(q, k_cache, v_cache, qo_indptr, block_tables, kv_le
         visible = p < limit
         if new_keys_only:
             visible &= p >= L - n
+        if first_part is not None:
+            visible &= p < first_part[0]
+        if overlapping_parts is not None:       # a position seen c times weighs c · e^s
+            part_len, parts = overlapping_parts
+            s = s + torch.log(torch.clamp(p // part_len + 1, max=parts).double())
         s = s.masked_fill(~visible, -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)
         o[start:end] = torch.einsum("hjp,phd->jhd", torch.exp(s - row_lse[..., None]).nan_to_num(0.0), v)
@@ -231,6 +239,37 @@ def append_attention_hint(output, got, expected, inputs):
         if _close(got, alt, dtype if output == "o" else torch.float32):
             return text
     return boundary_rows_hint(got, expected, inputs, dtype if output == "o" else torch.float32)
+
+
+def forced_split(inputs, num_splits: int = 3) -> tuple[int, int] | None:
+    """(part_len, parts) of :func:`gpulab.prefill.append_attention_split_into` on these
+    inputs (None: the block table is too short to split)."""
+    q, kc = inputs["q"], inputs["k_cache"]
+    block_n = prefill.append_tile_config(q.dtype, q.shape[2], q.shape[1] // kc.shape[2])["BLOCK_N"]
+    split = prefill.plan_kv_split(1, 1, inputs["block_tables"].shape[1] * kc.shape[1], 0, 1, 1, block_n,
+                                  "cpu", num_splits)
+    return None if split is None else (split.part_len, split.num_splits)
+
+
+SPLIT_MISTAKES = (
+    ("first_part", "the result is the first KV part's state alone: with split-KV every part's partial "
+                   "state (o_p, lse_p) must be merged, each weighted by e^(lse_p − M)."),
+    ("overlapping_parts", "the KV parts overlap: part p must stream only positions [p·part_len, "
+                          "(p+1)·part_len); yours runs on to the end of the history, so later positions "
+                          "count several times in the merged state."),
+)
+
+
+def append_split_hint(output, got, expected, inputs):
+    """The split-KV mistakes first, then those of the unsplit kernel."""
+    split = forced_split(inputs)
+    if split is not None:
+        dtype = inputs["q"].dtype if output == "o" else torch.float32
+        for kw, text in SPLIT_MISTAKES:
+            alt = append_attention_variant(**inputs, **{kw: split})[output]
+            if not torch.allclose(alt, expected, atol=1e-9, rtol=1e-9, equal_nan=True) and _close(got, alt, dtype):
+                return text
+    return append_attention_hint(output, got, expected, inputs)
 
 
 def boundary_rows_hint(got, expected, inputs, dtype):
@@ -370,6 +409,15 @@ APPEND_ATTENTION_PLAN = KernelSpec(
     implementation=prefill.append_attention_planned_into,
     cases={"cpu": CPU_CASES[1:], "gpu": GPU_CASES},
     **{**_COMMON, "dtypes": {"cpu": [torch.float32], "gpu": [torch.bfloat16, torch.float16]}},
+)
+
+APPEND_ATTENTION_SPLIT = KernelSpec(
+    name="append_attention_split",
+    summary="append attention with each tile's KV positions split in three parts, merged after",
+    implementation=prefill.append_attention_split_into,
+    cases={"cpu": CPU_CASES, "gpu": GPU_CASES},
+    **{**_COMMON, "dtypes": {"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
+       "hint": append_split_hint},
 )
 
 APPEND_KV = KernelSpec(
