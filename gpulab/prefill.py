@@ -397,7 +397,13 @@ class KVSplit:
     2K-token cached prompt is 2 tiles × kv heads programs, each streaming 2K positions).
     Each part writes its partial state to ``o_part`` [T, Hq, S, D] and ``lse_part``
     [T, Hq, S] (float32), merged afterwards by :func:`gpulab.paged.split_reduce_into`.
-    A workspace, so a plan holds it and its layers reuse it one after another."""
+    A workspace, so a plan holds it and its layers reuse it one after another.
+
+    Opt-in (``num_splits`` of :func:`append_attention_into`, ``capacity`` of
+    :func:`gpulab.engine.batch_attention.plan_append_attention`): on the H200 it cut the
+    append attention of a 40-token prompt after a cached 2K-token one from 70 µs a layer
+    to 16 µs plus 3 µs of merge, but the serving engine is not measured with it off and
+    on in one run yet (BENCHMARKS.md, 2026-12-03)."""
     part_len: int
     o_part: torch.Tensor
     lse_part: torch.Tensor
@@ -477,8 +483,9 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
 def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse,
                           num_splits: int | None = None):
     """Launcher with the check's calling convention: attention into o [total_q, Hq, D]
-    and lse [total_q, Hq] (or None); work list built on the device (no host sync), KV
-    split when the work list alone would leave SMs idle (``num_splits``: forced)."""
+    and lse [total_q, Hq] (or None); work list built on the device (no host sync).
+    ``num_splits``: split each tile's KV positions in that many parts (opt-in, see
+    :class:`KVSplit`; its workspace is allocated here, per call)."""
     B = qo_indptr.shape[0] - 1
     total_q, hq, d = q.shape
     if B <= 0 or total_q == 0:
@@ -486,8 +493,9 @@ def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens,
     group = hq // k_cache.shape[2]
     config = append_tile_config(q.dtype, d, group)
     work_req, work_tile = append_schedule_device(qo_indptr, total_q, config["BLOCK_M"] // group)
-    split = plan_kv_split(work_req.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                          total_q, hq, d, config["BLOCK_N"], q.device, num_splits)
+    split = None if num_splits is None else plan_kv_split(
+        work_req.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], total_q, hq, d,
+        config["BLOCK_N"], q.device, num_splits)
     launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile,
                             o, lse, fault_flag(q.device), causal, sm_scale, config, split)
 
@@ -747,7 +755,6 @@ class AppendAttention:
         self._set_config(append_tile_config(self.dtype, head_dim, self.group))
         fault_flag(self.device)             # allocated now, not inside a graph capture
         self._shape = None          # (batch, tokens, pages per request) the buffers hold
-        self.split = None           # the plan's KVSplit (its workspace), if any
         self.planned = False
         if self.fixed:
             self._allocate(*maxes)
@@ -820,12 +827,6 @@ class AppendAttention:
         for dst, src in ((self.qo_indptr, host_indptr), (self.block_tables, host_bt), (self.kv_lens, host_lens),
                          (self.work_req, host_req), (self.work_tile, host_tile)):
             dst.copy_(src)
-        # Split-KV when the tiles alone would leave SMs idle (a buffer of this plan's size;
-        # with fixed buffers a captured grid cannot change, so never)
-        longest = int(lens.max()) if B else 0
-        self.split = None if self.fixed else plan_kv_split(
-            len(req), self.num_kv_heads, longest, total, self.num_qo_heads, self.head_dim,
-            self.config["BLOCK_N"], self.device)
         self.batch_size, self.num_tokens, self.num_work = B, total, len(req)
         self.causal, self.sm_scale = bool(causal), sm_scale
         self.planned = True
@@ -863,7 +864,7 @@ class AppendAttention:
             require_rows("lse", lse, shape=q.shape[:2], dtype=torch.float32)
         launch_append_attention(q, k_cache, v_cache, self.qo_indptr, self.block_tables, self.kv_lens,
                                 self.work_req, self.work_tile, out, lse, fault_flag(self.device), self.causal,
-                                self.sm_scale, self.config, self.split)
+                                self.sm_scale, self.config)
         return (out, lse) if lse is not None else out
 
     def append_kv(self, k, v, k_cache, v_cache) -> None:

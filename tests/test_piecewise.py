@@ -237,14 +237,14 @@ def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypat
     from gpulab.engine import batch_attention
     torch.manual_seed(3)
     dev = gpulab.device()
-    hq, hkv, d, pages, page = 4, 2, 16, 12, 4
+    hq, hkv, d, pages, page = 4, 2, 16, 12, 8
     kc, vc = torch.randn(pages, page, hkv, d, device=dev), torch.randn(pages, page, hkv, d, device=dev)
     indptr_host = torch.tensor([0, 3, 4, 9], dtype=torch.int32)             # as a plan has it
     indptr = indptr_host.to(dev)
-    # 8 pages of 4 per request: 32 positions, room for parts of the interpreter's 16-token blocks
+    # 8 pages of 8 per request: 64 positions, room for parts of 16 (interpreter) or 32 positions
     table = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 0, 0, 0, 0, 0, 0], [4, 5, 6, 7, 8, 9, 10, 11]],
                          dtype=torch.int32, device=dev)
-    lens = torch.tensor([21, 4, 30], dtype=torch.int32, device=dev)
+    lens = torch.tensor([41, 4, 60], dtype=torch.int32, device=dev)
     q = torch.randn(9, hq, d, device=dev)
     want = batch_attention.append_attention_reference(q, kc, vc, indptr, table, lens)
     monkeypatch.setattr(batch_attention.runtime, "mode", lambda: "compiled")

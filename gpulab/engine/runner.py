@@ -303,8 +303,7 @@ class ModelRunner:
         if na and self.attention == "triton" and runtime.mode() == "compiled":
             c = self.cfg
             plan.append_work = plan_append_attention(plan.append_indptr, num_rows - nd, self.dtype,
-                                                     c.n_heads, c.n_kv_heads, c.head_dim, self.device,
-                                                     capacity=plan.append_table.shape[1] * self.block_size)
+                                                     c.n_heads, c.n_kv_heads, c.head_dim, self.device)
         return plan
 
     def graph_plan(self, b: int, n: int, num_sample: int, sample_all: bool, sample_seqs) -> StepPlan:

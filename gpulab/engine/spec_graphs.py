@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..paged import fault_flag
-from ..prefill import append_schedule_device, append_tile_config, launch_append_attention, plan_kv_split
+from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .batch_attention import append_attention_reference
 from .graph_capture import CapturedStep, StagedBuffers
 from .runner import ModelRunner, bucket_sizes
@@ -95,10 +95,6 @@ class VerifyGraphs:
             group = run.cfg.n_heads // run.cfg.n_kv_heads
             tiles = append_tile_config(run.dtype, run.cfg.head_dim, group, max_new=self.k + 1)
             work = append_schedule_device(indptr, rows, tiles["BLOCK_M"] // group)
-            # a small bucket's few tiles over long histories: KV split in parts (its workspace
-            # comes from the graph's pool, the grid stays the captured one)
-            split = plan_kv_split(work[0].shape[0], run.cfg.n_kv_heads, table.shape[1] * run.block_size, rows,
-                                  run.cfg.n_heads, run.cfg.head_dim, tiles["BLOCK_N"], run.device)
 
         def attend(layer, q, k, v):
             kc, vc = run.k_cache[layer], run.v_cache[layer]
@@ -108,7 +104,7 @@ class VerifyGraphs:
                 return append_attention_reference(q, kc, vc, indptr, table, lens)
             o = torch.empty_like(q)
             launch_append_attention(q, kc, vc, indptr, table, lens, *work, o, None, fault_flag(q.device),
-                                    True, None, tiles, split)
+                                    True, None, tiles)
             return o
 
         h = run.model.hidden_states(buf["ids"][:rows], buf["pos"][:rows], attend, reference=run.linear == "torch")
