@@ -55,6 +55,13 @@ build it:
   ops (a cumulative sum and a search over the tile counts), for an upper bound of
   ⌈total_q / tile⌉ + B items; surplus items do nothing. No host sync either.
 
+**Split-KV** (opt-in, :class:`KVSplit`). A batch of a few tiles over long histories (one
+request's 40 new tokens after a cached 2K-token prompt: 2 tiles × the kv heads) leaves
+most SMs idle while each program streams the whole history. A third grid axis then cuts
+each tile's KV positions into parts of ``part_len``; each part writes its partial state
+(o, lse) to a workspace, and :func:`gpulab.paged.split_reduce_into` merges them, as split-KV
+decode does.
+
 **Safety** (as in :mod:`gpulab.paged`). Validation that needs the data (page ids,
 lengths, indptr) reads device memory, a host sync: ``plan()`` does it once per batch, and
 :func:`append_attention` / :func:`append_kv` do it on request (``validate=True``,
