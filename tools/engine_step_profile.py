@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         return 2
     model = build_model(a.model)
     system = [BOS] + [(7 * j) % 250 + 3 for j in range(2047)]
-    res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
+    res = {"date": time.strftime("%Y-%m-%d"), "gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
            "piecewise_graphs": not a.no_piecewise}
     print(gpulab.env_report(), flush=True)
     for caching in (True, False):
