@@ -476,6 +476,23 @@ def test_split_kv_equals_one_part_for_any_number_of_parts():
         assert (o[n:] == 5.0).all() and (lse[n:] == 5.0).all()       # padding rows untouched
 
 
+def test_kv_split_plan_fills_idle_sms_only(monkeypatch):
+    """The split's plan on a GPU's terms (no device needed): few programs over a long
+    history get parts of whole blocks, at least four each, about two programs per SM,
+    covering the capacity; enough programs, or a short history, get one part."""
+    monkeypatch.setattr(prefill.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(prefill.runtime, "num_sms", lambda: 132)
+    split = prefill.plan_kv_split(3, 4, 2096, 40, 16, 128, 64, "cpu")   # the cached-prompt step
+    assert split.num_splits == 7 and split.part_len == 320
+    assert split.o_part.shape == (40, 16, 7, 128) and split.lse_part.shape == (40, 16, 7)
+    assert split.o_part.dtype == split.lse_part.dtype == torch.float32
+    assert prefill.plan_kv_split(33, 4, 2096, 40, 16, 128, 64, "cpu") is None     # 132 programs
+    assert prefill.plan_kv_split(3, 4, 511, 40, 16, 128, 64, "cpu") is None       # < 2 parts of 4 blocks
+    forced = prefill.plan_kv_split(300, 4, 1000, 8, 2, 16, 64, "cpu", num_splits=3)
+    assert forced.num_splits == 3 and forced.part_len % 64 == 0 and forced.part_len * 3 >= 1000
+    assert prefill.plan_kv_split(3, 4, 2096, 40, 16, 128, 64, "cpu", num_splits=1) is None
+
+
 SPLIT_MUTANTS = {
     "parts_overlap": [("    hi = tl.minimum(hi, lo + part_len)\n", "")],
     "no_merge": [("        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0],\n"
