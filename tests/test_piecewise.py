@@ -9,7 +9,7 @@ import torch
 import gpulab
 from gpulab.engine.block_manager import BlockManager
 from gpulab.engine.engine import LLM, EngineConfig
-from gpulab.engine.model import TINY, TernaryTransformer, encode_prompt, prepare_for_serving, reference_generate
+from gpulab.engine.model import NEAR_TIE, TINY, TernaryTransformer, encode_prompt, prepare_for_serving, reference_generate
 from gpulab.engine.piecewise import PiecewiseGraphs, token_buckets
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sequence import SamplingParams, Sequence
@@ -227,6 +227,36 @@ def test_engine_with_captured_piecewise_graphs_serves_what_the_eager_engine_does
         assert llm.idle()
     assert calls, "no step took the piecewise path"
     assert outs[True] == outs[False]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_split", [3, True])
+def test_engine_with_split_kv_serves_what_it_does_without(kv_split):
+    """EngineConfig(kv_split=...): prompt chunks of 24 tokens over histories of up to 200
+    split each attention tile's history (three parts, or as the SMs ask), merged after;
+    the same greedy tokens as the engine without it, up to near ties."""
+    torch.manual_seed(4321)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    prompts = ["Tyger Tyger, burning bright, in the forests of the night; " * 3,
+               "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 2]
+    outs = {}
+    for split in (False, kv_split):
+        llm = LLM(model, EngineConfig(num_blocks=160, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                                      kv_split=split))
+        plans = []
+        plan = llm.runner.plan
+        llm.runner.plan = lambda items: plans.append(plan(items)) or plans[-1]
+        outs[split] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12))]
+        assert llm.idle()
+        if split == 3:
+            assert any(p.append_work is not None and p.append_work[3] is not None for p in plans), \
+                "no step split its KV"
+    assert_tokens_match(model, prompts, outs[kv_split], outs[False], near_tie=NEAR_TIE[torch.float32])
+
+
+def test_kv_split_must_be_a_flag_or_a_count():
+    with pytest.raises(ValueError, match="kv_split must be True, False or a number of parts"):
+        LLM(TernaryTransformer(TINY).pack(), EngineConfig(num_blocks=16, block_size=BS, kv_split=0))
 
 
 def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypatch):

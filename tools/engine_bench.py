@@ -1,6 +1,6 @@
 """The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
 
-    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise]
+    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise] [--kv-split]
 
 Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
 configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
@@ -15,7 +15,8 @@ configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
 The default model is a random-weight ternary transformer of ~0.7 B ternary weights
 (timing only: weights do not change the work); ``--model shipped`` times the shipped
 checkpoint. ``--quick`` shrinks every workload (a smoke test, minutes less).
-``--no-piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=False)``: steps
+``--kv-split`` runs parts 1 and 2 with ``EngineConfig(kv_split=True)`` (split-KV append
+attention where a step's tiles leave SMs idle; opt-in). ``--no-piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=False)``: steps
 that carry a prompt chunk run eagerly instead of replaying piecewise CUDA graphs (the
 engine's default since 2026-12-01).
 """
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-piecewise", action="store_true",
                     help="steps with prompt chunks run eagerly (EngineConfig(piecewise_graphs=False))")
+    ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True) in parts 1 and 2")
     a = ap.parse_args(argv)
     a.piecewise = not a.no_piecewise
     if runtime.mode() != "compiled":
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     model = build_model(a.model)
     sizes = model_sizes(model)
     res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "date": time.strftime("%Y-%m-%d"),
-           "model_spec": a.model, "piecewise_graphs": a.piecewise, "model": asdict(model.cfg), "sizes": sizes}
+           "model_spec": a.model, "piecewise_graphs": a.piecewise, "kv_split": a.kv_split,
+           "model": asdict(model.cfg), "sizes": sizes}
     print(gpulab.env_report(), "\n", res["model"], sizes, flush=True)
 
     def save():
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     w = Workload(requests=64 if q else 400, rate=math.inf, prompt_len=(32, 512), output_len=(16, 512),
                  shared=0.0, system_len=0, seed=0)
     cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
-                       piecewise_graphs=a.piecewise)
+                       piecewise_graphs=a.piecewise, kv_split=a.kv_split)
     r = compare(model, cfg, w, static=True)
     print(format_comparison(r), flush=True)
     plot_comparison(r, out / "engine_throughput.png")
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     res["ttft"] = {}
     for caching in (True, False):
         cfg = EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
-                           prefix_caching=caching, piecewise_graphs=a.piecewise)
+                           prefix_caching=caching, piecewise_graphs=a.piecewise, kv_split=a.kv_split)
         r = compare(model, cfg, w, static=False)
         print(format_comparison(r), flush=True)
         res["ttft"]["on" if caching else "off"] = r["continuous"]

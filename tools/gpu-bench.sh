@@ -4,7 +4,9 @@
 #
 # usage: tools/gpu-bench.sh OUTDIR [JOB ...]
 # jobs (default: engine attention speculative): engine (tools/engine_bench.py; engine-eager-prefill:
-#   the same with steps that carry a prompt chunk run eagerly, not from piecewise graphs), host
+#   the same with steps that carry a prompt chunk run eagerly, not from piecewise graphs;
+#   engine-kv-split: with EngineConfig(kv_split=True)), speccheck (tools/speculative_check.py with
+#   the direct launch, then with Triton's launch path), host
 #   (tools/engine_host_overhead.py: an engine step phase by phase, tiny and big model),
 #   attention (tools/attention_bench.py; ANAMES= its kernels), speculative, ternary (GARGS=--quick:
 #   no sweep),
@@ -19,7 +21,7 @@
 #   searched for LAB_BUDGET=300 s, then timed against the hand-written kernel; LAB_RESUME=DIR continues
 #   the searches of an earlier lab-search output; LAB_PARALLEL=N candidates checked at once (default 4;
 #   their timings never overlap, so more at once only needs the host's cores and memory)).
-#   Limits in seconds: ET HT AT ST GT RT PT LT PRT PWT SCT RPT PPT (see below). Carry .whl/ and .peers/
+#   Limits in seconds: ET HT AT ST SPT GT RT PT LT PRT PWT SCT RPT PPT (see below). Carry .whl/ and .peers/
 #   (FlashInfer's JIT takes minutes on its first use of each module: give `attention` time).
 set -uo pipefail
 out=${1:?usage: tools/gpu-bench.sh OUTDIR [JOB ...]}; shift
@@ -42,6 +44,9 @@ for job in "${@:-engine attention speculative}"; do
     case $j in
       engine) run engine "${ET:-420}" python3 tools/engine_bench.py "$b/engine" ;;
       engine-eager-prefill) run engine-eager-prefill "${ET:-330}" python3 tools/engine_bench.py "$b/engine-eager-prefill" --no-piecewise ;;
+      engine-kv-split) run engine-kv-split "${ET:-330}" python3 tools/engine_bench.py "$b/engine-kv-split" --kv-split ;;
+      speccheck) run speccheck "${SPT:-200}" bash -c 'python3 tools/speculative_check.py; \
+                   GPULAB_DIRECT_LAUNCH=0 python3 tools/speculative_check.py' ;;
       host) mkdir -p "$b/host"
             run host "${HT:-240}" bash -c 'for m in "" "--finished-only"; do python3 tools/engine_host_overhead.py \
               --batch 1 64 256 --prompt 512 --static $m --json "$0/tiny${m:+_finished}.json" || exit 1; done

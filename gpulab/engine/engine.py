@@ -65,6 +65,9 @@ class EngineConfig:
                                         # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
     attention: str = "auto"             # auto: triton when compiled (GPU), torch on the CPU
+    kv_split: bool | int = False        # steps with prompt chunks split each attention tile's
+                                        # history when SMs would idle (True), or in that many
+                                        # parts (an int); opt-in: see gpulab.prefill.KVSplit
 
 
 @dataclass
@@ -116,7 +119,8 @@ class LLM:
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                        config.chunked_prefill, self.max_model_len, config.decode_reserve)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
-                                  config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook)
+                                  config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook,
+                                  kv_split=config.kv_split)
         if config.warm_up and runtime.mode() == "compiled" and self.runner.device.type == "cuda":
             self.runner.warm_up(config.max_num_batched_tokens)
         if config.piecewise_graphs:          # after the warm-up: no autotuning inside a capture

@@ -163,10 +163,14 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: TernaryTransformer, num_blocks: int, block_size: int,
                  max_num_seqs: int = 64, linear: str = "auto", attention: str = "auto",
-                 cuda_graphs: bool = True, cascade: bool = False, decode_hook=None):
+                 cuda_graphs: bool = True, cascade: bool = False, decode_hook=None,
+                 kv_split: bool | int = False):
         for name, v in (("linear", linear), ("attention", attention)):
             if v not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be 'auto', 'triton' or 'torch', got {v!r}")
+        if not isinstance(kv_split, (bool, int)) or (type(kv_split) is int and kv_split < 1):
+            raise ValueError(f"kv_split must be True, False or a number of parts >= 1, got {kv_split!r}")
+        self.kv_split = kv_split
         if not model.packed:
             raise ValueError("the runner serves packed models: call model.pack() (or load_checkpoint)")
         cfg = model.cfg
@@ -302,8 +306,11 @@ class ModelRunner:
             self.plan_decode(plan)
         if na and self.attention == "triton" and runtime.mode() == "compiled":
             c = self.cfg
-            plan.append_work = plan_append_attention(plan.append_indptr, num_rows - nd, self.dtype,
-                                                     c.n_heads, c.n_kv_heads, c.head_dim, self.device)
+            split = self.kv_split is not False
+            plan.append_work = plan_append_attention(
+                plan.append_indptr, num_rows - nd, self.dtype, c.n_heads, c.n_kv_heads, c.head_dim, self.device,
+                capacity=plan.append_table.shape[1] * self.block_size if split else None,
+                num_splits=None if self.kv_split is True else int(self.kv_split) if split else None)
         return plan
 
     def graph_plan(self, b: int, n: int, num_sample: int, sample_all: bool, sample_seqs) -> StepPlan:
