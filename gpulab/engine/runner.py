@@ -306,11 +306,11 @@ class ModelRunner:
             self.plan_decode(plan)
         if na and self.attention == "triton" and runtime.mode() == "compiled":
             c = self.cfg
-            split = self.kv_split is not False
+            split = self.kv_split                    # False, True (planned) or a number of parts
             plan.append_work = plan_append_attention(
                 plan.append_indptr, num_rows - nd, self.dtype, c.n_heads, c.n_kv_heads, c.head_dim, self.device,
-                capacity=plan.append_table.shape[1] * self.block_size if split else None,
-                num_splits=None if self.kv_split is True else int(self.kv_split) if split else None)
+                capacity=None if split is False else plan.append_table.shape[1] * self.block_size,
+                num_splits=split if type(split) is int else None)
         return plan
 
     def graph_plan(self, b: int, n: int, num_sample: int, sample_all: bool, sample_seqs) -> StepPlan:
