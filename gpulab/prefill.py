@@ -451,14 +451,15 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
                             o, lse, fault, causal: bool, sm_scale: float | None, config: dict,
                             split: KVSplit | None = None):
     """One launch over the work list (grid: items × kv heads × parts); lse may be None.
-    With ``split`` (its workspace at least q's rows), the parts' states are merged into
-    o (and lse) by a second launch."""
+    With ``split``, the parts' states are merged into o (and lse) by a second launch;
+    rows past the workspace's (padding, say) are then never touched, whatever qo_indptr holds."""
     total_q, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_cache.shape
     if work_req.shape[0] == 0 or total_q == 0:
         return
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     if split is not None:
+        total_q = min(total_q, split.o_part.shape[0])          # the kernel clamps rows to it
         o_part, lse_part = split.o_part[:total_q], split.lse_part[:total_q]
         out, out_lse, parts, part_len = o_part, lse_part, split.num_splits, split.part_len
         o_strides, lse_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)), lse_part.stride()

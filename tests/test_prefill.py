@@ -476,6 +476,28 @@ def test_split_kv_equals_one_part_for_any_number_of_parts():
         assert (o[n:] == 5.0).all() and (lse[n:] == 5.0).all()       # padding rows untouched
 
 
+def test_split_workspace_shorter_than_q_is_never_overrun():
+    """A layout that claims more rows than the split's workspace holds (a bad qo_indptr,
+    or a workspace planned for fewer rows): the kernel and the merge stay inside the
+    workspace (guard rows after it unchanged) and leave o's rows past it alone."""
+    inp = _inputs([5, 17], [7, 20], page=4, hq=4, hkv=2, d=16, pad=0)
+    q, kc, vc, lay = inp["q"], inp["k_cache"], inp["v_cache"], _layout(inp)
+    rows, short = q.shape[0], 9
+    cfg = prefill.append_tile_config(q.dtype, 16, 2)
+    work = prefill.append_schedule_device(lay["qo_indptr"], rows, cfg["BLOCK_M"] // 2)
+    plan = prefill.plan_kv_split(1, 1, lay["block_tables"].shape[1] * 4, short, 4, 16, cfg["BLOCK_N"], DEV, 2)
+    o_big = torch.full((short + 3, 4, plan.num_splits, 16), 7.0, device=DEV)
+    lse_big = torch.full((short + 3, 4, plan.num_splits), 7.0, device=DEV)
+    split = prefill.KVSplit(plan.part_len, o_big[:short], lse_big[:short])
+    o, lse = torch.full_like(q, 5.0), torch.full(q.shape[:2], 5.0, device=DEV)
+    prefill.launch_append_attention(q, kc, vc, lay["qo_indptr"], lay["block_tables"], lay["kv_lens"], *work,
+                                    o, lse, paged.fault_flag(DEV), True, None, cfg, split)
+    assert (o_big[short:] == 7.0).all() and (lse_big[short:] == 7.0).all()
+    assert (o[short:] == 5.0).all() and (lse[short:] == 5.0).all()
+    ref = prefill.append_attention_reference(**inp)             # request 0 fits: still right
+    _assert_matches(o[:5], lse[:5], {k: v[:5] for k, v in ref.items()}, torch.float32)
+
+
 def test_kv_split_plan_fills_idle_sms_only(monkeypatch):
     """The split's plan on a GPU's terms (no device needed): few programs over a long
     history get parts of whole blocks, at least four each, about two programs per SM,

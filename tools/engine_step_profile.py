@@ -37,6 +37,7 @@ from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
 from gpulab.engine.model import BOS  # noqa: E402
 from gpulab.engine.sequence import SamplingParams  # noqa: E402
 from gpulab.engine.serve_bench import build_model  # noqa: E402
+from gpulab.harness.profiler import kernel_times  # noqa: E402
 
 BIG = "random:2048,16,16,4,128,5632,4096"
 
@@ -51,16 +52,11 @@ def timed_step(llm: LLM) -> float:
 
 def kernel_table(prof, top: int = 20) -> dict:
     """Device time of the profiled kernels by name (µs), the largest first, and their sum."""
-    by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            row = by_name.setdefault(e.name, [0.0, 0])
-            row[0] += e.device_time
-            row[1] += 1
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-    return {"kernel_sum_us": round(sum(v[0] for _, v in rows), 1),
-            "kernels": len(rows), "launches": sum(v[1] for _, v in rows),
-            "top": [{"name": n[:90], "us": round(v[0], 1), "calls": v[1]} for n, v in rows[:top]]}
+    kernels = kernel_times(prof)
+    return {"kernel_sum_us": round(sum(k["time_ns"] for k in kernels) / 1e3, 1),
+            "kernels": len(kernels), "launches": int(sum(k["calls_per_run"] for k in kernels)),
+            "top": [{"name": k["name"][:90], "us": round(k["time_ns"] / 1e3, 1), "calls": int(k["calls_per_run"])}
+                    for k in kernels[:top]]}
 
 
 def first_token_steps(llm: LLM, request_id: str) -> int:
@@ -88,7 +84,7 @@ def prompt_case(llm: LLM, prompt_of, reps: int) -> dict:
             llm.step()
     rid = llm.add_request(prompt_of(reps + 1), SamplingParams(max_tokens=2, stop_at_eos=False))
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         first_token_steps(llm, rid)
         torch.cuda.synchronize()
     while llm.has_unfinished():
@@ -111,7 +107,7 @@ def decode_case(llm: LLM, reps: int) -> dict:
     llm.step()
     llm.step()
     times = [timed_step(llm) for _ in range(reps)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.step()
         torch.cuda.synchronize()
     while llm.has_unfinished():

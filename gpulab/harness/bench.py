@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .. import runtime
+from ..bitlinear import int8_mm_into
 from .spec import Case, KernelSpec, all_specs, get
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -175,7 +176,6 @@ def ceilings() -> dict:
             t_mm8 = time_ms(lambda: torch._int_mm(x8, x8.t()), rep=50) * 1e-3
             _CEILINGS["int8_ops_per_s_cublas"] = 2 * m ** 3 / t_mm8
             _CEILINGS["how"] += "; int8 8192^3 matmul: the faster of torch._int_mm and gpulab's int8 GEMM"
-            from ..bitlinear import int8_mm_into
             scale, out = torch.ones(m, device="cuda"), torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
             t_own = time_ms(lambda: int8_mm_into(x8, scale, x8, scale[:1], out), rep=50) * 1e-3
             _CEILINGS["int8_ops_per_s_gpulab"] = 2 * m ** 3 / t_own

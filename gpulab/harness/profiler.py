@@ -181,6 +181,17 @@ def profile_ncu(spec: KernelSpec, case: Case, dtype: torch.dtype, ncu: str) -> d
 
 
 # -- torch.profiler ---------------------------------------------------------------------------
+def kernel_times(prof, reps: int = 1) -> list[dict]:
+    """The kernels of a ``torch.profiler`` run that recorded CUDA activity only, by name,
+    the longest first: ``time_ns`` and ``calls_per_run`` per run of ``reps``."""
+    kernels = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t and evt.count:
+            kernels.append({"name": evt.key, "time_ns": 1e3 * t / reps, "calls_per_run": evt.count / reps})
+    return sorted(kernels, key=lambda k: -k["time_ns"])
+
+
 def profile_torch(spec: KernelSpec, case: Case, dtype: torch.dtype) -> dict:
     from torch.profiler import ProfilerActivity, profile
     run_once(spec, case, dtype, ranged=False)
@@ -188,12 +199,7 @@ def profile_torch(spec: KernelSpec, case: Case, dtype: torch.dtype) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run_once_fast(spec, case, dtype)
-    kernels = []
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if t and evt.count:
-            kernels.append({"name": evt.key, "time_ns": 1e3 * t / reps, "calls_per_run": evt.count / reps})
-    kernels.sort(key=lambda k: -k["time_ns"])
+    kernels = kernel_times(prof, reps)
     total_s = sum(k["time_ns"] for k in kernels) * 1e-9
     report = {"tool": "torch.profiler", "kernels": kernels[:8],
               "note": "no hardware counters without Nsight Compute: utilisation, occupancy and "
