@@ -256,6 +256,25 @@ def launch_tuned(kernel, grid, key, *args, **kwargs) -> None:
             _DIRECT[(kernel, key)] = DirectLaunch(kernel.fn, choice)
 
 
+# (jit function, configuration) -> its DirectLaunch, for kernels launched with a fixed one
+_FIXED: dict = {}
+
+
+def launch(fn, grid, config: dict, *args, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs, **config)`` for a ``@triton.jit`` kernel with a fixed
+    launch configuration (block sizes, ``num_warps``): through :class:`DirectLaunch` on the
+    compiled path, which spares a decode call Triton's host time as :func:`launch_tuned`
+    does for a tuned kernel. ``kwargs`` may only name constexprs."""
+    if not _DIRECT_ON or COMPILE_ONLY or interpreting():
+        fn[grid](*args, **kwargs, **config)
+        return
+    key = (fn, tuple(config.items()))
+    direct = _FIXED.get(key)
+    if direct is None:
+        direct = _FIXED[key] = DirectLaunch(fn, dict(config))
+    direct(grid, args, kwargs)
+
+
 class _Unclassified(Exception):
     """An argument DirectLaunch does not classify (a tuple, an object): Triton's path."""
 

@@ -335,8 +335,9 @@ def test_written_out_classifier_agrees_with_arg_class():
 
 @pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
 def test_decode_kernels_launch_directly_once_compiled():
-    """Compiled, the decode path's autotuned kernels (ternary GEMV, rmsnorm_quant, paged
-    decode) really take DirectLaunch's path from their second call: a change that sent
+    """Compiled, the decode path's kernels (ternary GEMVs of both layouts, the split-K
+    reduce, rmsnorm_quant, paged decode) really take DirectLaunch's path from their
+    second call: a change that sent
     them back to Triton's launch path would still give right answers, so only this
     notices."""
     import triton
@@ -351,18 +352,23 @@ def test_decode_kernels_launch_directly_once_compiled():
     q = torch.randn(2, 4, 64, device=dev, dtype=torch.bfloat16)
     table = torch.tensor([[0, 1, 2], [3, 4, 5]], device=dev, dtype=torch.int32)
     lens = torch.tensor([40, 17], device=dev, dtype=torch.int32)
+    w16 = bitlinear.pack_ternary_x16(w_t)
     for _ in range(3):
         x_q, x_scale = normquant.rmsnorm_quant(x, torch.ones(256, device=dev))
         bitlinear.ternary_matmul(x_q[:1], x_scale[:1], wp, ws)
+        bitlinear.ternary_matmul(x_q[:1], x_scale[:1], w16, ws)          # int32x16: tuned
+        bitlinear.ternary_gemv_x16_into(x_q[:1], x_scale[:1], w16, ws,   # a fixed tile and split
+                                        torch.empty(1, 512, device=dev), split_k=2,
+                                        config={"BLOCK_N": 32, "BLOCK_G": 8, "num_warps": 4})
         paged.paged_decode_attention(q, k_cache, k_cache, table, lens)
     torch.cuda.synchronize()
     launched = {}                                        # kernel name -> launched directly at least once
-    for direct in runtime._DIRECT.values():
+    for direct in (*runtime._DIRECT.values(), *runtime._FIXED.values()):
         if not isinstance(direct.fn, triton.runtime.JITFunction):
             continue                                     # another test's fake kernel, same process
         name = direct.fn.fn.__name__
         launched[name] = launched.get(name, False) or (direct.usable and any(direct.compiled.values()))
-    for part in ("ternary_gemv", "rmsnorm_quant_fwd", "decode_partition"):
+    for part in ("ternary_gemv_kernel", "ternary_gemv_x16", "split_k_reduce", "rmsnorm_quant_fwd", "decode_partition"):
         assert any(part in name and ok for name, ok in launched.items()), (part, launched)
 
 

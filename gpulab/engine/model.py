@@ -23,6 +23,7 @@ arithmetic.
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -329,7 +330,10 @@ def attention_with_history(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 # the other one, and from there the outputs part. What counts as "nearly" is relative to
 # the largest logit there: 1e-3 for float32 work (TF32 dots, reordered sums), and for
 # 16-bit activations about four roundings of the largest logit (a rounding is at most
-# 2^-8 of a value in bf16, 2^-11 in fp16).
+# 2^-8 of a value in bf16, 2^-11 in fp16). The gap is judged on float32 logits: a bf16
+# reference is as noisy as the paths it judges (on the H200, 2026-12-03, one position's
+# top two were 0.107 apart in float32 and 0.625 in the bf16 reference: its activations'
+# roundings had flipped int8 codes of the quantized inputs).
 NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 
 
@@ -345,14 +349,15 @@ def next_token_logits(model: TernaryTransformer, tokens: list[int]) -> torch.Ten
 
 @dataclass
 class TokenFlip:
-    """Where two greedy outputs for one prompt first differ, judged by the reference
-    logits after the prompt and the tokens both share."""
+    """Where two greedy outputs for one prompt first differ, judged by the reference's
+    float32 logits after the prompt and the tokens both share."""
     position: int             # index into the generated tokens
     got: int | None           # None: one output is a prefix of the other (no token flipped)
     want: int | None
-    gap: float                # reference logit of ``want`` minus that of ``got`` (nan if no flip)
-    margin: float             # the reference's best minus its second-best logit there
+    gap: float                # float32 reference logit of ``want`` minus that of ``got`` (nan if no flip)
+    margin: float             # the float32 reference's best minus its second-best logit there
     tolerance: float          # the largest |gap| that counts as a near tie there
+    drift: float = 0.0        # how far the model's own 16-bit forward moved that gap (0 in float32)
 
     @property
     def near_tie(self) -> bool:
@@ -362,24 +367,41 @@ class TokenFlip:
         if self.got is None:
             return f"the outputs agree up to token {self.position}, then one of them stops"
         kind = "a near tie" if self.near_tie else "NOT a near tie"
-        return (f"token {self.position} is {self.got}, not {self.want}: the reference's logits differ by "
-                f"{self.gap:.3g} there (top-2 margin {self.margin:.3g}, tolerance {self.tolerance:.3g}): {kind}")
+        drift = f", moved by {self.drift:.3g} in the model's own dtype" if self.drift else ""
+        return (f"token {self.position} is {self.got}, not {self.want}: the float32 reference's logits differ "
+                f"by {self.gap:.3g} there{drift} (top-2 margin {self.margin:.3g}, tolerance "
+                f"{self.tolerance:.3g}): {kind}")
 
 
 def first_flip(model: TernaryTransformer, prompt: list[int], got: list[int], want: list[int],
                rel_tol: float | None = None) -> TokenFlip | None:
     """None if ``got == want`` (generated tokens after ``prompt``); else where they first
-    differ, with the reference's logits there. ``rel_tol``: a near tie is a gap of at
-    most rel_tol · max(1, max |logit|) (default :data:`NEAR_TIE` of the model's dtype)."""
+    differ, with the reference's logits there in float32 (a float32 copy of a 16-bit
+    model: the same weights, exact arithmetic but for float32's roundings).
+
+    A near tie is a gap of at most rel_tol · max(1, max |logit|) (default
+    :data:`NEAR_TIE` of the model's dtype) or, for a 16-bit model, of at most the drift:
+    how far the model's own reference forward in its dtype moved that gap. Its inputs are
+    quantized to int8, so a 16-bit rounding that flips one int8 code moves the logits by
+    far more than a rounding of the logits themselves; the drift measures that for the
+    position at hand instead of guessing it."""
     if got == want:
         return None
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    logits = next_token_logits(model, list(prompt) + list(want[:i]))
+    tokens = list(prompt) + list(want[:i])
+    dtype = model.embed.weight.dtype
+    exact = model if dtype == torch.float32 else prepare_for_serving(copy.deepcopy(model), dtype=torch.float32)
+    logits = next_token_logits(exact, tokens)
     if rel_tol is None:
-        rel_tol = NEAR_TIE.get(model.embed.weight.dtype, NEAR_TIE[torch.float32])
+        rel_tol = NEAR_TIE.get(dtype, NEAR_TIE[torch.float32])
     tolerance = rel_tol * max(1.0, float(logits.abs().max()))
     top = logits.topk(2).values
     margin = float(top[0] - top[1])
     if i == min(len(got), len(want)):
         return TokenFlip(i, None, None, float("nan"), margin, tolerance)
-    return TokenFlip(i, got[i], want[i], float(logits[want[i]] - logits[got[i]]), margin, tolerance)
+    gap = float(logits[want[i]] - logits[got[i]])
+    drift = 0.0
+    if exact is not model:
+        own = next_token_logits(model, tokens)
+        drift = abs(float(own[want[i]] - own[got[i]]) - gap)
+    return TokenFlip(i, got[i], want[i], gap, margin, max(tolerance, drift), drift)
