@@ -507,13 +507,24 @@ _MM_SMALL_M = ((16, 32, 128, 2, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3))
 SMALL_M_BUCKET = 32
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_Q, num_warps, num_stages) of the tensor-core kernel's tiles
+_MM_TILES = ((128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+             (16, 128, 64, 4, 4), (32, 64, 128, 4, 4))
+
+
+def mm_tile_configs() -> list[dict]:
+    """Every launch configuration the tensor-core kernel's autotuner may choose on the
+    compiled path (the narrow small-M tiles last), for :func:`ternary_mm_into`'s
+    ``config`` (tools/ternary-gemv-bench.py --mm-sweep times each one)."""
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_Q": bq, "GROUP_M": 8, "num_warps": w, "num_stages": s}
+            for bm, bn, bq, w, s in _MM_TILES + _MM_SMALL_M]
+
+
 def _mm_configs():
     if runtime.interpreting():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_Q": bq, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, bq, w, s in ((128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (128, 128, 64, 8, 3),
-                                     (64, 128, 64, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4))
-            + _MM_SMALL_M]
+    return [triton.Config({k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_Q", "GROUP_M")},
+                          num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in mm_tile_configs()]
 
 
 def _for_m(configs, named_args, **kwargs):
@@ -653,10 +664,11 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
 MM_SPLIT_ALIGN = 256
 
 
-def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1):
+def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
     """Prefill launcher (check calling convention): one program per output tile (and per
     split of K: ``split_k`` 1, the default, is one pass; s > 1 adds a deterministic reduce
-    over an [s, M, N] int32 workspace, slower on the H200: see the note above)."""
+    over an [s, M, N] int32 workspace, slower on the H200: see the note above). ``config``:
+    one of :func:`mm_tile_configs` instead of the autotuner's choice."""
     m, k = x_q.shape
     n, q = w_packed.shape
     if not isinstance(split_k, int) or split_k < 1:
@@ -666,10 +678,13 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1):
     part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     bucket = _m_bucket(m)
-    runtime.launch_tuned(_ternary_mm_tuned, grid, (bucket, n, k, y.dtype, split),
-                         x_q, x_scale, w_packed, w_scale, y, part, m, n, k, q, q_split,
-                         x_q.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot(),
-                         PARTIAL=split > 1)
+    args = (x_q, x_scale, w_packed, w_scale, y, part, m, n, k, q, q_split,
+            x_q.stride(0), w_packed.stride(0), y.stride(0), bucket)
+    if config is None:
+        runtime.launch_tuned(_ternary_mm_tuned, grid, (bucket, n, k, y.dtype, split), *args,
+                             DOT_INT8=_int8_dot(), PARTIAL=split > 1)
+    else:
+        runtime.launch(ternary_mm_kernel, grid, config, *args, DOT_INT8=_int8_dot(), PARTIAL=split > 1)
     if split > 1:
         split_k_reduce_kernel[(m, runtime.cdiv(n, SPLIT_REDUCE_BLOCK))](
             part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)

@@ -2,7 +2,7 @@
 and bf16 F.linear, on the same tensors.
 
 usage (repository root, on the H200; offline is fine):
-    PYTHONPATH=$PWD python tools/ternary-gemv-bench.py OUTDIR [--quick] [--no-graph] [--shapes MxNxK,...]
+    PYTHONPATH=$PWD python tools/ternary-gemv-bench.py OUTDIR [--quick] [--no-graph] [--shapes MxNxK,...] [--mm-sweep]
 
 For each shape (M=1: K=N=8192, K=N=4096, N=14336 K=4096, N=4096 K=14336; M=16 K=N=8192) it
 first checks that the int32x16 GEMV (dp4a and portable twin, every split) gives the same
@@ -75,6 +75,9 @@ def parse_args(argv=None):
     ap.add_argument("outdir", type=Path, help="directory for ternary_gemv_bench.json")
     ap.add_argument("--quick", action="store_true", help="default config and auto split only")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--mm-sweep", action="store_true",
+                    help="at M > 1 also time every tile of the tensor-core kernel (bitlinear.mm_tile_configs), "
+                         "one pass and split K")
     ap.add_argument("--shapes", type=parse_shapes, default=None,
                     help='MxNxK,... instead of the default shapes (e.g. "16x4096x14336,16x14336x4096")')
     ap.add_argument("--dry-run", action="store_true",
@@ -132,7 +135,7 @@ def timed(fn, graph):
     return row
 
 
-def bench_shape(m, n, k, quick, graph):
+def bench_shape(m, n, k, quick, graph, mm_sweep=False):
     p = make_problem(m, n, k, device=runtime.device())
     out = torch.empty(m, n, dtype=torch.bfloat16, device=runtime.device())
     res = {"M": m, "N": n, "K": k, "correctness": correctness(p, m, n), "rows": []}
@@ -181,6 +184,21 @@ def bench_shape(m, n, k, quick, graph):
         # (M=16 on 2026-12-02: 49.2 us as called against 31.2 us for its launcher)
         add("ternary_matmul as called (uint8x4), again once tuned", "uint8x4",
             lambda: bl.ternary_matmul(p["x_q"], p["x_s"], p["w8"], p["w_s"]))
+    if mm_sweep and m > 1:    # every tile of the tensor-core kernel, one pass and split K
+        done = set()
+        for cfg in bl.mm_tile_configs():
+            for split in (1, 2, 4):
+                q = p["w8"].shape[1]
+                actual = runtime.cdiv(q, runtime.cdiv(runtime.cdiv(q, split), bl.MM_SPLIT_ALIGN) * bl.MM_SPLIT_ALIGN)
+                if (tuple(cfg.values()), actual) in done:
+                    continue
+                done.add((tuple(cfg.values()), actual))
+                name = (f"mm sweep BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} BLOCK_Q={cfg['BLOCK_Q']} "
+                        f"w{cfg['num_warps']} s{cfg['num_stages']} split={actual}")
+                add(name, "uint8x4",
+                    lambda c=cfg, s=split: bl.ternary_mm_into(p["x_q"], p["x_s"], p["w8"], p["w_s"], out,
+                                                              split_k=s, config=c),
+                    split_k=actual, config=dict(cfg))
     if not quick:
         for cfg in CONFIGS:
             for split in SPLITS:
@@ -196,6 +214,10 @@ def bench_shape(m, n, k, quick, graph):
             r["speedup_vs_F.linear"] = base["us_do_bench"] / r["us_do_bench"]
             if "us_cuda_graph" in r and "us_cuda_graph" in base:
                 r["speedup_vs_F.linear_graph"] = base["us_cuda_graph"] / r["us_cuda_graph"]
+    mm = [r for r in res["rows"] if r["impl"].startswith("mm sweep") and "us_cuda_graph" in r]
+    if mm:
+        best = min(mm, key=lambda r: r["us_cuda_graph"])
+        res["best_mm_tile"] = {k: best[k] for k in ("impl", "config", "split_k", "us_do_bench", "us_cuda_graph")}
     x16 = [r for r in res["rows"] if r["layout"] == "int32x16" and "config" in r and "us_do_bench" in r]
     if x16:
         best = min(x16, key=lambda r: r["us_do_bench"])
@@ -224,7 +246,8 @@ def main(argv=None) -> int:
     for m, n, k in (DRY_SHAPES if args.dry_run else args.shapes or SHAPES):
         print(f"== M={m} N={n} K={k}", flush=True)
         try:
-            doc["shapes"].append(bench_shape(m, n, k, args.quick, None if args.dry_run else not args.no_graph))
+            doc["shapes"].append(bench_shape(m, n, k, args.quick, None if args.dry_run else not args.no_graph,
+                                              args.mm_sweep))
         except Exception as e:
             doc["shapes"].append({"M": m, "N": n, "K": k, "error": f"{type(e).__name__}: {e}",
                                   "traceback": traceback.format_exc()[-3000:]})
