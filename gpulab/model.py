@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm as tqdm_auto
 from tqdm.std import tqdm as tqdm_text
 
-from .bitlinear import BitLinear, PackedKernels
+from .bitlinear import BitLinear, PackedKernels, unpack_ternary
+from .block_step import BlockStepWeights, block_step, fits
 from .mlgru import MLGRU, ScanLaunchers, require_scan_kernel
 from .validate import require_index_range, require_same_device, require_tensor
 
@@ -104,10 +105,49 @@ class Block(nn.Module):
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), h
 
-    def step(self, x_t, h):
+    def step(self, x_t, h, fused: bool = False):
+        """One token: x_t [B, d], state h [B, d] (None: zeros) -> (x_t, h). ``fused``: the
+        whole step as one kernel (:mod:`gpulab.block_step`) where :meth:`step_weights` has
+        its weights; the same math, rounded to x's dtype once instead of after every op."""
+        weights = self.step_weights() if fused else None
+        if weights is not None:
+            return block_step(x_t, torch.zeros_like(x_t, dtype=torch.float32) if h is None else h, weights)
         y, h = self.mixer.step(self.mixer_norm(x_t), h)
         x_t = x_t + y
         return x_t + self.mlp(self.mlp_norm(x_t)), h
+
+    def step_weights(self) -> BlockStepWeights | None:
+        """The fused step's weights, made once per set of packed weights (a repacked or
+        retrained block makes them again); None where the fused step does not apply:
+        weights not packed (training), packed to another layout or run by other kernels,
+        a bias, the "code" variant, or sizes :func:`gpulab.block_step.fits` refuses."""
+        m, mlp = self.mixer, self.mlp
+        projs = (m.f_proj, m.c_proj, m.g_proj, m.o_proj, mlp.gate_proj, mlp.down_proj)
+        if (m.variant != "paper" or m.lower_bound is not None
+                or not fits(m.d_model, mlp.down_proj.in_features)
+                or len({p.eps for p in projs}) > 1 or self.mixer_norm.eps != self.mlp_norm.eps
+                or any(not p.packed or p.kernels is not None or p.bias is not None or p.layout != "uint8x4"
+                       for p in projs)):
+            return None
+        tensors = [self.mixer_norm.weight, self.mlp_norm.weight] + [t for p in projs
+                                                                   for t in (p.norm_weight, p.w_packed, p.w_scale)]
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        cached = getattr(self, "_step_weights", None)
+        if cached is None or cached[0] != key:
+            def transposed(p):
+                return unpack_ternary(p.w_packed, p.in_features).t().to(torch.float16).contiguous()
+            norms = torch.stack([w.float() for w in (self.mixer_norm.weight, m.f_proj.norm_weight,
+                                                     m.c_proj.norm_weight, m.g_proj.norm_weight,
+                                                     m.o_proj.norm_weight, self.mlp_norm.weight,
+                                                     mlp.gate_proj.norm_weight)])
+            weights = BlockStepWeights(
+                norms=norms, down_norm=mlp.down_proj.norm_weight.float().contiguous(),
+                scales=torch.cat([p.w_scale.float().reshape(1) for p in projs]),
+                w_f=transposed(m.f_proj), w_c=transposed(m.c_proj), w_g=transposed(m.g_proj),
+                w_o=transposed(m.o_proj), w_gate=transposed(mlp.gate_proj), w_down=transposed(mlp.down_proj),
+                eps_norm=self.mixer_norm.eps, eps_bit=m.f_proj.eps)
+            self._step_weights = cached = (key, weights)
+        return cached[1]
 
 
 class MatMulFreeLM(nn.Module):
@@ -165,12 +205,13 @@ class MatMulFreeLM(nn.Module):
         """Numbers of recurrent state kept during generation: n_layers · d_model per sequence."""
         return batch * self.n_layers * self.d_model
 
-    def step(self, token: torch.Tensor, states: list):
-        """One token per sequence, token [B] -> (logits [B, vocab], new states)."""
+    def step(self, token: torch.Tensor, states: list, fused: bool = False):
+        """One token per sequence, token [B] -> (logits [B, vocab], new states).
+        ``fused``: each block's step as one kernel where it applies (:meth:`Block.step`)."""
         x = self.embed(token)
         new_states = []
         for block, h in zip(self.blocks, states):
-            x, h = block.step(x, h)
+            x, h = block.step(x, h, fused)
             new_states.append(h)
         return self.head(self.norm(x)).float(), new_states
 

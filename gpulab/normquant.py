@@ -79,7 +79,7 @@ def rmsnorm_fakequant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
 
 # -- Triton kernels -------------------------------------------------------------------------
 @triton.jit
-def _round_half_away_int(v):
+def round_half_away_int(v):
     """round(v), halves away from zero, as int32: the float-to-int conversion truncates,
     which is floor for |v| + 0.5 ≥ 0, so one conversion does the rounding. (floor and
     ceil both evaluated, then converted, were three conversions per element on the
@@ -123,7 +123,7 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
         sum_sq, max_xw = tl.sum(x * x, axis=1), tl.max(tl.abs(xw), axis=1)
     rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
     scale = 127.0 / tl.maximum(max_xw * rstd, 1e-5)
-    q = tl.minimum(tl.maximum(_round_half_away_int(xw * (rstd * scale)[:, None]), -128), 127)
+    q = tl.minimum(tl.maximum(round_half_away_int(xw * (rstd * scale)[:, None]), -128), 127)
     if FAKE_QUANT:
         yhat = q.to(tl.float32) / scale[:, None]
         tl.store(yhat_ptr + rows64[:, None] * stride_y + cols[None, :],

@@ -151,10 +151,14 @@ class MLGRUGraphDrafter:
     per step (the same ``propose``/``forget`` interface).
 
     ``noise(seq, position, vocab)``: the Gumbel noise [vocab] (float64) of a sampled
-    sequence's draft at ``position``, from the eager drafter's seeded stream."""
+    sequence's draft at ``position``, from the eager drafter's seeded stream. ``fused``:
+    each block's step as one kernel (the eager drafter's choice)."""
 
-    def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool):
-        self.model, self.vocab_size, self.k, self.noise = model, vocab_size, k, noise
+    def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool, fused: bool = False):
+        self.model, self.vocab_size, self.k, self.noise, self.fused = model, vocab_size, k, noise, fused
+        if fused:                                 # made now, never inside a capture
+            for block in model.blocks:
+                block.step_weights()
         self.device = dev = model.embed.weight.device
         self.max_batch = max_num_seqs
         n_slots = 2 * max_num_seqs                # live sequences <= max_num_seqs: spare slots
@@ -197,7 +201,7 @@ class MLGRUGraphDrafter:
         token = buf["first"][:b]
         hist, drafts, qs = [], [], []
         for i in range(k + 1):
-            out, states = self.model.step(token, states)
+            out, states = self.model.step(token, states, self.fused)
             hist.append(states)
             if i == k:                     # the last step only leaves hist[k] (all k accepted)
                 break

@@ -221,7 +221,10 @@ class MLGRUDrafter(Drafter):
 
     def __init__(self, model, vocab_size: int = 258):
         super().__init__()
-        if runtime.interpreting() or model.embed.weight.device.type == "cpu":
+        # Compiled, each block's step is one kernel (gpulab.block_step: a step of the
+        # layered blocks was ~40 launches, 0.13 ms a token on the H200 even in a graph).
+        self.fused = not (runtime.interpreting() or model.embed.weight.device.type == "cpu")
+        if not self.fused:
             # On a CPU run the packed BitLinears as PyTorch ops (the same arithmetic):
             # the interpreter would run their Triton kernels a thousand times slower,
             # and compiled kernels need the GPU.
@@ -256,7 +259,7 @@ class MLGRUDrafter(Drafter):
         """One batched step of the MatMul-free LM for all sequences (its state is n_layers
         vectors per sequence: they stack)."""
         layers = [torch.cat([st[1][k] for st in states]) for k in range(len(states[0][1]))]
-        out, layers = self.model.step(tokens, layers)
+        out, layers = self.model.step(tokens, layers, self.fused)
         new = [(st[0] + 1, [h[j:j + 1] for h in layers], self._widen(out[j])) for j, st in enumerate(states)]
         return new, [st[2] for st in new]
 
@@ -405,7 +408,8 @@ class SpeculativeLLM(LLM):
             n = self.config.max_num_seqs
             self.verify_graphs = VerifyGraphs(self.runner, k, n, cuda)
             if isinstance(drafter, MLGRUDrafter):
-                self.proposer = MLGRUGraphDrafter(drafter.model, drafter.vocab_size, k, n, draft_noise, cuda)
+                self.proposer = MLGRUGraphDrafter(drafter.model, drafter.vocab_size, k, n, draft_noise, cuda,
+                                                  fused=drafter.fused)
 
     def request_k(self, seq: Sequence) -> int:
         """Drafts this request proposes per step: ``k``, or its :func:`best_k` when adaptive
