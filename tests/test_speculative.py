@@ -509,33 +509,47 @@ def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
 
 def test_a_16_bit_flip_is_judged_on_float32_logits_and_its_own_drift(monkeypatch):
     """first_flip judges a bf16 model's flip on a float32 copy's logits; its tolerance
-    grows to the drift (how far the bf16 reference moved the gap), never shrinks below the
-    rounding tolerance, and a gap wider than both is not a near tie."""
+    grows to the drift (how far the bf16 forward, plain and with rounding-sized noise,
+    moved the gap), never shrinks below the rounding tolerance, and a gap wider than both
+    is not a near tie."""
     from gpulab.engine import model as engine_model
-    from gpulab.engine.model import first_flip, prepare_for_serving
+    from gpulab.engine.model import JITTER_SAMPLES, first_flip, prepare_for_serving
     model = prepare_for_serving(TernaryTransformer(TINY), dtype=torch.bfloat16)
     seen, own_gap = [], {}
 
-    def logits(m, tokens):                   # token 1 ahead of token 2 by 0.5 in float32
+    def logits(m, tokens, jitter=0.0, generator=None):      # token 1 ahead of token 2 by 0.5 in float32
         dtype = m.embed.weight.dtype
-        seen.append(dtype)
+        seen.append((dtype, jitter > 0))
         out = torch.zeros(TINY.vocab_size)
-        out[1], out[2] = 10.0, 10.0 - (0.5 if dtype == torch.float32 else own_gap["bf16"])
+        out[1], out[2] = 10.0, 10.0 - (0.5 if dtype == torch.float32 else own_gap["jitter" if jitter else "plain"])
         return out
 
     monkeypatch.setattr(engine_model, "next_token_logits", logits)
     want, got = [5, 1, 7], [5, 2, 7]
-    own_gap["bf16"] = -0.25                  # bf16 moved the gap by 0.75: a near tie
+    own_gap.update(plain=0.5, jitter=-0.25)      # the perturbed bf16 forwards moved the gap by 0.75
     flip = first_flip(model, [3], got, want)
-    assert seen == [torch.float32, torch.bfloat16] and model.embed.weight.dtype == torch.bfloat16
+    assert seen == [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * JITTER_SAMPLES
+    assert model.embed.weight.dtype == torch.bfloat16
     assert (flip.gap, flip.drift, flip.tolerance) == (0.5, 0.75, 0.75) and flip.near_tie
-    assert "moved by 0.75" in flip.describe()
-    own_gap["bf16"] = 0.375                  # moved by 0.125, under the rounding tolerance
+    assert "moved up to 0.75" in flip.describe()
+    own_gap.update(plain=0.375, jitter=0.5)      # moved by 0.125 at most: under the rounding tolerance
     flip = first_flip(model, [3], got, want)
     assert flip.drift == 0.125 and flip.tolerance == pytest.approx(10 * 2 ** -6) and not flip.near_tie
-    seen.clear()                             # a float32 model is its own judge: no drift
+    seen.clear()                                 # a float32 model is its own judge: no drift
     flip = first_flip(prepare_for_serving(TernaryTransformer(TINY)), [3], got, want)
-    assert seen == [torch.float32] and flip.drift == 0.0 and not flip.near_tie
+    assert seen == [(torch.float32, False)] and flip.drift == 0.0 and not flip.near_tie
+
+
+def test_the_jittered_reference_is_seeded():
+    """next_token_logits' rounding-sized noise: reproducible from its generator, absent at 0."""
+    from gpulab.engine.model import encode_prompt, next_token_logits
+    model = TernaryTransformer(TINY).pack().to(DEVICE)
+    tokens = encode_prompt("Tyger Tyger")
+    plain = next_token_logits(model, tokens)
+    a = next_token_logits(model, tokens, 2 ** -8, torch.Generator().manual_seed(1))
+    b = next_token_logits(model, tokens, 2 ** -8, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and not torch.equal(a, plain)
+    assert torch.equal(next_token_logits(model, tokens, 0.0), plain)
 
 
 def test_results_table_marks_adaptive_rows():

@@ -6,9 +6,9 @@ Measures, with the shipped target checkpoint in bf16 and greedy decoding (so eve
 configuration must produce the target's tokens: issue 15 accepts a difference only where
 a near tie of the target's logits flipped, which bf16 rounding in another kernel or GEMM
 shape may do: judged on a float32 copy of the target, with a tolerance that is at least
-how far the bf16 reference itself moved that gap (:func:`gpulab.engine.model.first_flip`;
-on 2026-12-03 a gap of 0.27 in float32 was 0.63 in the bf16 reference and flipped in
-either path from one process to the next); each one is printed and counted in the JSON; any other difference is printed,
+how far bf16 forwards of the target (plain and with rounding-sized noise) move that gap
+(:func:`gpulab.engine.model.first_flip`; on 2026-12-03 a gap of 0.41 in float32 on the
+H200 flipped in the target alone from one process to the next); each one is printed and counted in the JSON; any other difference is printed,
 kept in the JSON's ``wrong_tokens``, leaves that configuration without a row, and fails
 the run once the other configurations are measured):
 
