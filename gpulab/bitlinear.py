@@ -567,18 +567,13 @@ def ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y):
 # the H200 (gpulab/results/bitlinear/ternary_gemv_bench.json, CUDA-graph medians): 32 rows of
 # W per program beat 16 at every decode shape swept (K=N=8192: 10.1-10.4 µs against 14.1;
 # 4096²: 5.8 against 7.3; 14336x4096: 8.1 against 10.7; 4096x14336: 9.9 against 12.0).
-# No tile won everywhere once BLOCK_G 128 and 256 were swept (2026-12-03, graph medians):
-# 32 x 128 words with 8 warps 8.36 µs at 8192² (the default 10.29), 8 x 256 9.0 µs at
-# N 4096 x K 14336 (10.9), the default still the fastest at N 14336 x K 4096 (8.31). So
-# the default launch lets an autotuner choose among those three, one pass, per (N, G).
-# The interpreter takes big blocks (cost grows with the number of programs).
+# A sweep with BLOCK_G 128 and 256 (2026-12-03) found other tiles faster at two shapes
+# (32 x 128 words with 8 warps 8.36 µs at 8192², 8 x 256 9.0 µs at N 4096 x K 14336), but
+# an autotuner choosing among them per (N, G) measured no better than this default in the
+# next run (graph medians 8.78 against 8.39 µs at 8192², within 0.2 µs elsewhere): the
+# default stays. The interpreter takes big blocks (cost grows with the number of programs).
 X16_CONFIG = {"BLOCK_N": 32, "BLOCK_G": 64, "num_warps": 4}
-X16_TUNED = (X16_CONFIG, {"BLOCK_N": 32, "BLOCK_G": 128, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_G": 256, "num_warps": 4})
 X16_INTERPRETER_CONFIG = {"BLOCK_N": 64, "BLOCK_G": 64, "num_warps": 4}
-_ternary_gemv_x16_tuned = triton.autotune(
-    configs=runtime.tuning_configs([triton.Config({"BLOCK_N": c["BLOCK_N"], "BLOCK_G": c["BLOCK_G"]},
-                                                  num_warps=c["num_warps"]) for c in X16_TUNED]),
-    key=["N", "G"])(ternary_gemv_x16_kernel)
 X16_MAX_SPLIT = 16
 SPLIT_REDUCE_BLOCK = 1024
 
@@ -611,12 +606,11 @@ def int8_rows_as_words(x_q: torch.Tensor) -> torch.Tensor:
 def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, config=None, asm=None):
     """Decode launcher for the int32x16 layout (check calling convention).
 
-    With neither ``split_k`` nor ``config`` (compiled): one pass, its tile chosen per
-    (N, G) by an autotuner among :data:`X16_TUNED`. split_k: None chooses with
-    :func:`x16_split_k`; 1 is one pass; s > 1 adds a second, deterministic reduce pass over
-    an [s, M, N] int32 workspace. config: BLOCK_N, BLOCK_G, num_warps (default X16_CONFIG).
-    asm: dp4a as inline PTX (default on the compiled path) or the portable twin (always in
-    the interpreter, which cannot run PTX)."""
+    split_k: None chooses with :func:`x16_split_k`; 1 is one pass; s > 1 adds a second,
+    deterministic reduce pass over an [s, M, N] int32 workspace. config: BLOCK_N, BLOCK_G,
+    num_warps (default X16_CONFIG). asm: dp4a as inline PTX (default on the compiled
+    path) or the portable twin (always in the interpreter, which cannot run PTX). Compiled,
+    both kernels launch through :func:`gpulab.runtime.launch` (DirectLaunch)."""
     m, k = x_q.shape
     if k > GEMV_MAX_K:
         raise ValueError(f"the GEMV's int32 sums are exact for K <= {GEMV_MAX_K}, got K={k}")
@@ -627,15 +621,6 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
         asm, cfg = False, dict(X16_INTERPRETER_CONFIG)
     else:
         asm, cfg = (True if asm is None else bool(asm)), dict(X16_CONFIG)
-        if split_k is None and config is None:
-            xw = int8_rows_as_words(x_q)
-            # EVEN for every tile offered: N a multiple of 32 rows, G of 256 words
-            even = n % 32 == 0 and g % 256 == 0 and xw.shape[1] == 4 * g
-            grid = lambda meta: (m, runtime.cdiv(n, meta["BLOCK_N"]), 1)  # noqa: E731
-            runtime.launch_tuned(_ternary_gemv_x16_tuned, grid, (n, g, y.dtype, even, asm),
-                                 xw, x_scale, w_packed, w_scale, y, y, m, n, g, xw.shape[1], g,
-                                 xw.stride(0), w_packed.stride(0), y.stride(0), EVEN=even, PARTIAL=False, USE_ASM=asm)
-            return
     cfg.update(config or {})
     block_n, block_g, warps = cfg["BLOCK_N"], cfg["BLOCK_G"], cfg["num_warps"]
     split = x16_split_k(m, n, k, block_n, block_g) if split_k is None else split_k

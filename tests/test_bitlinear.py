@@ -471,22 +471,6 @@ def test_gemv_x16_dp4a_and_portable_twin_agree_on_gpu(m, k, n, split):
     assert torch.equal(ys[0], ys[1])
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the tuned launch is the compiled path's (the interpreter has one tile)")
-@pytest.mark.parametrize("m, k, n", [(1, 8192, 1024), (1, 14336, 512), (2, 2050, 70)])
-def test_gemv_x16_tuned_tiles_give_the_byte_gemvs_bits(m, k, n):
-    """Each tile the default launch may tune to (X16_TUNED, one pass; the tests run the
-    first only), and the default launch itself, give the byte GEMV's bits: with every mask
-    (2050 x 70) and without (EVEN)."""
-    x_q, x_s, w_t, w_s = _x16_problem(m, k, n, seed=7)
-    w32 = bl.pack_ternary_x16(w_t)
-    want = torch.empty(m, n, device=x_q.device)
-    bl.ternary_gemv_into(x_q, x_s, bl.pack_ternary(w_t), w_s, want)
-    for config in (*bl.X16_TUNED, None):
-        y = torch.full((m, n), float("nan"), device=x_q.device)
-        bl.ternary_gemv_x16_into(x_q, x_s, w32, w_s, y, split_k=None if config is None else 1, config=config)
-        assert torch.equal(y, want), config
-
-
 def test_gemv_x16_strided_x_rows():
     # rows padded to 4100 bytes (4-byte aligned, not K): the int32 view still applies
     x_q, x_s, w_t, w_s = _x16_problem(2, 4096, 64, seed=1)

@@ -356,7 +356,7 @@ def test_decode_kernels_launch_directly_once_compiled():
     for _ in range(3):
         x_q, x_scale = normquant.rmsnorm_quant(x, torch.ones(256, device=dev))
         bitlinear.ternary_matmul(x_q[:1], x_scale[:1], wp, ws)
-        bitlinear.ternary_matmul(x_q[:1], x_scale[:1], w16, ws)          # int32x16: tuned
+        bitlinear.ternary_matmul(x_q[:1], x_scale[:1], w16, ws)          # int32x16
         bitlinear.ternary_gemv_x16_into(x_q[:1], x_scale[:1], w16, ws,   # a fixed tile and split
                                         torch.empty(1, 512, device=dev), split_k=2,
                                         config={"BLOCK_N": 32, "BLOCK_G": 8, "num_warps": 4})

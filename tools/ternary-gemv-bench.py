@@ -13,8 +13,7 @@ each row also gets the host's time per call (``host_us_per_call``), which says w
 as-called figure was the GPU's or the host's:
 
 * ``ternary_matmul`` as called with uint8x4 weights (today's default path) and with int32x16,
-* the launchers ``ternary_gemv_into`` (uint8x4) and ``ternary_gemv_x16_into`` (its default:
-  one pass, tile tuned among ``bitlinear.X16_TUNED``; and X16_CONFIG with auto split),
+* the launchers ``ternary_gemv_into`` (uint8x4) and ``ternary_gemv_x16_into`` (auto split),
 * a sweep of the int32x16 launcher over split-K in (1, 2, 4, 8) and the block configs of
   tools/gemv-instructions.py (--quick: the default config and auto split only),
 * the portable twin compiled (asm=False): what the dp4a instruction itself buys,
@@ -169,9 +168,7 @@ def bench_shape(m, n, k, quick, graph, mm_sweep=False):
         lambda: bl.ternary_gemv_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out),
         split_k=bl.x16_split_k(m, n, k, bl.X16_CONFIG["BLOCK_N"], bl.X16_CONFIG["BLOCK_G"]),
         config=dict(bl.X16_CONFIG))
-    add("ternary_gemv_x16_into (dp4a, tuned tile, one pass: its default)", "int32x16",
-        lambda: bl.ternary_gemv_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out))
-    add("ternary_gemv_x16_into (portable twin compiled, tuned tile)", "int32x16",
+    add("ternary_gemv_x16_into (portable twin compiled, auto split)", "int32x16",
         lambda: bl.ternary_gemv_x16_into(p["x_q"], p["x_s"], p["w32"], p["w_s"], out, asm=False))
     if m > 1:   # ternary_matmul sends M > 1 to the tensor-core kernels: time both layouts' own
         add("ternary_mm_into (uint8x4 tensor cores, one pass)", "uint8x4",
