@@ -187,3 +187,32 @@ def test_many_streaming_clients_lose_nothing(server, model):
     for i, _, text in results[:6]:
         assert text == offline(model, f"Poem {i}:", max_tokens=6 + i % 5, temperature=0.7, seed=i)
     wait_idle(llm)
+
+
+def test_a_client_behind_the_engine_gets_its_newest_output_at_once():
+    """Outputs are cumulative: of several that wait for a slow client only the newest is
+    read (one event with every new token), never across an abort's None, a failure or a
+    finished output."""
+    import asyncio
+
+    from gpulab.engine.engine import Completion, RequestOutput
+    from gpulab.engine.server import Subscription, deliver, newest_outputs
+
+    def out(tokens, finished=False):
+        return RequestOutput("r", [1], [Completion(0, list(tokens), "length" if finished else None)], finished)
+
+    a, b, c = out([97]), out([97, 98]), out([97, 98, 99], finished=True)
+    assert newest_outputs([a, b, c]) == [c]
+    failure = RuntimeError("engine failed")
+    assert newest_outputs([a, failure, b]) == [a, failure, b]
+    assert newest_outputs([a, None]) == [a, None]
+    assert newest_outputs([c, a]) == [c, a] and newest_outputs([]) == []
+
+    async def take_twice():
+        sub = Subscription(asyncio.get_running_loop())
+        deliver([(sub, a), (sub, b)])                     # a whole step's outputs, one call
+        first = await sub.take()
+        sub.put(c)                                        # from another thread: arrives later
+        return first, await sub.take()
+
+    assert asyncio.run(take_twice()) == ([a, b], [c])

@@ -18,8 +18,8 @@ the run once the other configurations are measured):
   (all at once); one eager row (``graphs="off"``, k=4, batch 1) for comparison;
 * with ``--transformer``: a small ternary transformer draft trained here (eager drafting,
   graph verify);
-* unless ``--no-server``: the server's overhead, 64 streaming HTTP clients against the
-  same requests driven in-process.
+* unless ``--no-server``: the server's overhead, 64 streaming HTTP clients (in a process
+  of their own since 2026-12-03) against the same requests driven in-process.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). About two minutes on an H200.
@@ -175,8 +175,33 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     return rows
 
 
-def bench_server(target, clients, max_tokens):
+def stream_clients(url, prompts, max_tokens, results):
+    """The HTTP clients, in a process of their own (a server's clients are not in its
+    process; in one process they took the GIL from it): after a warm-up of four, all of
+    ``prompts`` at once, streamed; puts (seconds, events) on ``results``."""
     import httpx
+
+    async def one(client, p):
+        n = 0
+        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        async with client.stream("POST", url, json=body) as r:
+            async for line in r.aiter_lines():
+                n += line.startswith("data: {")
+        return n
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(prompts) + 8)) as c:
+            await asyncio.gather(*(one(c, p) for p in prompts[:4]))                 # warm-up
+            t0 = time.perf_counter()
+            events = await asyncio.gather(*(one(c, p) for p in prompts))
+            return time.perf_counter() - t0, sum(events)
+
+    results.put(asyncio.run(run()))
+
+
+def bench_server(target, clients, max_tokens):
+    import multiprocessing
+
     import uvicorn
 
     from gpulab.engine.server import create_app
@@ -195,29 +220,18 @@ def bench_server(target, clients, max_tokens):
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-
-    async def one(client, p):
-        n = 0
-        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        async with client.stream("POST", url, json=body) as r:
-            async for line in r.aiter_lines():
-                n += line.startswith("data: {")
-        return n
-
-    async def run():
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients + 8)) as c:
-            await asyncio.gather(*(one(c, p) for p in prompts[:4]))                 # warm-up
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(c, p) for p in prompts))
-            return time.perf_counter() - t0
-
-    dt = asyncio.run(run())
+    ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
+    results = ctx.Queue()
+    proc = ctx.Process(target=stream_clients, args=(f"http://127.0.0.1:{port}/v1/completions", prompts,
+                                                    max_tokens, results))
+    proc.start()
+    dt, events = results.get(timeout=600)
+    proc.join()
     server.should_exit = True
     http_tps = len(prompts) * max_tokens / dt
     return dict(clients=clients, engine_tokens_per_s=engine_tps, http_tokens_per_s=http_tps,
-                ratio=http_tps / engine_tps, max_tokens=max_tokens,
-                all_pages_free=llm.idle())
+                ratio=http_tps / engine_tps, max_tokens=max_tokens, events=events,
+                clients_in_own_process=True, all_pages_free=llm.idle())
 
 
 def main(argv=None) -> int:
