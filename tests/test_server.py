@@ -216,3 +216,65 @@ def test_a_client_behind_the_engine_gets_its_newest_output_at_once():
         return first, await sub.take()
 
     assert asyncio.run(take_twice()) == ([a, b], [c])
+
+
+class _InstantEngine:
+    """An engine whose steps cost ``step_s`` and nothing else: one byte 'a' per step."""
+
+    def __init__(self, step_s: float):
+        self.groups, self.step_s = {}, step_s
+
+    def has_unfinished(self):
+        return bool(self.groups)
+
+    def add_request(self, prompt, params, request_id):
+        self.groups[request_id] = (params.max_tokens, [])
+
+    def abort(self, request_id):
+        self.groups.pop(request_id, None)
+
+    def step(self):
+        from gpulab.engine.engine import Completion, RequestOutput
+        time.sleep(self.step_s)
+        outs = []
+        for rid, (n, tokens) in list(self.groups.items()):
+            tokens.append(97)
+            done = len(tokens) >= n
+            outs.append(RequestOutput(rid, [1], [Completion(0, list(tokens), "length" if done else None)], done))
+            if done:
+                del self.groups[rid]
+        return outs
+
+
+def test_stream_interval_spaces_events_and_loses_no_text():
+    """With an interval longer than a step, the steps in between go out as one event: fewer
+    events than tokens, the same text; 0 gives an event per step. Bad intervals are refused."""
+    from gpulab.engine.server import create_app
+
+    def stream(interval):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        srv = uvicorn.Server(uvicorn.Config(create_app(_InstantEngine(0.002), stream_interval=interval),
+                                            host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=srv.run, daemon=True).start()
+        while not srv.started:
+            time.sleep(0.01)
+        try:
+            texts = []
+            body = {"prompt": "hi", "max_tokens": 30, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+            return texts
+        finally:
+            srv.should_exit = True
+
+    spaced = stream(0.05)
+    assert "".join(spaced) == "a" * 30 and len(spaced) < 15
+    every = stream(0.0)
+    assert "".join(every) == "a" * 30 and len(every) > len(spaced)
+    for bad in (-0.1, 2.0, "10ms"):
+        with pytest.raises(ValueError, match="stream_interval"):
+            create_app(_InstantEngine(0.0), stream_interval=bad)
