@@ -18,8 +18,9 @@ the run once the other configurations are measured):
   (all at once); one eager row (``graphs="off"``, k=4, batch 1) for comparison;
 * with ``--transformer``: a small ternary transformer draft trained here (eager drafting,
   graph verify);
-* unless ``--no-server``: the server's overhead, 64 streaming HTTP clients (in a process
-  of their own since 2026-12-03) against the same requests driven in-process.
+* unless ``--no-server``: the server's overhead, 64 streaming HTTP clients (since
+  2026-12-03 in up to eight processes of their own, half the host's cores) against the
+  same requests driven in-process.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). About two minutes on an H200.
@@ -31,6 +32,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import os
 import socket
 import sys
 import threading
@@ -175,10 +177,11 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     return rows
 
 
-def stream_clients(url, prompts, max_tokens, results):
-    """The HTTP clients, in a process of their own (a server's clients are not in its
-    process; in one process they took the GIL from it): after a warm-up of four, all of
-    ``prompts`` at once, streamed; puts (seconds, events) on ``results``."""
+def stream_clients(url, prompts, max_tokens, ready, go, results):
+    """Some of the HTTP clients, in a process of their own (a server's clients are not in
+    its process, and one process of 64 clients was slower than the server it measured):
+    after a warm-up request, waits for ``go``, then streams all of ``prompts`` at once;
+    puts (start, end, events) on ``results``, wall-clock times comparable across processes."""
     import httpx
 
     async def one(client, p):
@@ -191,10 +194,12 @@ def stream_clients(url, prompts, max_tokens, results):
 
     async def run():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(prompts) + 8)) as c:
-            await asyncio.gather(*(one(c, p) for p in prompts[:4]))                 # warm-up
-            t0 = time.perf_counter()
+            await one(c, prompts[0])                                   # warm-up
+            ready.put(True)
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            t0 = time.time()
             events = await asyncio.gather(*(one(c, p) for p in prompts))
-            return time.perf_counter() - t0, sum(events)
+            return t0, time.time(), sum(events)
 
     results.put(asyncio.run(run()))
 
@@ -221,17 +226,25 @@ def bench_server(target, clients, max_tokens):
     while not server.started:
         time.sleep(0.05)
     ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
-    results = ctx.Queue()
-    proc = ctx.Process(target=stream_clients, args=(f"http://127.0.0.1:{port}/v1/completions", prompts,
-                                                    max_tokens, results))
-    proc.start()
-    dt, events = results.get(timeout=600)
-    proc.join()
+    n_procs = max(1, min(8, (os.cpu_count() or 2) // 2, clients))
+    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, ready, go, results))
+             for i in range(n_procs)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=600)
+    go.set()                                                # every client process starts at once
+    runs = [results.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
     server.should_exit = True
+    dt = max(r[1] for r in runs) - min(r[0] for r in runs)
     http_tps = len(prompts) * max_tokens / dt
-    return dict(clients=clients, engine_tokens_per_s=engine_tps, http_tokens_per_s=http_tps,
-                ratio=http_tps / engine_tps, max_tokens=max_tokens, events=events,
-                clients_in_own_process=True, all_pages_free=llm.idle())
+    return dict(clients=clients, client_processes=n_procs, engine_tokens_per_s=engine_tps,
+                http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
+                events=sum(r[2] for r in runs), all_pages_free=llm.idle())
 
 
 def main(argv=None) -> int:
