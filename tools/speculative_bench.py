@@ -72,17 +72,23 @@ def engine_config(batch):
 
 
 def bench_one(llm, waves, params, repeats):
-    """Best tok/s over ``repeats`` timed runs after a warm-up, and the last run's outputs."""
-    timed_generate(llm, waves, params)       # warm-up: every prompt length and batch shape once
-                                             # (autotuning, lazy init, graph capture), untimed
+    """Best tok/s over ``repeats`` timed runs after a warm-up, the last run's outputs, and
+    the Triton kernels compiled during the timed runs (0 in a steady state)."""
+    # warm-up, untimed: every prompt length and batch shape (autotuning, lazy init, graph
+    # capture), twice: the timed runs find the prompts in the prefix cache, and those steps
+    # have other shapes (on 2026-12-03 the first speculative row at batch 64 took 38 ms
+    # steps against 2 ms for the next: compiling while timed was the likely cause)
+    for _ in range(2):
+        timed_generate(llm, waves, params)
     best, outs = 0.0, None
-    for _ in range(repeats):
-        if isinstance(llm, spec.SpeculativeLLM):
-            llm.stats = spec.SpeculationStats(llm.k)
-        llm.metrics.steps.clear()
-        outs, tps = timed_generate(llm, waves, params)
-        best = max(best, tps)
-    return outs, best
+    with runtime.count_compilations() as compiled:
+        for _ in range(repeats):
+            if isinstance(llm, spec.SpeculativeLLM):
+                llm.stats = spec.SpeculationStats(llm.k)
+            llm.metrics.steps.clear()
+            outs, tps = timed_generate(llm, waves, params)
+            best = max(best, tps)
+    return outs, best, len(compiled.names)
 
 
 def replay_ms(replay, n=50) -> float:
@@ -130,9 +136,9 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     t0 = time.perf_counter()
-    want, base_tps = bench_one(LLM(target, engine_config(batch)), waves, params, repeats)
+    want, base_tps, compiled = bench_one(LLM(target, engine_config(batch)), waves, params, repeats)
     rows = [dict(batch=batch, draft="none", k=0, graphs=True, tokens_per_s=base_tps, speedup=1.0,
-                 acceptance=float("nan"), tokens_per_pass=1.0)]
+                 acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled)]
     print(f"batch {batch} target alone: {base_tps:.0f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     configs = [(name, k, False, "auto") for name in drafts for k in ks]
     configs += [(name, max(ks), True, "auto") for name in drafts]
@@ -142,7 +148,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         t0 = time.perf_counter()
         llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
                                   graphs=graphs)
-        outs, tps = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
+        outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         label = f"batch {batch} {name} k={k} graphs={graphs}"
         try:
             flips = near_tie_flips(target, outs, want, label)
@@ -162,12 +168,13 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
-                         near_tie_flips=len(flips), flips=flips))
+                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
-              f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step "
+              f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step, "
+              f"{compiled} kernels compiled while timed "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if "verify_ms" in rows[-1]:
             print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
