@@ -3,8 +3,10 @@ step, against its float64 reference and the layered step it replaces."""
 import pytest
 import torch
 
+import gpulab
 from gpulab import runtime
 from gpulab.block_step import block_step, block_step_ref, fits
+from gpulab.grading.block_step import block_step_launch
 from gpulab.model import MatMulFreeLM
 
 DEVICE = runtime.device()
@@ -55,20 +57,36 @@ def test_fused_model_steps_follow_the_layered_ones():
         tokens = a.argmax(-1)
 
 
-def test_wrong_kernels_are_caught():
-    """The comparison above fails for the learner-style slips a fused step invites: the
-    forget gate's complement dropped, the state not carried, one shared quantization."""
-    model = _model(seed=2)
-    w = model.blocks[0].step_weights()
-    x, h = torch.randn(4, 32, device=DEVICE), torch.randn(4, 32, device=DEVICE)
-    ref_x, ref_h = block_step_ref(x, h, w)
-    bad_scales = w.scales.clone()
-    bad_scales[3] *= 2                                              # o's scale applied twice
-    wrong = dict(w.__dict__, scales=bad_scales)
-    got_x, _ = block_step(x, h, type(w)(**wrong))
-    assert not torch.allclose(got_x, ref_x, atol=1e-4, rtol=1e-4)
-    _, got_h = block_step(x, torch.zeros_like(h), w)                # the state not carried
-    assert not torch.allclose(got_h, ref_h, atol=1e-4, rtol=1e-4)
+def test_the_check_accepts_the_kernel(capsys):
+    gpulab.check("block_step", block_step_launch)
+    assert "✔ block_step" in capsys.readouterr().out
+
+
+def _state_not_carried(x, h, *rest):
+    block_step_launch(x, torch.zeros_like(h), *rest)
+
+
+def _o_scale_twice(x, h, norms, down_norm, scales, *rest):
+    wrong = scales.clone()
+    wrong[3] *= 2                                   # o's ternary scale applied twice
+    block_step_launch(x, h, norms, down_norm, wrong, *rest)
+
+
+def _glu_left_out(x, h, norms, down_norm, scales, w_f, w_c, w_g, w_o, w_gate, w_down, x_out, h_out):
+    block_step_launch(x, h, norms, down_norm, scales, w_f, w_c, w_g, w_o, w_gate, torch.zeros_like(w_down),
+                      x_out, h_out)
+
+
+@pytest.mark.parametrize("wrong, says", [(_state_not_carried, "h set to zero: is it ever loaded"),
+                                         (_o_scale_twice, "output `x_out` is wrong"),
+                                         (_glu_left_out, "w_down set to zero: is it ever loaded")])
+def test_the_check_rejects_wrong_steps(wrong, says):
+    """A step that forgets the state, scales a projection twice or leaves the channel
+    mixer out fails the check (flipped int8 codes, which the tolerance allows for, move
+    the outputs far less), and where an input went unread the diagnosis names it."""
+    with pytest.raises(gpulab.CheckFailure) as info:
+        gpulab.check("block_step", wrong)
+    assert says in str(info.value), str(info.value)
 
 
 def test_step_weights_follow_the_weights_and_refuse_what_the_kernel_cannot_run():
