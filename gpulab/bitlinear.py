@@ -649,6 +649,13 @@ def ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y, split_k=None, conf
 MM_SPLIT_ALIGN = 256
 
 
+def mm_split(q: int, split_k: int) -> tuple[int, int]:
+    """(packed columns per split, number of splits) of the tensor-core kernel for a
+    requested ``split_k``: splits are multiples of MM_SPLIT_ALIGN, none empty."""
+    q_split = runtime.cdiv(runtime.cdiv(q, split_k), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
+    return q_split, runtime.cdiv(q, q_split)
+
+
 def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
     """Prefill launcher (check calling convention): one program per output tile (and per
     split of K: ``split_k`` 1, the default, is one pass; s > 1 adds a deterministic reduce
@@ -658,8 +665,7 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
     n, q = w_packed.shape
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    q_split = runtime.cdiv(runtime.cdiv(q, split_k), MM_SPLIT_ALIGN) * MM_SPLIT_ALIGN
-    split = runtime.cdiv(q, q_split)                          # no empty splits
+    q_split, split = mm_split(q, split_k)
     part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     bucket = _m_bucket(m)

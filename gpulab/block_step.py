@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .normquant import ABSMAX_FLOOR, round_half_away_int
+from .normquant import ABSMAX_FLOOR, absmax_quantize, rmsnorm_ref, round_half_away_int
 from .validate import require_same_device, require_tensor
 
 BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
@@ -81,28 +81,22 @@ def fits(d_model: int, hidden: int) -> bool:
 
 
 # -- PyTorch reference ----------------------------------------------------------------------
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def _bitlinear_ref(z, norm, w_t, scale, eps):
-    y = _rms(z, norm, eps)
-    s = 127.0 / y.abs().amax(-1, keepdim=True).clamp_min(ABSMAX_FLOOR)
-    q = torch.sign(y * s) * torch.floor((y * s).abs() + 0.5)
-    return (q.clamp(-128, 127) @ w_t.double()) / (s * scale)
+    x_q, x_scale = absmax_quantize(rmsnorm_ref(z, norm, eps))
+    return (x_q.to(z.dtype) @ w_t.to(z.dtype)) / (x_scale[:, None] * scale)
 
 
 def block_step_ref(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
     """The step in float64, op by op: (new x [B, D] in x's dtype, new h [B, D] float32)."""
     xd, hd = x.double(), h.double()
     n, sc = w.norms.double(), w.scales.double()
-    u = _rms(xd, n[0], w.eps_norm)
+    u = rmsnorm_ref(xd, n[0], w.eps_norm)
     f = torch.sigmoid(_bitlinear_ref(u, n[1], w.w_f, sc[0], w.eps_bit))
     yc = _bitlinear_ref(u, n[2], w.w_c, sc[1], w.eps_bit)
     hd = f * hd + yc * torch.sigmoid(yc) * (1 - f)
     g = torch.sigmoid(_bitlinear_ref(u, n[3], w.w_g, sc[2], w.eps_bit))
     xd = xd + _bitlinear_ref(g * hd, n[4], w.w_o, sc[3], w.eps_bit)
-    gate, up = _bitlinear_ref(_rms(xd, n[5], w.eps_norm), n[6], w.w_gate, sc[4], w.eps_bit).chunk(2, dim=-1)
+    gate, up = _bitlinear_ref(rmsnorm_ref(xd, n[5], w.eps_norm), n[6], w.w_gate, sc[4], w.eps_bit).chunk(2, dim=-1)
     xd = xd + _bitlinear_ref(gate * torch.sigmoid(gate) * up, w.down_norm.double(), w.w_down, sc[5], w.eps_bit)
     return xd.to(x.dtype), hd.float()
 

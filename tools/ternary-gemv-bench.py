@@ -185,8 +185,7 @@ def bench_shape(m, n, k, quick, graph, mm_sweep=False):
         done = set()
         for cfg in bl.mm_tile_configs():
             for split in (1, 2, 4):
-                q = p["w8"].shape[1]
-                actual = runtime.cdiv(q, runtime.cdiv(runtime.cdiv(q, split), bl.MM_SPLIT_ALIGN) * bl.MM_SPLIT_ALIGN)
+                actual = bl.mm_split(p["w8"].shape[1], split)[1]
                 if (tuple(cfg.values()), actual) in done:
                     continue
                 done.add((tuple(cfg.values()), actual))

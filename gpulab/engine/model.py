@@ -332,8 +332,8 @@ def attention_with_history(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 # 16-bit activations about four roundings of the largest logit (a rounding is at most
 # 2^-8 of a value in bf16, 2^-11 in fp16). The gap is judged on float32 logits: a bf16
 # reference is as noisy as the paths it judges (on the H200, 2026-12-03, one position's
-# top two were 0.107 apart in float32 and 0.625 in the bf16 reference: its activations'
-# roundings had flipped int8 codes of the quantized inputs).
+# top two were 0.41 apart in a float32 copy of the model and 0.625 in its bf16 reference:
+# the activations' roundings had flipped int8 codes of the quantized inputs).
 NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 # A 16-bit model's rounding, as first_flip perturbs its reference forward with it: the unit
 # roundoff of the dtype (8 and 11 significant bits), in JITTER_SAMPLES perturbed forwards.
