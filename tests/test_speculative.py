@@ -11,7 +11,7 @@ from gpulab.engine.sequence import Sequence
 from gpulab.engine.spec_graphs import MLGRUGraphDrafter
 from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
                                        accept_greedy, best_k, draft_noise, expected_tokens_per_pass,
-                                       load_mlgru_draft)
+                                       load_mlgru_draft, PLACEHOLDER)
 import gpulab
 from gpulab.model import MatMulFreeLM
 
@@ -327,6 +327,37 @@ def test_verify_graph_lays_out_rows_and_padding(target):
     while spec.has_unfinished():
         spec.step()
     assert spec.idle() and not spec.proposer.slots, "draft slots left after the requests finished"
+
+
+def test_graph_drafts_reach_the_verify_graph_on_the_device(target):
+    """The graph drafter's tokens are not read back before verification: the sequences
+    hold placeholders, the verify graph's host-side ids too, and the drafts come back
+    with the verification's one copy (then no placeholder is left anywhere)."""
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=drafters(target)["mlgru"], k=3,
+                          graphs="emulate")
+    for p in ("Tyger Tyger", "The moon"):
+        spec.add_request(p, SamplingParams(max_tokens=24))
+    seen = 0
+    real_run = spec.verify_graphs.run
+
+    def run(items, pending=None):
+        nonlocal seen
+        if pending is not None:
+            seen += 1
+            assert all(s.token_ids[-1] == PLACEHOLDER for s in pending.seqs if s in dict(items))
+        out = real_run(items, pending)
+        rows = spec.verify_graphs.bucket(len(items)) * 4
+        host_ids = spec.verify_graphs.buf.np["ids"][:rows]
+        at = spec.verify_graphs.buf.np["draft_at"][:rows]
+        assert (host_ids[at >= 0] == PLACEHOLDER).all() and (at >= 0).any() == (pending is not None)
+        return out
+
+    spec.verify_graphs.run = run
+    while spec.has_unfinished():
+        spec.step()
+        assert spec.pending is None
+        assert all(PLACEHOLDER not in s.token_ids for g in spec.groups.values() for s in g)
+    assert seen > 0 and spec.idle()
 
 
 gpu_only = pytest.mark.skipif(gpulab.mode() != "compiled",

@@ -70,7 +70,11 @@ class VerifyGraphs:
             slots=torch.full((b_max * k1,), runner.scratch_slot, dtype=torch.long, device=dev),
             indptr=torch.zeros(2 * b_max + 1, **i32),                 # all requests empty
             table=torch.zeros((2 * b_max, runner.max_blocks), **i32),
-            lens=torch.zeros(2 * b_max, **i32))
+            lens=torch.zeros(2 * b_max, **i32),
+            draft_at=torch.full((b_max * k1,), -1, dtype=torch.long, device=dev))
+        # drafts handed over on the device (:class:`PendingDrafts`): row r's token is
+        # drafts[draft_at[r]] where draft_at[r] >= 0, else ids[r] (from the host)
+        self.drafts = torch.zeros(b_max * k, dtype=torch.long, device=dev)
         self.graphs: dict[int, CapturedStep] = {}
         pool = None
         for b in reversed(bucket_sizes(b_max)):       # largest first, sharing one memory pool
@@ -107,20 +111,26 @@ class VerifyGraphs:
                                     True, None, tiles)
             return o
 
-        h = run.model.hidden_states(buf["ids"][:rows], buf["pos"][:rows], attend, reference=run.linear == "torch")
+        at = buf["draft_at"][:rows]
+        ids = torch.where(at >= 0, self.drafts[at.clamp(min=0)], buf["ids"][:rows])
+        h = run.model.hidden_states(ids, buf["pos"][:rows], attend, reference=run.linear == "torch")
         logits = run.model.logits(h)
         return logits, logits.argmax(-1)
 
     def bucket(self, n: int) -> int:
         return next(b for b in sorted(self.graphs) if b >= n)
 
-    def run(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, items: list[tuple[Sequence, int]], pending: PendingDrafts | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the buffers for ``items`` (sequence i's rows start at i·(k+1)) and replay:
-        (logits [B(k+1), V], argmax [B(k+1)]) on the device, no host sync."""
+        (logits [B(k+1), V], argmax [B(k+1)]) on the device, no host sync. The drafts of
+        the sequences in ``pending`` come from its device tensor (their ``token_ids``
+        hold placeholders until it is resolved)."""
         b, k1, bs = self.bucket(len(items)), self.k + 1, self.runner.block_size
         h = self.buf.np
         rows = b * k1
         h["ids"][:rows], h["pos"][:rows], h["slots"][:rows] = 0, 0, self.runner.scratch_slot
+        h["draft_at"][:rows] = -1
         h["table"][:2 * b], h["lens"][:2 * b] = 0, 0
         used = np.zeros(b, dtype=np.int32)
         for i, (seq, n) in enumerate(items):
@@ -132,15 +142,56 @@ class VerifyGraphs:
             h["table"][2 * i, :len(table)] = table
             h["lens"][2 * i] = start + n
             used[i] = n
+            j = -1 if pending is None else pending.column.get(seq, -1)
+            if j >= 0 and n > 1:         # rows r+1.. are its drafts 0..n-2, read on the device
+                h["draft_at"][r + 1:r + n] = j * self.k + np.arange(n - 1)
         first = np.arange(b, dtype=np.int32) * k1
         h["indptr"][0] = 0
         h["indptr"][1:2 * b + 1:2] = first + used          # end of sequence b's rows
         h["indptr"][2:2 * b + 1:2] = first + k1            # end of its padding
-        self.buf.send(ids=rows, pos=rows, slots=rows, indptr=2 * b + 1, table=2 * b, lens=2 * b)
+        self.buf.send(ids=rows, pos=rows, slots=rows, indptr=2 * b + 1, table=2 * b, lens=2 * b, draft_at=rows)
+        if pending is not None:
+            flat = pending.flat()
+            self.drafts[:flat.numel()].copy_(flat)
         return self.graphs[b].replay()
 
 
 # -- draft -------------------------------------------------------------------------------------
+class PendingDrafts:
+    """One draft replay's tokens, still on the device: ``tokens`` [k, b], column j for
+    ``seqs[j]`` (the graph's output buffer: read before the next replay of that graph).
+    ``ks[j]``: how many of them sequence j proposes. :meth:`resolve` reads them (once)."""
+
+    def __init__(self, drafter: "MLGRUGraphDrafter", seqs: list[Sequence], done: list[int], ks: list[int],
+                 tokens: torch.Tensor, q: torch.Tensor | None):
+        self.drafter, self.seqs, self.done, self.ks, self.tokens, self.q = drafter, seqs, done, ks, tokens, q
+        self.column = {seq: j for j, seq in enumerate(seqs)}
+        self.ids: list[list[int]] | None = None
+        self._flat: torch.Tensor | None = None
+
+    def flat(self) -> torch.Tensor:
+        """The tokens as the host reads them back: [len(seqs) · k], sequence by sequence."""
+        if self._flat is None:
+            self._flat = self.tokens[:, :len(self.seqs)].t().flatten()
+        return self._flat
+
+    def probabilities(self) -> list[torch.Tensor | None]:
+        """Per sequence, its drafts' q [ks[j], V] (on the device), None when greedy."""
+        return [None if seq.params.greedy else self.q[:n, j] for j, (seq, n) in enumerate(zip(self.seqs, self.ks))]
+
+    def resolve(self, flat: list[int] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(tokens, q or None if greedy) per sequence: from ``flat`` (:meth:`flat` already
+        copied to the host with other results) or read back now. Records each sequence's
+        drafts in the drafter: its pool rows now hold the states after them."""
+        if self.ids is None:
+            flat = self.flat().tolist() if flat is None else flat
+            k = self.drafter.k
+            self.ids = [flat[j * k:(j + 1) * k] for j in range(len(self.seqs))]
+            for seq, done, row in zip(self.seqs, self.done, self.ids):
+                self.drafter.record[seq.seq_id] = (done, row)
+        return [(row[:n], q) for row, n, q in zip(self.ids, self.ks, self.probabilities())]
+
+
 def last_byte(tokens: list[int]) -> int | None:
     """Index of the last byte token (not BOS/EOS) in ``tokens``, None if there is none."""
     return next((m for m in range(len(tokens) - 1, -1, -1) if tokens[m] < BYTES), None)
@@ -226,13 +277,27 @@ class MLGRUGraphDrafter:
         busy = {seqs[i].seq_id for i in go}
         for at in range(0, len(go), self.max_batch):
             part = go[at:at + self.max_batch]
-            for i, (tokens, q) in zip(part, self.launch([seqs[i] for i in part], busy)):
+            for i, (tokens, q) in zip(part, self.launch([seqs[i] for i in part], busy).resolve()):
                 out[i] = (tokens[:ks[i]], None if q is None else q[:ks[i]])
         return out
 
-    def launch(self, seqs: list[Sequence], busy: set) -> list[tuple[list[int], torch.Tensor | None]]:
-        """One replay for ``seqs`` (at most the largest bucket): k drafts each, read back
-        in one device -> host copy; q [k, V] stays on the device (sampled sequences)."""
+    def propose_on_device(self, seqs: list[Sequence], ks: list[int]) -> "PendingDrafts | None":
+        """:meth:`propose` without reading the drafts back: one replay for every sequence
+        that can draft (None if none can; at most ``max_num_seqs`` sequences). The engine
+        hands the drafts to the verify graph on the device and reads them back with the
+        verification's own copy, so a step waits for the GPU once, not twice."""
+        go = [s for s, k in zip(seqs, ks) if k > 0 and last_byte(s.token_ids) is not None]
+        if not go:
+            return None
+        if len(go) > self.max_batch:
+            raise ValueError(f"{len(go)} sequences to draft, more than the graphs' {self.max_batch}")
+        pending = self.launch(go, {s.seq_id for s in go})
+        pending.ks = [k for s, k in zip(seqs, ks) if k > 0 and last_byte(s.token_ids) is not None]
+        return pending
+
+    def launch(self, seqs: list[Sequence], busy: set) -> "PendingDrafts":
+        """One replay for ``seqs`` (at most the largest bucket): k drafts each, left on the
+        device (q [k, V] per sampled sequence stays there for good)."""
         k, k1 = self.k, self.k + 1
         b = next(s for s in bucket_sizes(self.max_batch) if s >= len(seqs))
         sampled = any(not s.params.greedy for s in seqs)
@@ -255,10 +320,7 @@ class MLGRUGraphDrafter:
             counts.update(temp=b, top_k=b, top_p=b, noise=b)
         self.buf.send(**counts)
         drafts, q = graph.replay()
-        ids = drafts[:, :len(seqs)].t().tolist()                # the draft's one device -> host copy
-        for seq, row in zip(seqs, ids):
-            self.record[seq.seq_id] = (seq.num_tokens, row)
-        return [(row, None if seq.params.greedy else q[:, j]) for j, (seq, row) in enumerate(zip(seqs, ids))]
+        return PendingDrafts(self, seqs, [s.num_tokens for s in seqs], [k] * len(seqs), drafts, q)
 
     def starts(self, seqs: list[Sequence], busy: set) -> list[tuple[int, int]]:
         """Per sequence, (slot, pool row of the state after its tokens before its last byte).

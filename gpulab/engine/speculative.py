@@ -43,12 +43,13 @@ from .model import TernaryTransformer, attention_with_history, packed_bitlinear_
 from .sampling import filter_top_k_top_p, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
-from .spec_graphs import GraphStepPlan, MLGRUGraphDrafter, VerifyGraphs
+from .spec_graphs import GraphStepPlan, MLGRUGraphDrafter, PendingDrafts, VerifyGraphs
 
 DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draft.pt"
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "engine" / "speculative.json"
 ACCEPT_SALT = 0x5EC0DE      # random streams of acceptance tests and draft samples are
 DRAFT_SALT = 0xD4AF7        # apart from the sampler's
+PLACEHOLDER = -1            # a draft token still on the device (an embedding lookup of it fails loudly)
 
 
 # -- the acceptance rule ----------------------------------------------------------------------
@@ -403,6 +404,7 @@ class SpeculativeLLM(LLM):
         self.acceptance: dict[int, tuple[float, float]] = {}   # seq_id -> (accepted, rejections), decayed
         self.stats = SpeculationStats(k)
         self.verify_graphs, self.proposer = None, drafter     # proposer: the drafter, or its graphs
+        self.pending: PendingDrafts | None = None              # the graph drafter's, not read yet
         if graphs == "emulate" or (graphs == "auto" and self.runner.graphs):
             cuda = graphs == "auto"
             n = self.config.max_num_seqs
@@ -426,15 +428,37 @@ class SpeculativeLLM(LLM):
         return max(0, min(self.request_k(seq), left - 1))
 
     def _propose(self) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
+        """Drafts per sequence (appended to its ``token_ids``). The graph drafter's stay on
+        the device (``self.pending``) and the tokens appended are placeholders until
+        :meth:`_resolve` reads them: the verify graph takes them on the device."""
         seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
         ks = [self._draft_budget(s) for s in seqs]
         seqs, ks = [s for s, k in zip(seqs, ks) if k > 0], [k for k in ks if k > 0]
+        if isinstance(self.proposer, MLGRUGraphDrafter) and len(seqs) <= self.proposer.max_batch:
+            self.pending = self.proposer.propose_on_device(seqs, ks)
+            proposals = [] if self.pending is None else \
+                [([PLACEHOLDER] * n, q) for q, n in zip(self.pending.probabilities(), self.pending.ks)]
+            seqs = [] if self.pending is None else self.pending.seqs
+        else:
+            proposals = self.proposer.propose(seqs, ks)
         drafts = {}
-        for seq, (tokens, q) in zip(seqs, self.proposer.propose(seqs, ks)):
+        for seq, (tokens, q) in zip(seqs, proposals):
             if tokens:
                 seq.token_ids += tokens
                 drafts[seq] = (tokens, q)
         return drafts
+
+    def _resolve(self, drafts: dict, flat: list[int] | None = None) -> None:
+        """Read the pending drafts (from ``flat``, already on the host, or now) into the
+        placeholders of ``token_ids`` and into ``drafts``."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        for seq, (tokens, q) in zip(pending.seqs, pending.resolve(flat)):
+            if seq in drafts:
+                n = len(drafts[seq][0])                   # fewer when the budget cut it short
+                seq.token_ids[len(seq.token_ids) - n:] = tokens[:n]
+                drafts[seq] = (tokens[:n], drafts[seq][1])
 
     @staticmethod
     def _unpropose(seq: Sequence, tokens: list[int], keep: int) -> None:
@@ -454,9 +478,11 @@ class SpeculativeLLM(LLM):
             else:
                 drafts[seq] = (tokens[:keep], None if q is None else q[:keep])
         if not batch.items:
+            self._resolve(drafts)
             return []
         prefill = batch.prefill_flags
         if not drafts:                                    # nothing to verify: a plain step
+            self._resolve(drafts)
             logits, seqs, plan = self.runner.run(batch.items, batch.copies)
             self.scheduler.postprocess(batch)
             new_tokens = self.sample_tokens(logits, seqs)
@@ -484,6 +510,7 @@ class SpeculativeLLM(LLM):
         sequences; returns (the plan, new tokens per sequence)."""
         if self.verify_graphs is not None and self.verify_graphs.fits(batch.items, drafts):
             return self._verify_in_graph(batch, drafts)
+        self._resolve(drafts)                              # the eager plan reads the tokens
         self.runner.copy_blocks(batch.copies)
         plan = self.runner.plan(batch.items)
         rows, seqs, spans, r = [], [], {}, 0
@@ -509,7 +536,7 @@ class SpeculativeLLM(LLM):
         """:meth:`_verify_step` as one replay of the verify graph: sequence i of the batch
         owns rows i·(k+1) onwards; a sequence without drafts takes its row's token."""
         self.runner.copy_blocks(batch.copies)
-        logits, best = self.verify_graphs.run(batch.items)
+        logits, best = self.verify_graphs.run(batch.items, self.pending)
         k1 = self.k + 1
         spans = {seq: (i * k1, i * k1 + n) for i, (seq, n) in enumerate(batch.items)}
         plain = [seq for seq, _ in batch.items if seq not in drafts]
@@ -531,12 +558,18 @@ class SpeculativeLLM(LLM):
         best = logits.argmax(-1) if best is None else best
         sampled = [seq for seq in drafts if not seq.params.greedy]
         parts = [best.double()]
+        if self.pending is not None:                      # the drafts come back in the same copy
+            parts.append(self.pending.flat().double())
         for seq in sampled:
             a, b = spans[seq]
             parts += [probabilities(logits[a:b], seq.params).double().flatten(), drafts[seq][1].double().flatten()]
         flat = torch.cat(parts).cpu()                     # the verification's one device -> host copy
         best_ids = flat[:best.numel()].long().tolist()
         at, out = best.numel(), {}
+        if self.pending is not None:
+            n = len(self.pending.seqs) * self.pending.drafter.k
+            self._resolve(drafts, flat[at:at + n].long().tolist())
+            at += n
         for seq, (tokens, q) in drafts.items():
             a, b = spans[seq]
             p_host = q_host = None
