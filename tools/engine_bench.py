@@ -1,6 +1,7 @@
 """The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
 
     PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise] [--kv-split]
+                                                  [--parts 1,2,3,4]
 
 Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
 configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
@@ -104,25 +105,43 @@ def main(argv=None) -> int:
     ap.add_argument("--no-piecewise", action="store_true",
                     help="steps with prompt chunks run eagerly (EngineConfig(piecewise_graphs=False))")
     ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True) in parts 1 and 2")
+    ap.add_argument("--parts", default="1,2,3,4", help="which of the four parts to run (default: all)")
     a = ap.parse_args(argv)
+    parts = {int(p) for p in a.parts.split(",")}
     a.piecewise = not a.no_piecewise
     if runtime.mode() != "compiled":
         print("engine_bench needs a CUDA GPU (compiled mode)")
         return 2
     out = Path(a.outdir)
     out.mkdir(parents=True, exist_ok=True)
-    q = a.quick
     model = build_model(a.model)
     sizes = model_sizes(model)
     res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "date": time.strftime("%Y-%m-%d"),
-           "model_spec": a.model, "piecewise_graphs": a.piecewise, "kv_split": a.kv_split,
+           "model_spec": a.model, "piecewise_graphs": a.piecewise, "kv_split": a.kv_split, "parts": sorted(parts),
            "model": asdict(model.cfg), "sizes": sizes}
     print(gpulab.env_report(), "\n", res["model"], sizes, flush=True)
 
     def save():
         (out / "engine_bench.json").write_text(json.dumps(res, indent=1, default=str))
 
-    # 1. continuous vs static, mixed workload, equal KV memory
+    if 1 in parts:
+        throughput(a, model, res, out)
+        save()
+    if 2 in parts:
+        ttft(a, model, res, out)
+        save()
+    if 3 in parts:
+        decode_step_b64(model, res)
+        save()
+    if 4 in parts:
+        decode_rate(model, sizes, res, save)
+    print(f"wrote {out / 'engine_bench.json'}")
+    return 0
+
+
+def throughput(a, model, res, out):
+    """Part 1: continuous vs static batching, mixed workload, equal KV memory."""
+    q = a.quick
     w = Workload(requests=64 if q else 400, rate=math.inf, prompt_len=(32, 512), output_len=(16, 512),
                  shared=0.0, system_len=0, seed=0)
     cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
@@ -132,9 +151,11 @@ def main(argv=None) -> int:
     plot_comparison(r, out / "engine_throughput.png")
     res["throughput"] = {k: r[k] for k in ("workload", "config", "continuous", "static")}
     res["throughput"]["ratio"] = r["continuous"]["throughput_tok_s"] / r["static"]["throughput_tok_s"]
-    save()
 
-    # 2. TTFT with a shared 2K-token system prompt, prefix caching on / off
+
+def ttft(a, model, res, out):
+    """Part 2: TTFT with a shared 2K-token system prompt, prefix caching on / off."""
+    q = a.quick
     w = Workload(requests=32 if q else 128, rate=4.0, prompt_len=(16, 64), output_len=(16, 64),
                  shared=1.0, system_len=2048, seed=1)
     res["ttft"] = {}
@@ -147,9 +168,10 @@ def main(argv=None) -> int:
         if caching:
             plot_comparison(r, out / "engine_ttft.png")
     res["ttft"]["p50_ratio"] = res["ttft"]["off"]["ttft_s_p50"] / res["ttft"]["on"]["ttft_s_p50"]
-    save()
 
-    # 3. decode step at batch 64: graph vs eager vs the sum of its kernels
+
+def decode_step_b64(model, res):
+    """Part 3: one decode step at batch 64, graph vs eager vs the sum of its kernels."""
     llm = decoding_engine(model, 64, 512, cuda_graphs=True)
     g, k = time_forward(llm, True)
     e, _ = time_forward(llm, False)
@@ -157,10 +179,10 @@ def main(argv=None) -> int:
                               "graph_over_kernels": g / k, "eager_over_kernels": e / k,
                               "engine_step_s": time_decode_steps(llm, 20)}
     print(res["decode_step_b64"], flush=True)
-    del llm
-    save()
 
-    # 4. decode tokens/s at batch 1 and 256, bytes per step, share of HBM bandwidth
+
+def decode_rate(model, sizes, res, save):
+    """Part 4: decode tokens/s at batch 1 and 256, bytes per step, share of HBM bandwidth."""
     bw = copy_bandwidth()
     res["copy_bandwidth_Bps"] = bw
     c = model.cfg
@@ -181,8 +203,6 @@ def main(argv=None) -> int:
         del llm
         torch.cuda.empty_cache()
         save()
-    print(f"wrote {out / 'engine_bench.json'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -211,7 +211,10 @@ def stream_clients(url, prompts, max_tokens, ready, go, results):
     results.put(asyncio.run(run()))
 
 
-def bench_server(target, clients, max_tokens):
+def bench_server(target, clients, max_tokens, switch_interval=None):
+    """HTTP streaming against in-process serving of the same requests. ``switch_interval``:
+    the interpreter's GIL switch interval while the server runs (``sys.setswitchinterval``;
+    None leaves Python's 5 ms): the engine's thread and the event loop's share the GIL."""
     import multiprocessing
 
     import uvicorn
@@ -228,6 +231,9 @@ def bench_server(target, clients, max_tokens):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    default_interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -247,11 +253,41 @@ def bench_server(target, clients, max_tokens):
     for proc in procs:
         proc.join()
     server.should_exit = True
+    sys.setswitchinterval(default_interval)
     dt = max(r[1] for r in runs) - min(r[0] for r in runs)
     http_tps = len(prompts) * max_tokens / dt
-    return dict(clients=clients, client_processes=n_procs, engine_tokens_per_s=engine_tps,
+    return dict(clients=clients, client_processes=n_procs, switch_interval=switch_interval or default_interval,
+                engine_tokens_per_s=engine_tps,
                 http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
                 events=sum(r[2] for r in runs), all_pages_free=llm.idle())
+
+
+def host_profile(target, drafter, max_tokens, top=25) -> dict:
+    """Where a batch-1 speculative step's host time goes: cProfile over serving the prompts
+    one after another (k = 4, graphs), after two untimed runs. Waiting for the GPU shows
+    as the time of the device -> host copies (``tolist``, ``cpu``)."""
+    import cProfile
+    import pstats
+
+    llm = spec.SpeculativeLLM(target, engine_config(1), drafter=drafter(), k=4)
+    waves, params = [[p] for p in PROMPTS], SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
+    for _ in range(2):
+        timed_generate(llm, waves, params)
+    llm.metrics.steps.clear()
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_generate(llm, waves, params)
+    prof.disable()
+    steps = len(llm.metrics.steps)
+    stats = pstats.Stats(prof)
+    rows = sorted(((v[2], v[3], v[1], f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}") for k, v in stats.stats.items()),
+                  reverse=True)[:top]
+    out = dict(steps=steps, top_own=[dict(fn=fn, own_us_per_step=1e6 * own / steps, cum_us_per_step=1e6 * cum / steps,
+                                          calls_per_step=n / steps) for own, cum, n, fn in rows])
+    print(f"host profile, batch 1, k=4: {steps} steps; own time per step:", flush=True)
+    for r in out["top_own"]:
+        print(f"    {r['own_us_per_step']:8.1f} us  {r['calls_per_step']:6.1f} calls  {r['fn']}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -261,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="k in (2, 4) only, one timed run each")
     ap.add_argument("--transformer", action="store_true", help="also the transformer draft (trained here)")
     ap.add_argument("--no-server", action="store_true", help="skip the HTTP server's overhead")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
     args = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
@@ -292,8 +330,16 @@ def main(argv=None) -> int:
     result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1,
                                         wrong=result["wrong_tokens"])
     save()
+    if args.profile:
+        result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
+        save()
     if not args.no_server:
         result["server"] = bench_server(target, 64, args.max_tokens // 2)
+        print(f"server: {result['server']['ratio']:.0%} of in-process", flush=True)
+        save()
+        result["server_switch_interval"] = bench_server(target, 64, args.max_tokens // 2, switch_interval=0.0005)
+        print(f"server, GIL switch interval 0.5 ms: {result['server_switch_interval']['ratio']:.0%} of in-process",
+              flush=True)
         save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")
