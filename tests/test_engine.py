@@ -8,12 +8,13 @@ import torch
 import gpulab
 
 from gpulab.engine.block_manager import BlockManager
-from gpulab.engine.engine import LLM, EngineConfig
+from gpulab.engine.engine import LLM, PLACEHOLDER, EngineConfig
 from gpulab.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
-from gpulab.engine.model import (TINY, TernaryTransformer, encode_prompt, reference_generate,
+from gpulab.engine.model import (EOS, TINY, TernaryTransformer, encode_prompt, reference_generate,
                                  attention_with_history)
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sampling import filter_top_k_top_p
+from gpulab.engine.scheduler import Scheduler
 from gpulab.engine.sequence import RequestError, SamplingParams, Sequence
 from gpulab.engine.static import StaticBatchLLM
 from helpers import assert_tokens_match
@@ -75,8 +76,10 @@ def test_runner_logits_match_teacher_forcing_under_chunked_prefill(model):
     dict(chunked_prefill=False, max_num_batched_tokens=256),
     dict(cuda_graphs=False),                                            # (graphs exist only when compiled)
 ], ids=["whole", "chunked", "two-seqs", "preempt", "no-prefix-cache", "no-chunking", "no-graphs"])
-def test_greedy_matches_reference_under_any_schedule(model, expected, cfg):
-    llm, outs = serve(model, **cfg)
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+def test_greedy_matches_reference_under_any_schedule(model, expected, cfg, overlap):
+    llm, outs = serve(model, overlap=overlap, **cfg)
+    assert llm.overlap == overlap
     assert_tokens_match(model, PROMPTS, [o.token_ids for o in outs], expected)
     if "num_blocks" in cfg:
         assert llm.summary()["preemptions"] > 0, "the preemption case did not preempt"
@@ -167,6 +170,81 @@ def test_generation_stops_at_the_context_length(model):
         [prompt], SamplingParams(max_tokens=50, stop_at_eos=False))[0]
     assert out.token_ids == want and len(prompt) + len(want) == TINY.max_seq_len
     assert out.completions[0].finish_reason == "length"
+
+
+# -- the host one step ahead (EngineConfig.overlap) -----------------------------------------------
+def test_overlap_leaves_the_newest_token_on_the_device_until_the_next_step(model, expected):
+    """After a step returns, its tokens are still placeholders (the host has not waited
+    for them); the next step launches its own work first, then reads them."""
+    llm = LLM(model, EngineConfig(overlap=True, block_size=4))
+    llm.add_request(PROMPTS[1], SamplingParams(max_tokens=6))
+    seq = llm.scheduler.waiting[0]
+    assert llm.step() == [] and seq.token_ids[-1] == PLACEHOLDER      # prompt done, first token in flight
+    outs = llm.step()
+    assert outs[0].token_ids == expected[1][:1] and seq.token_ids[-1] == PLACEHOLDER
+    while llm.has_unfinished():
+        outs = llm.step() or outs
+    assert outs[0].token_ids == expected[1] and PLACEHOLDER not in seq.token_ids and llm.idle()
+
+
+def test_overlap_sampling_and_n_completions_equal_the_plain_step(model):
+    params = [SamplingParams(max_tokens=7, temperature=t, top_k=k, top_p=p, seed=s, n=n)
+              for t, k, p, s, n in ((1.0, 0, 1.0, 1, 1), (0.7, 20, 1.0, 2, 3), (1.3, 0, 0.9, 3, 1),
+                                    (0, 0, 1.0, None, 2), (0.9, 5, 0.8, 4, 1), (1.0, 0, 1.0, 5, 1))]
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(model, EngineConfig(overlap=overlap, max_num_batched_tokens=9, block_size=4))
+        runs.append([[c.token_ids for c in o.completions] for o in llm.generate(PROMPTS, params)])
+        assert llm.idle()
+    assert runs[0] == runs[1]
+
+
+def test_overlap_finds_eos_a_step_late_and_drops_the_row_after_it(model, monkeypatch):
+    """EOS is seen only when the step after it is already launched: that step's token for
+    the sequence is dropped, its pages are freed, the text is the plain step's."""
+    import gpulab.engine.engine as engine_module
+    import gpulab.engine.sampling as sampling_module
+    real = sampling_module.sample_on_device
+
+    def eos_third(logits, seqs):           # request "1"'s third token is EOS
+        tokens = real(logits, seqs)
+        for i, s in enumerate(seqs):
+            if s.request_id == "1" and s.num_output_tokens == 2:
+                tokens = tokens.clone()
+                tokens[i] = EOS
+        return tokens
+
+    monkeypatch.setattr(sampling_module, "sample_on_device", eos_third)
+    monkeypatch.setattr(engine_module, "sample_on_device", eos_third)
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(model, EngineConfig(overlap=overlap, block_size=4))
+        outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=8) for _ in range(3)])
+        runs.append([o.token_ids for o in outs])
+        assert outs[1].token_ids[-1] == EOS and len(outs[1].token_ids) == 3
+        assert outs[1].completions[0].finish_reason == "eos" and llm.idle()
+    assert runs[0] == runs[1]
+
+
+def test_overlap_abort_in_flight_frees_pages_and_reports_no_placeholder(model):
+    llm = LLM(model, EngineConfig(overlap=True, block_size=4))
+    rid = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=20))
+    other = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=5))
+    for _ in range(3):
+        llm.step()
+    seq = llm.groups[rid][0]
+    llm.abort(rid)
+    assert PLACEHOLDER not in seq.token_ids and seq.finish_reason == "abort"
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [o.request_id for o in outs if o.finished] == [other] and llm.idle()
+
+
+def test_overlap_needs_the_packages_own_parts(model):
+    with pytest.raises(ValueError, match="overlap=True needs"):
+        LLM(model, EngineConfig(overlap=True), scheduler_cls=type("S", (Scheduler,), {}))
+    assert not LLM(model, EngineConfig()).overlap or gpulab.mode() == "compiled"
 
 
 def test_abort_frees_pages(model):

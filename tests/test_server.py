@@ -25,10 +25,11 @@ def model():
     return TernaryTransformer(TINY).pack()
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    """A live server on a free loopback port, stopped at the end of the module."""
-    llm = LLM(model, EngineConfig(**CONFIG))
+@pytest.fixture(scope="module", params=[False, True], ids=["", "overlap"])
+def server(model, request):
+    """A live server on a free loopback port, stopped at the end of the module; its engine
+    with the host a step ahead of the device (``overlap``, a GPU's default) and without."""
+    llm = LLM(model, EngineConfig(**CONFIG, overlap=request.param))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -41,9 +41,48 @@ from .block_manager import BlockManager
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
 from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
 from .runner import ModelRunner
-from .sampling import sample
+from .sampling import sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import RequestError, SamplingParams, Sequence, Status, draw_seed, validate_request
+
+
+PLACEHOLDER = -1      # a sampled token the host has not read yet (EngineConfig.overlap)
+
+
+def drop_placeholders(seq: Sequence) -> None:
+    """Remove a sequence's trailing placeholders (it stopped, or was aborted, meanwhile)."""
+    while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+        seq.token_ids.pop()
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens are still on their way to the host."""
+    batch: object
+    prefill: list[bool]
+    plan: object
+    seqs: list[Sequence]                  # the sampled sequences, one token each
+    host: torch.Tensor                    # their tokens, landing here (pinned on a GPU)
+    ready: object                         # a CUDA event recorded after the copy (None on a CPU)
+    t0: float
+    index: dict = field(default_factory=dict)    # sequence -> its token's index (the next feed)
+
+    @classmethod
+    def launch(cls, batch, prefill, plan, seqs, tokens: torch.Tensor, t0: float) -> "InFlight":
+        """Start the device -> host copy of ``tokens`` now, in stream order after the step."""
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens.clone(), None
+        return cls(batch, prefill, plan, seqs, host, ready, t0, {s: i for i, s in enumerate(seqs)})
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()          # this step's copy only, not the steps after it
+        return self.host.tolist()
 
 
 @dataclass
@@ -68,6 +107,9 @@ class EngineConfig:
     kv_split: bool | int = False        # steps with prompt chunks split each attention tile's
                                         # history when SMs would idle (True), or in that many
                                         # parts (an int); opt-in: see gpulab.prefill.KVSplit
+    overlap: bool | None = None         # schedule step N+1 while step N runs on the GPU (see
+                                        # LLM.step); None: on a GPU, with the package's own
+                                        # scheduler and block manager and no decode hook
 
 
 @dataclass
@@ -131,6 +173,13 @@ class LLM:
         self.prompt_ids: dict[str, list[int]] = {}      # request id -> its prompt, shared by its outputs
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
+        own = scheduler_cls is Scheduler and block_manager_cls is BlockManager and decode_hook is None
+        self.overlap = (own and self.runner.device.type == "cuda" and runtime.mode() == "compiled"
+                        if config.overlap is None else bool(config.overlap))
+        if self.overlap and not own:
+            raise ValueError("overlap=True needs the package's Scheduler and BlockManager and no decode hook "
+                             "(they must tolerate tokens that are still on the device)")
+        self.in_flight: InFlight | None = None          # the step whose tokens the host has not read
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt, params: SamplingParams) -> list[int]:
@@ -167,17 +216,20 @@ class LLM:
         for seq in self.groups.get(request_id, []):
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
+            drop_placeholders(seq)
         self.pending_forks.discard(request_id)
         self._maybe_close(request_id, time.perf_counter())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One iteration of continuous batching; returns the requests that got tokens
         (``finished_only``: only those that finished, as offline serving needs: no
         output is built for the others)."""
+        if self.overlap:
+            return self.step_overlapped(finished_only)
         t0 = time.perf_counter()
         batch = self.schedule()
         if not batch.items:
@@ -186,6 +238,59 @@ class LLM:
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
         return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan, finished_only)
+
+    def step_overlapped(self, finished_only: bool = False) -> list[RequestOutput]:
+        """:meth:`step` with the host one step ahead of the GPU. This step is scheduled,
+        planned and launched before the host reads the previous step's tokens: a decoding
+        sequence's newest token is a :data:`PLACEHOLDER` in its ``token_ids`` and its
+        input row takes the token on the device (``feed``). Then the previous step's
+        tokens are read (waiting for that step only), put in place, and reported. So the
+        host's work for a step (scheduling, planning, launching, reporting) happens while
+        the GPU runs the step before, instead of between the two.
+
+        A sequence that will stop at that token anyway (max_tokens, the context) gets no
+        placeholder and is not scheduled meanwhile; one that stops at EOS is found a step
+        late: the row computed after it is dropped. Full pages join the prefix cache only
+        once their tokens are known."""
+        t0 = time.perf_counter()
+        prev, self.in_flight = self.in_flight, None
+        batch = self.schedule()
+        if batch.items:
+            prefill = batch.prefill_flags
+            feed = None if prev is None else prev.index
+            logits, seqs, plan = self.runner.run(batch.items, batch.copies, feed=feed)
+            seqs, rows = self._fork_completions(seqs)
+            tokens = sample_on_device(logits if rows is None else logits[rows], seqs)
+            self.runner.keep_tokens(tokens)
+            self.in_flight = InFlight.launch(batch, prefill, plan, seqs, tokens, t0)
+            self.scheduler.postprocess(batch, commit=False)
+            for seq in seqs:
+                if seq.num_output_tokens + 1 < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len:
+                    seq.token_ids.append(PLACEHOLDER)
+        outputs = [] if prev is None else self.land(prev, finished_only)
+        if self.in_flight is not None:
+            self.scheduler.commit(self.in_flight.batch)
+        return outputs
+
+    def land(self, step: "InFlight", finished_only: bool) -> list[RequestOutput]:
+        """Read a launched step's tokens (waits for that step) into their sequences'
+        placeholders, then retire and report as :meth:`emit` does."""
+        new_tokens, later = {}, {}
+        for seq, token in zip(step.seqs, step.tokens()):
+            if seq.finished:                   # aborted, or stopped at the token before this one
+                continue
+            # its placeholder for this token, and one for the next step's (launched) if any
+            end = len(seq.token_ids)
+            while end and seq.token_ids[end - 1] == PLACEHOLDER:
+                end -= 1
+            later[seq] = len(seq.token_ids) - end - 1 if end < len(seq.token_ids) else 0
+            del seq.token_ids[end:]
+            new_tokens[seq] = [token]
+        outputs = self.emit(step.batch, step.prefill, new_tokens, step.t0, step.plan, finished_only)
+        for seq, n in later.items():
+            if not seq.finished and n > 0:
+                seq.token_ids += [PLACEHOLDER] * n
+        return outputs
 
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""

@@ -75,11 +75,13 @@ class StepPlan:
     graph_bucket: int = 0             # the CUDA graph whose static inputs hold this plan (use_graph)
     sample_all: bool = False          # sample_rows is 0 .. num_decode-1 (a graph step reads out[:n])
     append_work: tuple | None = None  # the append rows' work list, built once for all layers
+    feed: torch.Tensor | None = None  # long [T]: row r's input id is the runner's kept token
+                                      # feed[r] where >= 0 (see ModelRunner.keep_tokens)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
 def eager_input_fields(num_rows: int, num_sample: int, nd: int, na: int, width: int, prefix) -> list:
-    fields = [("rows", np.int64, (3, num_rows)),           # input ids, positions, slot mapping
+    fields = [("rows", np.int64, (4, num_rows)),           # input ids, positions, slot mapping, feed
               ("sample", np.int64, (num_sample,)), ("lens", np.int32, (nd + na,)),
               ("indptr", np.int32, (na + 1,)), ("table", np.int32, (nd + na, width))]
     if prefix is not None:
@@ -90,7 +92,7 @@ def eager_input_fields(num_rows: int, num_sample: int, nd: int, na: int, width: 
 def graph_input_fields(bucket: int, max_blocks: int, table_rows: int | None = None) -> list:
     """A decode graph's static inputs; the table comes last, so a step of n rows sends
     only the first n rows of it (the padded rows have length 0 and read no page)."""
-    return [("rows", np.int64, (3, bucket)), ("sample", np.int64, (bucket,)), ("lens", np.int32, (bucket,)),
+    return [("rows", np.int64, (4, bucket)), ("sample", np.int64, (bucket,)), ("lens", np.int32, (bucket,)),
             ("table", np.int32, (bucket if table_rows is None else table_rows, max_blocks))]
 
 
@@ -202,11 +204,12 @@ class ModelRunner:
         self.graphs_possible = (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
                                 and self.attention == "triton" and decode_hook is None)
         self.piecewise: PiecewiseGraphs | None = None          # see capture_piecewise
+        self.kept = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
         if self.graphs_possible:
             self.capture_graphs()
 
     # -- plan -------------------------------------------------------------------------------
-    def plan(self, items: list[tuple[Sequence, int]]) -> StepPlan:
+    def plan(self, items: list[tuple[Sequence, int]], feed: dict[Sequence, int] | None = None) -> StepPlan:
         """Flatten one step's (sequence, new tokens) into tensors, decodes first.
 
         Every index array of the step is written in NumPy into one host buffer (pinned on
@@ -254,6 +257,7 @@ class ModelRunner:
             a = host.arrays
             a["rows"][:, nd:] = 0
             a["rows"][2, nd:] = self.scratch_slot      # padded rows write to the scratch page
+            a["rows"][3, nd:] = -1
             a["lens"][nd:] = 0
             a["sample"][len(rows):] = 0
             table = a["table"]
@@ -262,8 +266,13 @@ class ModelRunner:
             a = host.arrays
             a["indptr"][0] = 0
             table = a["table"]
-        r = a["rows"]                                  # int64 [3, rows]: ids, positions, slots
+        r = a["rows"]                                  # int64 [4, rows]: ids, positions, slots, feed
         r[0, :num_rows] = ids
+        fed = r[3, :num_rows]
+        fed[:] = -1
+        if feed:                                       # decode rows whose token is still on the device
+            fed[:nd] = [feed.get(s, -1) for s in dec]
+        fed_any = bool(feed) and bool((fed >= 0).any())
         pos = r[1, :num_rows]
         pos[:nd] = starts
         fill_tables(table, tables)
@@ -291,6 +300,8 @@ class ModelRunner:
         if use_graph:
             host.send_into(self.graph_inputs[b])
             plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
+            if fed_any:
+                plan.feed = self.graph_views[b]["feed"][:nd]
         else:
             t = host.send(self.device)
             rows_t = t["rows"]
@@ -300,7 +311,7 @@ class ModelRunner:
                 decode_lens=t["lens"][:nd],
                 prefix=None if prefix is None else (t["prefix"], prefix[1]),
                 append_indptr=t["indptr"], append_table=t["table"][nd:], append_lens=t["lens"][nd:],
-                sample_rows=t["sample"], sample_seqs=sample_seqs)
+                sample_rows=t["sample"], sample_seqs=sample_seqs, feed=rows_t[3] if fed_any else None)
         if nd and prefix is None and not plan.use_graph and self.attention == "triton" \
                 and self.decode_hook is None:
             self.plan_decode(plan)
@@ -380,11 +391,29 @@ class ModelRunner:
                                      reference=self.linear == "torch")
         return self.model.logits(h[plan.sample_rows])
 
+    def keep_tokens(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens (long [S], on the device) for the next step's
+        ``feed``: its decode rows read them there, before the host has seen them."""
+        if self.kept.numel() < tokens.numel():
+            self.kept = torch.zeros(max(tokens.numel(), 2 * self.kept.numel()), dtype=torch.long,
+                                    device=self.device)
+        self.kept[:tokens.numel()].copy_(tokens)
+
+    def feed_tokens(self, plan: StepPlan) -> None:
+        """Input ids from the kept tokens where ``plan.feed`` says so (no host sync)."""
+        ids, fed = plan.input_ids, plan.feed
+        ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
+
     @torch.no_grad()
-    def run(self, items: list[tuple[Sequence, int]], copies=()) -> tuple[torch.Tensor, list[Sequence], StepPlan]:
-        """Plan and run one step: (logits of the sampled rows, their sequences, the plan)."""
+    def run(self, items: list[tuple[Sequence, int]], copies=(), feed: dict[Sequence, int] | None = None
+            ) -> tuple[torch.Tensor, list[Sequence], StepPlan]:
+        """Plan and run one step: (logits of the sampled rows, their sequences, the plan).
+        ``feed``: sequence -> index of its last token among the tokens last kept
+        (:meth:`keep_tokens`), for sequences whose last token the host has not read yet."""
         self.copy_blocks(list(copies))
-        plan = self.plan(items)
+        plan = self.plan(items, feed)
+        if plan.feed is not None:
+            self.feed_tokens(plan)
         if plan.use_graph:
             return self.replay(plan), plan.sample_seqs, plan
         if self.piecewise is not None and self.piecewise.fits(plan):
@@ -469,7 +498,8 @@ class ModelRunner:
             v = tensor_fields(buf, layout)
             v["rows"][2].fill_(self.scratch_slot)
             self.graph_inputs[b] = buf
-            self.graph_views[b] = dict(ids=v["rows"][0], pos=v["rows"][1], slots=v["rows"][2], lens=v["lens"],
+            self.graph_views[b] = dict(ids=v["rows"][0], pos=v["rows"][1], slots=v["rows"][2], feed=v["rows"][3],
+                                       lens=v["lens"],
                                        table=v["table"], sample=v["sample"], all=torch.arange(b, device=dev))
         self.bucket_of = [0] + [next(b for b in buckets if b >= n) for n in range(1, self.max_num_seqs + 1)]
 

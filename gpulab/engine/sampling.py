@@ -59,9 +59,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits [B, vocab]`` (float32), row b for ``seqs[b]``."""
     if not seqs:
         return []
+    return sample_on_device(logits, seqs).tolist()       # the step's one device -> host copy
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """:func:`sample`'s tokens left on the device (long [B]): no host sync."""
     best = logits.argmax(-1)
-    if not any(map(_temperature, seqs)):         # all greedy, decided on the host: no device sync
-        return best.tolist()
+    if not any(map(_temperature, seqs)):         # all greedy
+        return best
     greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     p = [s.params for s in seqs]
     temp = torch.tensor([x.temperature if x.temperature > 0 else 1.0 for x in p], device=logits.device)
@@ -69,4 +74,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     top_p = torch.tensor([float(x.top_p) for x in p], device=logits.device)
     scaled = filter_top_k_top_p(logits / temp[:, None], top_k, top_p)
     drawn = (scaled + gumbel_noise(seqs, logits.shape[-1]).to(logits.device)).argmax(-1)
-    return torch.where(greedy, best, drawn).tolist()      # the step's one device -> host copy
+    return torch.where(greedy, best, drawn)

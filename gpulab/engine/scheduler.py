@@ -93,6 +93,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)     # seq.num_uncomputed
+            if n == 0:          # its last token is still being sampled (the engine's overlap): skip
+                i += 1
+                continue
             while not bm.can_append(seq, n):
                 victim = running.pop()
                 self.preempt(victim)
@@ -127,12 +130,20 @@ class Scheduler:
             budget -= n
         return batch
 
-    def postprocess(self, batch: ScheduledBatch) -> None:
-        """After the step ran: count the computed tokens and register full pages."""
-        commit, bs = self.bm.commit_full_blocks, self.bm.block_size
+    def postprocess(self, batch: ScheduledBatch, commit: bool = True) -> None:
+        """After the step ran: count the computed tokens and register full pages
+        (``commit=False``: count only; :meth:`commit` registers them once their tokens
+        are known on the host)."""
         for seq, n in batch.items:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs != seq.num_registered_blocks:   # else no page to register
+        if commit:
+            self.commit(batch)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Register the batch's running sequences' full, computed pages in the prefix cache."""
+        commit, bs = self.bm.commit_full_blocks, self.bm.block_size
+        for seq, _ in batch.items:
+            if seq.status is Status.RUNNING and seq.num_computed_tokens // bs != seq.num_registered_blocks:
                 commit(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

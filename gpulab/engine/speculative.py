@@ -399,6 +399,7 @@ class SpeculativeLLM(LLM):
             raise ValueError(f"draft_cost (a draft step's time over a target pass's) must be in [0, 10), "
                              f"got {draft_cost!r}")
         super().__init__(model, config, **overrides)
+        self.overlap = False           # its step reads every verification's tokens before the next
         self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
         self.adaptive, self.draft_cost = bool(adaptive), float(draft_cost)
         self.acceptance: dict[int, tuple[float, float]] = {}   # seq_id -> (accepted, rejections), decayed
