@@ -297,6 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="k in (2, 4) only, one timed run each")
     ap.add_argument("--transformer", action="store_true", help="also the transformer draft (trained here)")
     ap.add_argument("--no-server", action="store_true", help="skip the HTTP server's overhead")
+    ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64)")
     ap.add_argument("--profile", action="store_true",
                     help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
     args = ap.parse_args(argv)
@@ -324,12 +325,15 @@ def main(argv=None) -> int:
         result["seconds"] = time.perf_counter() - t_start
         (out / "speculative.json").write_text(json.dumps(result, indent=1))
 
-    result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4,
-                                        wrong=result["wrong_tokens"])
-    save()
-    result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1,
-                                        wrong=result["wrong_tokens"])
-    save()
+    batches = {int(b) for b in args.batches.split(",")}
+    if 1 in batches:
+        result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4,
+                                            wrong=result["wrong_tokens"])
+        save()
+    if 64 in batches:
+        result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1,
+                                            wrong=result["wrong_tokens"])
+        save()
     if args.profile:
         result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
         save()
