@@ -90,7 +90,7 @@ from . import runtime
 from .attention_state import LOG2E, online_update, state_epilogue
 from .paged import (FAULT_PAGE, FAULT_SEQ_LEN, checked_pages, fault_flag, gather_kv, raise_recorded_faults,
                     split_reduce_into)
-from .validate import require_float, require_same_device, require_tensor
+from .validate import require_float, require_rows, require_same_device, require_tensor
 
 MAX_HEAD_DIM = 256
 
@@ -548,16 +548,6 @@ def append_kv_copy_into(k, v, qo_indptr, block_tables, kv_lens, k_cache_before, 
 # =========================================================================================
 # Validation
 # =========================================================================================
-def require_rows(name: str, t, **kw) -> None:
-    """:func:`gpulab.validate.require_tensor`, but only the last dimension must be contiguous:
-    the kernels take every other stride (a q sliced out of a fused QKV projection, a cache
-    view of one layer), so no copy is needed."""
-    require_tensor(name, t, contiguous=False, **kw)
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (strides {t.stride()} for shape "
-                         f"{tuple(t.shape)}): pass {name}.contiguous()")
-
-
 def require_append_inputs(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens) -> None:
     """Shapes, dtypes and devices of an append-attention call: host-only, no device data
     read (so no sync)."""

@@ -33,6 +33,16 @@ def require_tensor(name: str, t, *, ndim: int | None = None, shape=None, dtype=N
         runtime.check_device(name, t)
 
 
+def require_rows(name: str, t, **kw) -> None:
+    """:func:`require_tensor`, but only the last dimension must be contiguous: the kernels
+    take every other stride (a q sliced out of a fused QKV projection, a cache view of one
+    layer), so no copy is needed."""
+    require_tensor(name, t, contiguous=False, **kw)
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (strides {t.stride()} for shape "
+                         f"{tuple(t.shape)}): pass {name}.contiguous()")
+
+
 def require_float(name: str, t) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {_dt(t.dtype)}")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..bitlinear import BitLinear, unpack_ternary
 from ..model import load_corpus
 from ..normquant import rmsnorm_quant_ref
+from ..rope import rope_qk_into, rope_reference as apply_rope      # apply_rope: RoPE in PyTorch ops
 
 BOS, EOS = 256, 257             # specials after the 256 byte values
 CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "ternary_poet.pt"
@@ -98,13 +99,6 @@ def rope_tables(cfg: ModelConfig, device=None):
     return ang.cos().float().to(device), ang.sin().float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., H, D] rotated by the angles of its position (cos, sin: [..., D/2])."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[..., None, :], sin[..., None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 def packed_bitlinear_reference(layer: BitLinear, x: torch.Tensor) -> torch.Tensor:
     """What a packed BitLinear computes, in PyTorch ops only: RMSNorm + int8 absmax
     quantization, the integer product with the unpacked ternary weights, one scale."""
@@ -139,14 +133,27 @@ class TransformerBlock(nn.Module):
     def pre_attention(self, x, cos, sin, reference: bool = False):
         """The block's work before attention: q [..., Hq, D], k, v [..., Hkv, D] of rows x
         (QKV projection, RoPE on q and k). Row by row: a row's output depends on its own
-        input only (what lets the runner pad a step to a CUDA graph's bucket)."""
+        input only (what lets the runner pad a step to a CUDA graph's bucket).
+
+        Packed and outside autograd, RoPE is one kernel (:mod:`gpulab.rope`) instead of about
+        sixteen PyTorch ops: k turned in place in the projection's output (a view, as v is),
+        q into a contiguous tensor (attention's public functions and hooks take one)."""
         c = self.cfg
         qkv = run_bitlinear(self.qkv_proj, x, reference)
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                              c.n_kv_heads * c.head_dim], dim=-1)
-        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
-        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
-        return q, k, v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        q = q.unflatten(-1, (c.n_heads, c.head_dim))
+        k = k.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        # the kernel where it can run: packed, outside autograd, one row of angles per token
+        if reference or not self.qkv_proj.packed or qkv.requires_grad or cos.shape[:-1] != q.shape[:-2]:
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # view, not reshape: never a copy, so k turns in place in qkv
+        rope_qk_into(q.view(-1, c.n_heads, c.head_dim), k.view(-1, c.n_kv_heads, c.head_dim),
+                     cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
+                     q_out.view(-1, c.n_heads, c.head_dim))
+        return q_out, k, v
 
     def post_attention(self, x, o, reference: bool = False):
         """The block's work after attention (row by row too): the output projection of

@@ -24,7 +24,7 @@ TARGETS = {75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}   # arch -> shared mem
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
            "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
            "bool": "i1", "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 
 
 def _signature(kernel, args, kwargs):
