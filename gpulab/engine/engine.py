@@ -66,6 +66,7 @@ class InFlight:
     ready: object                         # a CUDA event recorded after the copy (None on a CPU)
     t0: float
     index: dict = field(default_factory=dict)    # sequence -> its token's index (the next feed)
+    at: dict = field(default_factory=dict)       # sequence -> where its token goes in token_ids
 
     @classmethod
     def launch(cls, batch, prefill, plan, seqs, tokens: torch.Tensor, t0: float) -> "InFlight":
@@ -262,11 +263,16 @@ class LLM:
             seqs, rows = self._fork_completions(seqs)
             tokens = sample_on_device(logits if rows is None else logits[rows], seqs)
             self.runner.keep_tokens(tokens)
-            self.in_flight = InFlight.launch(batch, prefill, plan, seqs, tokens, t0)
+            self.in_flight = step = InFlight.launch(batch, prefill, plan, seqs, tokens, t0)
             self.scheduler.postprocess(batch, commit=False)
+            max_len, at = self.max_model_len, step.at
             for seq in seqs:
-                if seq.num_output_tokens + 1 < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len:
-                    seq.token_ids.append(PLACEHOLDER)
+                ids = seq.token_ids
+                at[seq] = len(ids)
+                # a token that may be followed by another gets its placeholder now; the
+                # last one (max_tokens, context) does not: nothing runs until it lands
+                if len(ids) + 1 - seq.num_prompt_tokens < seq.params.max_tokens and len(ids) + 1 < max_len:
+                    ids.append(PLACEHOLDER)
         outputs = [] if prev is None else self.land(prev, finished_only)
         if self.in_flight is not None:
             self.scheduler.commit(self.in_flight.batch)
@@ -275,22 +281,9 @@ class LLM:
     def land(self, step: "InFlight", finished_only: bool) -> list[RequestOutput]:
         """Read a launched step's tokens (waits for that step) into their sequences'
         placeholders, then retire and report as :meth:`emit` does."""
-        new_tokens, later = {}, {}
-        for seq, token in zip(step.seqs, step.tokens()):
-            if seq.finished:                   # aborted, or stopped at the token before this one
-                continue
-            # its placeholder for this token, and one for the next step's (launched) if any
-            end = len(seq.token_ids)
-            while end and seq.token_ids[end - 1] == PLACEHOLDER:
-                end -= 1
-            later[seq] = len(seq.token_ids) - end - 1 if end < len(seq.token_ids) else 0
-            del seq.token_ids[end:]
-            new_tokens[seq] = [token]
-        outputs = self.emit(step.batch, step.prefill, new_tokens, step.t0, step.plan, finished_only)
-        for seq, n in later.items():
-            if not seq.finished and n > 0:
-                seq.token_ids += [PLACEHOLDER] * n
-        return outputs
+        new_tokens = {seq: [token] for seq, token in zip(step.seqs, step.tokens())
+                      if not seq.finished}        # else aborted, or stopped at the token before
+        return self.emit(step.batch, step.prefill, new_tokens, step.t0, step.plan, finished_only, step.at)
 
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""
@@ -308,12 +301,14 @@ class LLM:
         return {seq: [tok] for seq, tok in zip(seqs, tokens)}
 
     def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
-             plan, finished_only: bool = False) -> list[RequestOutput]:
+             plan, finished_only: bool = False, at: dict[Sequence, int] | None = None) -> list[RequestOutput]:
         """Append each sequence's new tokens (a speculative step may bring several),
         retire those that hit EOS, max_tokens or the context, record the step
         (``prefill``: which of the batch's items were prompt chunks). Returns an output
         per request that got tokens, or with ``finished_only`` per request that finished
-        (a request's metrics are brought up to date when it reports)."""
+        (a request's metrics are brought up to date when it reports). ``at``: where each
+        sequence's one new token goes instead (its placeholder, :meth:`step_overlapped`);
+        a sequence that stops there loses what follows (the next step's placeholder)."""
         items = batch.items
         if True in prefill:
             n_prefill = sum(n for (_, n), p in zip(items, prefill) if p)
@@ -328,9 +323,18 @@ class LLM:
                 seq.first_token_time = now
             ids, params = seq.token_ids, seq.params
             for tok in tokens:
-                ids.append(tok)
-                if ((tok == EOS and params.stop_at_eos) or len(ids) - seq.num_prompt_tokens >= params.max_tokens
-                        or len(ids) >= max_len):
+                if at is None:
+                    ids.append(tok)
+                    n = len(ids)
+                else:                          # tokens is [tok]: into its placeholder, or appended
+                    n = at[seq] + 1
+                    if n > len(ids):
+                        ids.append(tok)
+                    else:
+                        ids[n - 1] = tok
+                if ((tok == EOS and params.stop_at_eos) or n - seq.num_prompt_tokens >= params.max_tokens
+                        or n >= max_len):
+                    del ids[n:]
                     self.scheduler.finish(seq, "eos" if tok == EOS and params.stop_at_eos else "length")
                     finished[seq.request_id] = None
                     break
@@ -374,16 +378,18 @@ class LLM:
             s = group[0]
             done = s.status is Status.FINISHED
             m.first_token = s.first_token_time
-            m.num_output_tokens = len(s.token_ids) - s.num_prompt_tokens
+            known = len(s.token_ids) - (s.token_ids[-1] == PLACEHOLDER)    # not the token in flight
+            m.num_output_tokens = known - s.num_prompt_tokens
             m.num_preemptions = s.num_preemptions
-            completions = [Completion(s.index, s.token_ids[s.num_prompt_tokens:], s.finish_reason)]
+            completions = [Completion(s.index, s.token_ids[s.num_prompt_tokens:known], s.finish_reason)]
         else:
             done = all(s.finished for s in group)
             m.first_token = min((s.first_token_time for s in group if s.first_token_time is not None),
                                 default=None)
-            m.num_output_tokens = sum(s.num_output_tokens for s in group)
+            outputs = [s.output_ids[:-1] if s.token_ids[-1] == PLACEHOLDER else s.output_ids for s in group]
+            m.num_output_tokens = sum(map(len, outputs))
             m.num_preemptions = sum(s.num_preemptions for s in group)
-            completions = [Completion(s.index, s.output_ids, s.finish_reason) for s in group]
+            completions = [Completion(s.index, out, s.finish_reason) for s, out in zip(group, outputs)]
         first = group[0]
         m.num_cached_tokens = first.num_cached_tokens
         if done and m.finish is None:

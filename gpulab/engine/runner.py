@@ -77,6 +77,7 @@ class StepPlan:
     append_work: tuple | None = None  # the append rows' work list, built once for all layers
     feed: torch.Tensor | None = None  # long [T]: row r's input id is the runner's kept token
                                       # feed[r] where >= 0 (see ModelRunner.keep_tokens)
+    graph_feed: torch.Tensor | None = None   # the same, read inside a decode graph (its static row)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -204,7 +205,8 @@ class ModelRunner:
         self.graphs_possible = (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
                                 and self.attention == "triton" and decode_hook is None)
         self.piecewise: PiecewiseGraphs | None = None          # see capture_piecewise
-        self.kept = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
+        self.kept = torch.zeros(2 * max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
+        self.kept_all = self.kept
         if self.graphs_possible:
             self.capture_graphs()
 
@@ -250,7 +252,9 @@ class ModelRunner:
             k = shared_prefix_pages(tables[:nd], dec_lens, bs)
             if k:
                 prefix = (tables[0][:k], k * bs)
-        use_graph = na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
+        fed_rows = [feed.get(s, -1) for s in dec] if feed else None
+        use_graph = (na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
+                     and (not fed_rows or max(fed_rows) < self.kept.numel()))
         if use_graph:
             b = self.bucket_of[nd]
             host = HostBuffer(graph_input_fields(b, self.max_blocks, nd), self.pin)
@@ -270,9 +274,9 @@ class ModelRunner:
         r[0, :num_rows] = ids
         fed = r[3, :num_rows]
         fed[:] = -1
-        if feed:                                       # decode rows whose token is still on the device
-            fed[:nd] = [feed.get(s, -1) for s in dec]
-        fed_any = bool(feed) and bool((fed >= 0).any())
+        if fed_rows:                                   # decode rows whose token is still on the device
+            fed[:nd] = fed_rows
+        fed_any = bool(fed_rows) and max(fed_rows) >= 0
         pos = r[1, :num_rows]
         pos[:nd] = starts
         fill_tables(table, tables)
@@ -299,9 +303,7 @@ class ModelRunner:
             lens[:nd] -= k * bs
         if use_graph:
             host.send_into(self.graph_inputs[b])
-            plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
-            if fed_any:
-                plan.feed = self.graph_views[b]["feed"][:nd]
+            plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)   # the graph reads the feed
         else:
             t = host.send(self.device)
             rows_t = t["rows"]
@@ -386,23 +388,27 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [S, vocab] (float32) of the plan's sample rows."""
-        h = self.model.hidden_states(plan.input_ids, plan.positions,
+        ids = plan.input_ids
+        if plan.graph_feed is not None:      # a decode graph: fed rows take the kept tokens
+            ids = torch.where(plan.graph_feed >= 0, self.kept[plan.graph_feed.clamp(min=0)], ids)
+        h = self.model.hidden_states(ids, plan.positions,
                                      lambda layer, q, k, v: self.attend(plan, layer, q, k, v),
                                      reference=self.linear == "torch")
         return self.model.logits(h[plan.sample_rows])
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens (long [S], on the device) for the next step's
-        ``feed``: its decode rows read them there, before the host has seen them."""
-        if self.kept.numel() < tokens.numel():
-            self.kept = torch.zeros(max(tokens.numel(), 2 * self.kept.numel()), dtype=torch.long,
-                                    device=self.device)
-        self.kept[:tokens.numel()].copy_(tokens)
+        ``feed``: its decode rows read them there, before the host has seen them. The
+        first ones also go to ``kept``, a buffer at a fixed address that the decode graphs
+        read (a step fed from beyond it runs eagerly)."""
+        self.kept_all = tokens
+        n = min(tokens.numel(), self.kept.numel())
+        self.kept[:n].copy_(tokens[:n])
 
     def feed_tokens(self, plan: StepPlan) -> None:
         """Input ids from the kept tokens where ``plan.feed`` says so (no host sync)."""
         ids, fed = plan.input_ids, plan.feed
-        ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
+        ids.copy_(torch.where(fed >= 0, self.kept_all[fed.clamp(min=0)], ids))
 
     @torch.no_grad()
     def run(self, items: list[tuple[Sequence, int]], copies=(), feed: dict[Sequence, int] | None = None
@@ -465,7 +471,8 @@ class ModelRunner:
         for b in reversed(bucket_sizes(self.max_num_seqs)):
             views = self.graph_views[b]
             plan = StepPlan(views["ids"], views["pos"], views["slots"], b, views["table"], views["lens"], None,
-                            self.no_indptr, self.no_table, self.no_lens, views["all"], [])
+                            self.no_indptr, self.no_table, self.no_lens, views["all"], [],
+                            graph_feed=views["feed"])
             # warmed up on the capture's stream: autotuning and lazy set-up stay outside the graph
             graph, out = capture(functools.partial(self.forward, plan), pool)
             pool = graph.pool()
