@@ -77,7 +77,6 @@ class StepPlan:
     append_work: tuple | None = None  # the append rows' work list, built once for all layers
     feed: torch.Tensor | None = None  # long [T]: row r's input id is the runner's kept token
                                       # feed[r] where >= 0 (see ModelRunner.keep_tokens)
-    graph_feed: torch.Tensor | None = None   # the same, read inside a decode graph (its static row)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -205,8 +204,7 @@ class ModelRunner:
         self.graphs_possible = (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
                                 and self.attention == "triton" and decode_hook is None)
         self.piecewise: PiecewiseGraphs | None = None          # see capture_piecewise
-        self.kept = torch.zeros(2 * max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
-        self.kept_all = self.kept
+        self.kept = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
         if self.graphs_possible:
             self.capture_graphs()
 
@@ -253,8 +251,7 @@ class ModelRunner:
             if k:
                 prefix = (tables[0][:k], k * bs)
         fed_rows = [feed.get(s, -1) for s in dec] if feed else None
-        use_graph = (na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
-                     and (not fed_rows or max(fed_rows) < self.kept.numel()))
+        use_graph = na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
         if use_graph:
             b = self.bucket_of[nd]
             host = HostBuffer(graph_input_fields(b, self.max_blocks, nd), self.pin)
@@ -303,7 +300,9 @@ class ModelRunner:
             lens[:nd] -= k * bs
         if use_graph:
             host.send_into(self.graph_inputs[b])
-            plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)   # the graph reads the feed
+            plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
+            if fed_any:                                # substituted before the replay
+                plan.feed = self.graph_views[b]["feed"][:nd]
         else:
             t = host.send(self.device)
             rows_t = t["rows"]
@@ -388,27 +387,24 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [S, vocab] (float32) of the plan's sample rows."""
-        ids = plan.input_ids
-        if plan.graph_feed is not None:      # a decode graph: fed rows take the kept tokens
-            ids = torch.where(plan.graph_feed >= 0, self.kept[plan.graph_feed.clamp(min=0)], ids)
-        h = self.model.hidden_states(ids, plan.positions,
+        h = self.model.hidden_states(plan.input_ids, plan.positions,
                                      lambda layer, q, k, v: self.attend(plan, layer, q, k, v),
                                      reference=self.linear == "torch")
         return self.model.logits(h[plan.sample_rows])
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens (long [S], on the device) for the next step's
-        ``feed``: its decode rows read them there, before the host has seen them. The
-        first ones also go to ``kept``, a buffer at a fixed address that the decode graphs
-        read (a step fed from beyond it runs eagerly)."""
-        self.kept_all = tokens
-        n = min(tokens.numel(), self.kept.numel())
-        self.kept[:n].copy_(tokens[:n])
+        ``feed``: its decode rows read them there, before the host has seen them."""
+        if self.kept.numel() < tokens.numel():
+            self.kept = torch.zeros(max(tokens.numel(), 2 * self.kept.numel()), dtype=torch.long,
+                                    device=self.device)
+        self.kept[:tokens.numel()].copy_(tokens)
 
     def feed_tokens(self, plan: StepPlan) -> None:
-        """Input ids from the kept tokens where ``plan.feed`` says so (no host sync)."""
+        """Input ids from the kept tokens where ``plan.feed`` says so (no host sync; a few
+        small launches, before the forward or the graph replay)."""
         ids, fed = plan.input_ids, plan.feed
-        ids.copy_(torch.where(fed >= 0, self.kept_all[fed.clamp(min=0)], ids))
+        ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
 
     @torch.no_grad()
     def run(self, items: list[tuple[Sequence, int]], copies=(), feed: dict[Sequence, int] | None = None
@@ -471,8 +467,7 @@ class ModelRunner:
         for b in reversed(bucket_sizes(self.max_num_seqs)):
             views = self.graph_views[b]
             plan = StepPlan(views["ids"], views["pos"], views["slots"], b, views["table"], views["lens"], None,
-                            self.no_indptr, self.no_table, self.no_lens, views["all"], [],
-                            graph_feed=views["feed"])
+                            self.no_indptr, self.no_table, self.no_lens, views["all"], [])
             # warmed up on the capture's stream: autotuning and lazy set-up stay outside the graph
             graph, out = capture(functools.partial(self.forward, plan), pool)
             pool = graph.pool()

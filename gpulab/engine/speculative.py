@@ -612,14 +612,15 @@ def format_results(result: dict) -> str:
     at a near tie of its logits, if any); then the server's overhead."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
-    lines.append(f"{'batch':>5} {'draft':>14} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
+    lines.append(f"{'batch':>5} {'draft':>17} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
+        draft += " (no overlap)" if r.get("overlap") is False else ""     # the target alone, host not ahead
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
         accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"
-        lines.append(f"{r['batch']:>5} {draft:>14} {k:>4} {r['tokens_per_s']:>9.0f} "
+        lines.append(f"{r['batch']:>5} {draft:>17} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {accept} {r['tokens_per_pass']:>8.2f}"
                      + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
     if "server" in result:
