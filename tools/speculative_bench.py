@@ -19,8 +19,11 @@ the run once the other configurations are measured):
 * with ``--transformer``: a small ternary transformer draft trained here (eager drafting,
   graph verify);
 * unless ``--no-server``: the server's overhead, 64 streaming HTTP clients (since
-  2026-12-03 in up to eight processes of their own, half the host's cores) against the
-  same requests driven in-process.
+  2026-12-03 in up to eight processes of their own, half the host's cores), each sending
+  four requests of ``--max-tokens`` tokens one after another (a closed loop: until the
+  fourth run of 2026-12-03 one request of half that, so the run was mostly its ramp-up
+  and tail), against the same closed loop driven in-process; with Python's GIL switch
+  interval as it is (5 ms) and at 0.5 ms.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). About two minutes on an H200.
@@ -197,37 +200,71 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     return rows
 
 
-def stream_clients(url, prompts, max_tokens, ready, go, results):
+def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
     """Some of the HTTP clients, in a process of their own (a server's clients are not in
-    its process, and one process of 64 clients was slower than the server it measured):
-    after a warm-up request, waits for ``go``, then streams all of ``prompts`` at once;
-    puts (start, end, events) on ``results``, wall-clock times comparable across processes."""
+    its process, and one process of 64 clients was slower than the server it measured).
+    After a warm-up request each waits for ``go``; then every client streams ``rounds``
+    requests one after another (a closed loop: its next request when the last one ends),
+    so that the server is measured in a steady state, not in its first and last steps.
+    Puts (start, end, events, tokens) on ``results``, wall-clock times comparable across
+    processes."""
     import httpx
 
     async def one(client, p):
-        n = 0
+        events = 0
         body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
         async with client.stream("POST", url, json=body) as r:
             async for line in r.aiter_lines():
-                n += line.startswith("data: {")
-        return n
+                events += line.startswith("data: {")
+        return events
+
+    async def loop(client, p):
+        return sum([await one(client, p) for _ in range(rounds)])
 
     async def run():
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(prompts) + 8)) as c:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 8)) as c:
             await one(c, prompts[0])                                   # warm-up
             ready.put(True)
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
             t0 = time.time()
-            events = await asyncio.gather(*(one(c, p) for p in prompts))
-            return t0, time.time(), sum(events)
+            events = await asyncio.gather(*(loop(c, p) for p in prompts))
+            return t0, time.time(), sum(events), len(prompts) * rounds * max_tokens
 
     results.put(asyncio.run(run()))
 
 
-def bench_server(target, clients, max_tokens, switch_interval=None):
-    """HTTP streaming against in-process serving of the same requests. ``switch_interval``:
-    the interpreter's GIL switch interval while the server runs (``sys.setswitchinterval``;
-    None leaves Python's 5 ms): the engine's thread and the event loop's share the GIL."""
+def closed_loop(llm, prompts, params, rounds) -> float:
+    """In-process twin of the HTTP clients: client i's next request is added when its last
+    one finishes, ``rounds`` each; tokens/s over the whole run."""
+    left = {i: rounds for i in range(len(prompts))}
+    owner = {}
+
+    def add(i):
+        left[i] -= 1
+        owner[llm.add_request(prompts[i], params)] = i
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(len(prompts)):
+        add(i)
+    tokens = 0
+    while llm.has_unfinished():
+        for out in llm.step(finished_only=True):
+            tokens += len(out.token_ids)
+            i = owner.pop(out.request_id)
+            if left[i]:
+                add(i)
+    sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None):
+    """Streaming through HTTP against in-process serving of the same closed-loop load:
+    ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
+    ``switch_interval``: the interpreter's GIL switch interval while the server runs
+    (``sys.setswitchinterval``; None leaves Python's 5 ms): the engine's thread and the
+    event loop's share the GIL."""
     import multiprocessing
 
     import uvicorn
@@ -237,10 +274,8 @@ def bench_server(target, clients, max_tokens, switch_interval=None):
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     llm = LLM(target, engine_config(clients))
-    # the in-process baseline serves the same 64 prompts as one wave, as the HTTP clients
-    # arrive together (until 2026-12-02 it served them one after another: batch 1)
-    timed_generate(llm, [prompts], params)     # warm-up, untimed
-    _, engine_tps = timed_generate(llm, [prompts], params)
+    closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
+    engine_tps = closed_loop(llm, prompts, params, rounds)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -255,7 +290,8 @@ def bench_server(target, clients, max_tokens, switch_interval=None):
     n_procs = max(1, min(8, (os.cpu_count() or 2) // 2, clients))
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
     url = f"http://127.0.0.1:{port}/v1/completions"
-    procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, ready, go, results))
+    procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, rounds, ready, go,
+                                                      results))
              for i in range(n_procs)]
     for proc in procs:
         proc.start()
@@ -268,9 +304,9 @@ def bench_server(target, clients, max_tokens, switch_interval=None):
     server.should_exit = True
     sys.setswitchinterval(default_interval)
     dt = max(r[1] for r in runs) - min(r[0] for r in runs)
-    http_tps = len(prompts) * max_tokens / dt
-    return dict(clients=clients, client_processes=n_procs, switch_interval=switch_interval or default_interval,
-                engine_tokens_per_s=engine_tps,
+    http_tps = sum(r[3] for r in runs) / dt
+    return dict(clients=clients, rounds=rounds, client_processes=n_procs,
+                switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
                 http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
                 events=sum(r[2] for r in runs), all_pages_free=llm.idle())
 
@@ -351,10 +387,10 @@ def main(argv=None) -> int:
         result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
         save()
     if not args.no_server:
-        result["server"] = bench_server(target, 64, args.max_tokens // 2)
+        result["server"] = bench_server(target, 64, args.max_tokens)
         print(f"server: {result['server']['ratio']:.0%} of in-process", flush=True)
         save()
-        result["server_switch_interval"] = bench_server(target, 64, args.max_tokens // 2, switch_interval=0.0005)
+        result["server_switch_interval"] = bench_server(target, 64, args.max_tokens, switch_interval=0.0005)
         print(f"server, GIL switch interval 0.5 ms: {result['server_switch_interval']['ratio']:.0%} of in-process",
               flush=True)
         save()
