@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: same tokens as the engine in-process, streaming, the
 official client, 4xx for bad input, disconnects free pages, many clients at once."""
 import asyncio
+import functools
 import json
 import socket
 import threading
@@ -25,22 +26,47 @@ def model():
     return TernaryTransformer(TINY).pack()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["", "overlap"])
+def tiny_engine(overlap: bool = False) -> LLM:
+    """The ``model`` fixture's engine, built where it is called (the engine process)."""
+    torch.manual_seed(7)
+    return LLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG, overlap=overlap))
+
+
+class RemoteEngine:
+    """What the tests ask of an engine in another process: whether it is idle, from /metrics."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def idle(self) -> bool:
+        gauges = dict(line.split() for line in httpx.get(self.url + "/metrics").text.splitlines()
+                      if line.startswith("gpulab_") and " " in line)
+        return all(float(gauges[f"gpulab_{g}"]) == 0 for g in ("kv_pages_used", "requests_running",
+                                                               "requests_waiting"))
+
+
+@pytest.fixture(scope="module", params=["thread", "overlap", "process"])
 def server(model, request):
     """A live server on a free loopback port, stopped at the end of the module; its engine
-    with the host a step ahead of the device (``overlap``, a GPU's default) and without."""
-    llm = LLM(model, EngineConfig(**CONFIG, overlap=request.param))
+    on a thread of the server's process, the same with the host a step ahead of the device
+    (``overlap``, a GPU's default), or in a process of its own (``make_llm``)."""
+    if request.param == "process":
+        app = create_app(make_llm=functools.partial(tiny_engine, overlap=True))
+    else:
+        llm = LLM(model, EngineConfig(**CONFIG, overlap=request.param == "overlap"))
+        app = create_app(llm)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not srv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
+    url = f"http://127.0.0.1:{port}"
+    yield url, RemoteEngine(url) if request.param == "process" else llm
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -48,8 +74,9 @@ def server(model, request):
 def wait_idle(llm, timeout=20.0):
     deadline = time.time() + timeout
     while not llm.idle():
-        assert time.time() < deadline, (f"pages or requests left: {llm.block_manager.num_used} pages used, "
-                                        f"{len(llm.groups)} requests")
+        assert time.time() < deadline, "pages or requests left over: " + (
+            f"{llm.block_manager.num_used} pages used, {len(llm.groups)} requests" if isinstance(llm, LLM)
+            else httpx.get(llm.url + "/metrics").text)
         time.sleep(0.05)
 
 
@@ -279,3 +306,27 @@ def test_stream_interval_spaces_events_and_loses_no_text():
     for bad in (-0.1, 2.0, "10ms"):
         with pytest.raises(ValueError, match="stream_interval"):
             create_app(_InstantEngine(0.0), stream_interval=bad)
+
+
+# -- the engine in a process of its own (EngineProcess) ---------------------------------------------
+def test_engine_process_reports_a_failed_start_and_a_death():
+    from gpulab.engine.server import EngineProcess, build_llm
+    with pytest.raises(RuntimeError, match="unknown model 'nope'"):
+        EngineProcess(functools.partial(build_llm, "nope")).start()
+    with pytest.raises(ValueError, match="not both"):
+        create_app(LLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG)), make_llm=tiny_engine)
+    engine = EngineProcess(tiny_engine).start()
+    assert engine.alive() and engine.stats()["pages_total"] == CONFIG["num_blocks"]
+
+    async def submit_then_kill():
+        rid, sub = await engine.submit("Tyger", SamplingParams(max_tokens=200))
+        engine.proc.kill()                         # the engine dies mid-request
+        items = []
+        while not any(isinstance(i, Exception) for i in items):
+            items += await asyncio.wait_for(sub.take(), timeout=30)
+        return items[-1]
+
+    failure = asyncio.run(submit_then_kill())
+    assert isinstance(failure, RuntimeError) and "stopped" in str(failure)
+    engine.reader.join(timeout=10)
+    assert not engine.alive()

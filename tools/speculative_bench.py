@@ -259,12 +259,14 @@ def closed_loop(llm, prompts, params, rounds) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None):
+def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
     ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
     ``switch_interval``: the interpreter's GIL switch interval while the server runs
     (``sys.setswitchinterval``; None leaves Python's 5 ms): the engine's thread and the
-    event loop's share the GIL."""
+    event loop's share the GIL. ``engine_process``: the server's engine steps in a process of
+    its own (:class:`gpulab.engine.server.EngineProcess`), built there as ``target`` was (the
+    shipped checkpoint in bfloat16), with the same configuration."""
     import multiprocessing
 
     import uvicorn
@@ -282,10 +284,21 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None):
     default_interval = sys.getswitchinterval()
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    if engine_process:
+        import functools
+
+        from gpulab.engine.server import build_llm
+        app = create_app(make_llm=functools.partial(build_llm, "shipped", dtype="bfloat16",
+                                                    **dataclasses.asdict(engine_config(clients))))
+    else:
+        app = create_app(llm)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
+    if engine_process:                                      # the engine process warms up too
+        closed_loop_warm = httpx_post(f"http://127.0.0.1:{port}/v1/completions", prompts[0], max_tokens)
+        assert closed_loop_warm == 200
     ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
     n_procs = max(1, min(8, (os.cpu_count() or 2) // 2, clients))
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
@@ -301,14 +314,30 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None):
     runs = [results.get(timeout=600) for _ in procs]
     for proc in procs:
         proc.join()
+    pages_free = llm.idle()
+    if engine_process:                                      # its last step's report may still be on its way
+        deadline = time.time() + 10
+        while not (pages_free := "gpulab_kv_pages_used 0.0" in httpx_get(f"http://127.0.0.1:{port}/metrics")) \
+                and time.time() < deadline:
+            time.sleep(0.1)
     server.should_exit = True
     sys.setswitchinterval(default_interval)
     dt = max(r[1] for r in runs) - min(r[0] for r in runs)
     http_tps = sum(r[3] for r in runs) / dt
-    return dict(clients=clients, rounds=rounds, client_processes=n_procs,
+    return dict(clients=clients, rounds=rounds, client_processes=n_procs, engine_process=engine_process,
                 switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
                 http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
-                events=sum(r[2] for r in runs), all_pages_free=llm.idle())
+                events=sum(r[2] for r in runs), all_pages_free=pages_free)
+
+
+def httpx_post(url, prompt, max_tokens) -> int:
+    import httpx
+    return httpx.post(url, json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=600).status_code
+
+
+def httpx_get(url) -> str:
+    import httpx
+    return httpx.get(url, timeout=60).text
 
 
 def host_profile(target, drafter, max_tokens, top=25) -> dict:
@@ -392,6 +421,10 @@ def main(argv=None) -> int:
         save()
         result["server_switch_interval"] = bench_server(target, 64, args.max_tokens, switch_interval=0.0005)
         print(f"server, GIL switch interval 0.5 ms: {result['server_switch_interval']['ratio']:.0%} of in-process",
+              flush=True)
+        save()
+        result["server_engine_process"] = bench_server(target, 64, args.max_tokens, engine_process=True)
+        print(f"server, engine in its own process: {result['server_engine_process']['ratio']:.0%} of in-process",
               flush=True)
         save()
     print(spec.format_results(result))

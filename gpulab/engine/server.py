@@ -24,6 +24,7 @@ import asyncio
 import codecs
 import collections
 import concurrent.futures
+import functools
 import itertools
 import json
 import queue
@@ -33,6 +34,7 @@ import traceback
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -234,10 +236,190 @@ class EngineLoop:
             sub.put(RuntimeError(message))
         self.subscribers.clear()
 
+    # read by /health and /metrics --------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stats(self) -> dict:
+        return engine_stats(self.llm, self.steps)
+
+
+def engine_stats(llm: LLM, steps: int) -> dict:
+    """The gauges /metrics shows (a snapshot; read from another thread, so approximate)."""
+    bm = llm.block_manager
+    return {"pages_used": bm.num_used, "pages_total": llm.config.num_blocks, "running": len(llm.scheduler.running),
+            "waiting": len(llm.scheduler.waiting), "steps": steps, "hit_rate": bm.hit_rate()}
+
+
+class EngineProcess:
+    """:class:`EngineLoop`'s interface with the engine in a process of its own.
+
+    In one process the engine's thread and the event loop's share Python's global
+    interpreter lock: every step's host work (scheduling, planning, launching) waits
+    while the loop writes events to 64 clients, and the other way round. Here the engine
+    steps in a child process (``make_llm()`` builds it there: a picklable callable, e.g. a
+    ``functools.partial``; spawned, never forked, as CUDA requires) and the two talk over
+    a pipe: commands down, each step's outputs (pickled) up, to a thread that hands them
+    to the requests' handlers as :class:`EngineLoop` does. vLLM splits its engine from its
+    API server the same way."""
+
+    def __init__(self, make_llm, start_timeout: float = 600.0):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child), name="gpulab-engine",
+                                daemon=True)
+        self.start_timeout = start_timeout
+        self.subscribers: dict[str, Subscription] = {}
+        self.waiting_add: dict[str, concurrent.futures.Future] = {}
+        self.ids = itertools.count()
+        self.steps = 0
+        self.last_stats: dict = {}
+        self.reader = threading.Thread(target=self._read, name="gpulab-engine-reader", daemon=True)
+        self.send_lock = threading.Lock()
+
+    def start(self) -> "EngineProcess":
+        self.proc.start()
+        if not self.conn.poll(self.start_timeout):
+            raise RuntimeError(f"the engine process did not start within {self.start_timeout:.0f} s")
+        kind, payload = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the engine process failed to start: {payload}")
+        self.last_stats = payload
+        self.reader.start()
+        return self
+
+    def stop(self) -> None:
+        self._send(("stop",))
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+
+    def _send(self, command) -> None:
+        with self.send_lock:
+            try:
+                self.conn.send(command)
+            except (BrokenPipeError, OSError):
+                pass                          # the process is gone: /health says so
+
+    async def submit(self, prompt, params: SamplingParams) -> tuple[str, Subscription]:
+        sub = Subscription(asyncio.get_running_loop())
+        rid = f"cmpl-{next(self.ids)}"
+        done = self.waiting_add[rid] = concurrent.futures.Future()
+        self.subscribers[rid] = sub            # before the command: its first output may come at once
+        self._send(("add", rid, prompt, params))
+        try:
+            return await asyncio.wrap_future(done), sub
+        except RequestError:
+            self.subscribers.pop(rid, None)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+        sub = self.subscribers.pop(request_id, None)
+        if sub is not None:
+            sub.put(None)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive() and self.reader.is_alive()
+
+    def stats(self) -> dict:
+        return self.last_stats
+
+    def _read(self) -> None:
+        """The reader thread: blocks on the pipe (without the GIL), dispatches."""
+        while True:
+            try:
+                kind, *rest = self.conn.recv()
+            except (EOFError, OSError):
+                self._fail_all("the engine process stopped")
+                return
+            if kind == "outputs":
+                outputs, self.last_stats = rest
+                self.steps = self.last_stats["steps"]
+                by_loop: dict = {}
+                for out in outputs:
+                    sub = self.subscribers.get(out.request_id)
+                    if sub is not None:
+                        by_loop.setdefault(sub.loop, []).append((sub, out))
+                    if out.finished:
+                        self.subscribers.pop(out.request_id, None)
+                for loop, pairs in by_loop.items():
+                    loop.call_soon_threadsafe(deliver, pairs)
+            elif kind == "stats":
+                self.last_stats = rest[0]
+            elif kind == "added":
+                self.waiting_add.pop(rest[0]).set_result(rest[0])
+            elif kind == "rejected":
+                self.waiting_add.pop(rest[0]).set_exception(RequestError(rest[1]))
+            elif kind == "failed":               # a step failed: what was running is lost
+                self._fail_all(rest[0])
+            elif kind == "stopped":
+                return
+
+    def _fail_all(self, message: str) -> None:
+        for sub in list(self.subscribers.values()):
+            sub.put(RuntimeError(message))
+        self.subscribers.clear()
+        for fut in list(self.waiting_add.values()):
+            fut.set_exception(RuntimeError(message))
+        self.waiting_add.clear()
+
+
+def engine_process_main(make_llm, conn) -> None:
+    """The engine process: build the engine, then step while there is work; between
+    steps take every command that arrived (blocking only when idle)."""
+    try:
+        llm = make_llm()
+    except Exception as e:                       # reported to the parent's start()
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    steps = 0
+    conn.send(("ready", engine_stats(llm, steps)))
+    with frozen_heap():
+        while True:
+            while not llm.has_unfinished() or conn.poll():
+                kind, *rest = conn.recv()
+                if kind == "stop":
+                    conn.send(("stopped",))
+                    return
+                if kind == "add":
+                    rid, prompt, params = rest
+                    try:
+                        llm.add_request(prompt, params, request_id=rid)
+                        conn.send(("added", rid))
+                    except RequestError as e:
+                        conn.send(("rejected", rid, str(e)))
+                elif kind == "abort" and rest[0] in llm.groups:
+                    llm.abort(rest[0])
+                    if not llm.has_unfinished():     # no step will report the freed pages
+                        conn.send(("stats", engine_stats(llm, steps)))
+            try:
+                outputs = llm.step()
+            except Exception as e:               # a bug, not a bad request: fail what is running, go on
+                traceback.print_exc()
+                for rid in list(llm.groups):
+                    llm.abort(rid)
+                conn.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                continue
+            steps += 1
+            if outputs or not llm.has_unfinished():       # idle now: the freed pages are news too
+                conn.send(("outputs", outputs, engine_stats(llm, steps)))
+
+
+def build_llm(model: str = "shipped", dtype: str | None = None, **config) -> LLM:
+    """An engine serving ``model`` ("shipped", "tiny" or "random:...", as
+    :func:`gpulab.engine.serve_bench.build_model` reads it; ``dtype`` e.g. "bfloat16") with
+    these :class:`EngineConfig` fields. ``functools.partial(build_llm, ...)`` is what an
+    :class:`EngineProcess` needs: it pickles, and the process builds the engine itself."""
+    from .engine import EngineConfig
+    from .serve_bench import build_model
+    return LLM(build_model(model, dtype=None if dtype is None else getattr(torch, dtype)), EngineConfig(**config))
+
 
 # -- metrics ------------------------------------------------------------------------------------------
 class ServerMetrics:
-    def __init__(self, engine: EngineLoop):
+    def __init__(self, engine: "EngineLoop | EngineProcess"):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("gpulab_requests", "completion requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("gpulab_prompt_tokens", "prompt tokens received", registry=r)
@@ -246,18 +428,13 @@ class ServerMetrics:
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.e2e = Histogram("gpulab_request_latency_seconds", "arrival to last token", registry=r,
                              buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        llm = engine.llm
-        Gauge("gpulab_kv_pages_used", "KV pages held by requests", registry=r).set_function(
-            lambda: llm.block_manager.num_used)
-        Gauge("gpulab_kv_pages_total", "KV pages in the pool", registry=r).set_function(
-            lambda: llm.config.num_blocks)
-        Gauge("gpulab_requests_running", "requests in the running batch", registry=r).set_function(
-            lambda: len(llm.scheduler.running))
-        Gauge("gpulab_requests_waiting", "requests waiting for pages", registry=r).set_function(
-            lambda: len(llm.scheduler.waiting))
-        Gauge("gpulab_engine_steps", "engine steps run", registry=r).set_function(lambda: engine.steps)
-        Gauge("gpulab_prefix_cache_hit_rate", "prompt tokens found in the prefix cache", registry=r
-              ).set_function(lambda: llm.block_manager.hit_rate())
+        for key, name, doc in (("pages_used", "kv_pages_used", "KV pages held by requests"),
+                               ("pages_total", "kv_pages_total", "KV pages in the pool"),
+                               ("running", "requests_running", "requests in the running batch"),
+                               ("waiting", "requests_waiting", "requests waiting for pages"),
+                               ("steps", "engine_steps", "engine steps run"),
+                               ("hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache")):
+            Gauge(f"gpulab_{name}", doc, registry=r).set_function(lambda key=key: engine.stats()[key])
 
     def finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -309,17 +486,24 @@ STREAM_INTERVAL = 0.01
 
 
 def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
-               stream_interval: float = STREAM_INTERVAL) -> FastAPI:
+               stream_interval: float = STREAM_INTERVAL, make_llm=None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it.
     ``stream_interval``: the least time between two events of a streamed completion
-    (0: an event per engine step)."""
+    (0: an event per engine step). ``make_llm``: instead of ``llm``, a picklable callable
+    that builds the engine in a process of its own (:class:`EngineProcess`)."""
     if not isinstance(stream_interval, (int, float)) or not 0 <= stream_interval <= 1:
         raise ValueError(f"stream_interval must be between 0 and 1 second, got {stream_interval!r}")
+    if llm is not None and make_llm is not None:
+        raise ValueError("give create_app an engine (llm) or a way to build one in its own process (make_llm), "
+                         "not both")
     holder = {}
 
     @asynccontextmanager
     async def lifespan(app):
-        engine = EngineLoop(llm if llm is not None else LLM()).start()
+        if make_llm is not None:
+            engine = await asyncio.get_running_loop().run_in_executor(None, EngineProcess(make_llm).start)
+        else:
+            engine = EngineLoop(llm if llm is not None else LLM()).start()
         holder["engine"], holder["metrics"] = engine, ServerMetrics(engine)
         app.state.engine = engine
         yield
@@ -353,7 +537,7 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
     @app.get("/health")
     async def health():
         engine = holder["engine"]
-        alive = engine.thread.is_alive()
+        alive = engine.alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -486,19 +670,25 @@ def plot_serving_timeline(llm: LLM):
 
 
 def main(argv=None) -> int:
-    """``gpulab serve [--host H] [--port P] [--pages N] [--stream-interval S]``."""
+    """``gpulab serve [--host H] [--port P] [--pages N] [--stream-interval S] [--engine-process]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--pages", type=int, default=None, help="KV pages in the pool (default: the engine's)")
     ap.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL,
                     help=f"least seconds between two events of a streamed completion (default {STREAM_INTERVAL})")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="step the engine in a process of its own (no GIL shared with the HTTP side)")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:
         ap.error("--stream-interval must be between 0 and 1 second")
-    llm = LLM(num_blocks=args.pages) if args.pages else LLM()
+    config = {"num_blocks": args.pages} if args.pages else {}
+    if args.engine_process:
+        app = create_app(make_llm=functools.partial(build_llm, "shipped", **config),
+                         stream_interval=args.stream_interval)
+    else:
+        app = create_app(LLM(**config), stream_interval=args.stream_interval)
     print(f"serving {MODEL_NAME} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
     with frozen_heap():    # the start-up heap stays out of every garbage collection while serving
-        uvicorn.run(create_app(llm, stream_interval=args.stream_interval), host=args.host, port=args.port,
-                    log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
