@@ -141,6 +141,20 @@ def deliver(pairs: list) -> None:
         sub.ready.set()
 
 
+def dispatch(subscribers: dict, outputs: list) -> None:
+    """From the engine's side: a step's outputs to their requests' subscriptions, one
+    wake-up per event loop and step; a finished request's subscription is dropped."""
+    by_loop: dict = {}
+    for out in outputs:
+        sub = subscribers.get(out.request_id)
+        if sub is not None:
+            by_loop.setdefault(sub.loop, []).append((sub, out))
+        if out.finished:
+            subscribers.pop(out.request_id, None)
+    for loop, pairs in by_loop.items():
+        loop.call_soon_threadsafe(deliver, pairs)
+
+
 def newest_outputs(items: list) -> list:
     """``items`` less every RequestOutput that the next item supersedes: a request's
     outputs are cumulative (each holds every token so far), so when the engine ran ahead
@@ -200,15 +214,7 @@ class EngineLoop:
                 self._fail_all(f"the engine failed a step: {type(e).__name__}: {e}")
                 continue
             self.steps += 1
-            by_loop: dict = {}                   # one wake-up per event loop and step
-            for out in outputs:
-                sub = self.subscribers.get(out.request_id)
-                if sub is not None:
-                    by_loop.setdefault(sub.loop, []).append((sub, out))
-                if out.finished:
-                    self.subscribers.pop(out.request_id, None)
-            for loop, pairs in by_loop.items():
-                loop.call_soon_threadsafe(deliver, pairs)
+            dispatch(self.subscribers, outputs)
 
     def _handle(self, command) -> None:
         kind = command[0]
@@ -337,15 +343,7 @@ class EngineProcess:
             if kind == "outputs":
                 outputs, self.last_stats = rest
                 self.steps = self.last_stats["steps"]
-                by_loop: dict = {}
-                for out in outputs:
-                    sub = self.subscribers.get(out.request_id)
-                    if sub is not None:
-                        by_loop.setdefault(sub.loop, []).append((sub, out))
-                    if out.finished:
-                        self.subscribers.pop(out.request_id, None)
-                for loop, pairs in by_loop.items():
-                    loop.call_soon_threadsafe(deliver, pairs)
+                dispatch(self.subscribers, outputs)
             elif kind == "stats":
                 self.last_stats = rest[0]
             elif kind == "added":
