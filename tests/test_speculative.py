@@ -329,6 +329,29 @@ def test_verify_graph_lays_out_rows_and_padding(target):
     assert spec.idle() and not spec.proposer.slots, "draft slots left after the requests finished"
 
 
+def test_staged_buffers_send_the_filled_prefixes_in_one_copy(monkeypatch):
+    """One byte buffer behind every field: a send is one copy of a span, which leaves each
+    field's device side equal to its host twin, and fields the host did not touch as they
+    started (the twins start as copies)."""
+    from gpulab.engine.graph_capture import StagedBuffers
+    buf = StagedBuffers(ids=torch.arange(10), flag=torch.ones(3, dtype=torch.bool),
+                        table=torch.full((4, 5), 7, dtype=torch.int32), noise=torch.zeros(2, 3))
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, **kw: copies.append(1) or real_copy(t, src, **kw))
+    h = buf.np
+    h["ids"][:4] = [9, 8, 7, 6]
+    h["table"][:2] = 1
+    h["flag"][1] = 0
+    buf.send(ids=4, table=2, flag=3)
+    assert len(copies) == 1
+    assert buf["ids"].tolist() == [9, 8, 7, 6, 4, 5, 6, 7, 8, 9]
+    assert buf["flag"].tolist() == [True, False, True]
+    assert buf["table"][:2].eq(1).all() and buf["table"][2:].eq(7).all() and buf["noise"].eq(0).all()
+    buf.set("noise", torch.ones(2, 3))
+    assert buf["noise"].eq(1).all() and (h["noise"] == 1).all()
+
+
 def test_graph_drafts_reach_the_verify_graph_on_the_device(target):
     """The graph drafter's tokens are not read back before verification: the sequences
     hold placeholders, the verify graph's host-side ids too, and the drafts come back

@@ -78,23 +78,52 @@ class CapturedStep:
 
 
 class StagedBuffers:
-    """Named static device tensors, each with a host twin (pinned on CUDA) that the host
-    fills through NumPy views; ``send`` copies the filled prefixes asynchronously."""
+    """Named static device tensors with host twins (pinned on CUDA) that the host fills
+    through NumPy views; ``send`` copies what the host filled to the device.
+
+    All fields live in one device buffer (and their twins in one host buffer), each at a
+    16-byte-aligned offset, so that a step's ``send`` is one copy of the span from the
+    first named field to the end of the last one's filled prefix, not one copy per field
+    (each copy is about 10 µs of host time: at batch 1 the verify and draft inputs were
+    eleven of them a step). The span may include fields or tails not named this time: the
+    host twin holds what the device holds there (every host write is sent, and the twins
+    start as copies of the given tensors), so copying them changes nothing."""
 
     def __init__(self, **tensors: torch.Tensor):
-        self.dev = tensors
-        self.host = {}
+        first = next(iter(tensors.values()))
+        pin = first.is_cuda
+        layout, end = [], 0
         for name, t in tensors.items():
-            h = torch.zeros(t.shape, dtype=t.dtype)
-            self.host[name] = h.pin_memory() if t.is_cuda else h
-        self.np = {name: (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
-                   for name, h in self.host.items()}
+            nbytes = t.numel() * t.element_size()
+            layout.append((name, end, nbytes, t))
+            end = -(-(end + nbytes) // 16) * 16
+        self.device_bytes = torch.empty(max(end, 16), dtype=torch.uint8, device=first.device)
+        self.host_bytes = torch.empty(max(end, 16), dtype=torch.uint8, pin_memory=pin)
+        self.dev, self.host, self.np, self.where = {}, {}, {}, {}
+        for name, start, nbytes, t in layout:
+            d = self.device_bytes[start:start + nbytes].view(t.dtype).view(t.shape)
+            h = self.host_bytes[start:start + nbytes].view(t.dtype).view(t.shape)
+            d.copy_(t)
+            h.copy_(t.cpu())
+            self.dev[name], self.host[name] = d, h
+            self.np[name] = (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
+            self.where[name] = (start, nbytes // max(1, t.shape[0]) if t.dim() else nbytes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.dev[name]
 
     def send(self, **counts: int) -> None:
-        """Host -> device for the first ``counts[name]`` entries of each named buffer. No
-        host sync: the pinned source is rewritten only after the step's read-back."""
-        for name, n in counts.items():
-            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+        """Host -> device, in one copy, of (at least) the first ``counts[name]`` entries of
+        each named buffer. No host sync: the pinned source is rewritten only after the
+        step's read-back."""
+        if not counts:
+            return
+        lo = min(self.where[name][0] for name in counts)
+        hi = max(self.where[name][0] + n * self.where[name][1] for name, n in counts.items())
+        if hi > lo:
+            self.device_bytes[lo:hi].copy_(self.host_bytes[lo:hi], non_blocking=True)
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        """Write a whole field on the device and its host twin alike (outside ``send``)."""
+        self.dev[name].copy_(value)
+        self.host[name].copy_(value.cpu())

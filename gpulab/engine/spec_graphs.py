@@ -239,8 +239,8 @@ class MLGRUGraphDrafter:
     def graph(self, b: int, sampled: bool) -> CapturedStep:
         if (b, sampled) not in self.graphs:
             k1 = self.k + 1       # capture from neutral buffers: warm-ups touch only the scratch slot
-            self.buf["src"].fill_(self.scratch * k1)
-            self.buf["dst"].copy_(self.scratch * k1 + torch.arange(self.buf["dst"].numel(), device=self.device) % k1)
+            self.buf.set("src", torch.full_like(self.buf["src"], self.scratch * k1))
+            self.buf.set("dst", self.scratch * k1 + torch.arange(self.buf["dst"].numel(), device=self.device) % k1)
             self.graphs[b, sampled] = CapturedStep(functools.partial(self.forward, b, sampled), self.cuda, self.mempool)
             self.mempool = self.graphs[b, sampled].pool or self.mempool
         return self.graphs[b, sampled]
