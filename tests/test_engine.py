@@ -177,6 +177,9 @@ def test_overlap_leaves_the_newest_token_on_the_device_until_the_next_step(model
     """After a step returns, its tokens are still placeholders (the host has not waited
     for them); the next step launches its own work first, then reads them."""
     llm = LLM(model, EngineConfig(overlap=True, block_size=4))
+    fed = []
+    real_feed = llm.runner.feed_tokens
+    llm.runner.feed_tokens = lambda plan: fed.append(plan.feed_all) or real_feed(plan)
     llm.add_request(PROMPTS[1], SamplingParams(max_tokens=6))
     seq = llm.scheduler.waiting[0]
     assert llm.step() == [] and seq.token_ids[-1] == PLACEHOLDER      # prompt done, first token in flight
@@ -185,6 +188,7 @@ def test_overlap_leaves_the_newest_token_on_the_device_until_the_next_step(model
     while llm.has_unfinished():
         outs = llm.step() or outs
     assert outs[0].token_ids == expected[1] and PLACEHOLDER not in seq.token_ids and llm.idle()
+    assert fed == [True] * 5, "each decode step feeds every row with one gather"
 
 
 def test_overlap_sampling_and_n_completions_equal_the_plain_step(model):

@@ -77,6 +77,7 @@ class StepPlan:
     append_work: tuple | None = None  # the append rows' work list, built once for all layers
     feed: torch.Tensor | None = None  # long [T]: row r's input id is the runner's kept token
                                       # feed[r] where >= 0 (see ModelRunner.keep_tokens)
+    feed_all: bool = False            # every row is fed
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -274,6 +275,7 @@ class ModelRunner:
         if fed_rows:                                   # decode rows whose token is still on the device
             fed[:nd] = fed_rows
         fed_any = bool(fed_rows) and max(fed_rows) >= 0
+        fed_all = fed_any and num_rows == nd and min(fed_rows) >= 0
         pos = r[1, :num_rows]
         pos[:nd] = starts
         fill_tables(table, tables)
@@ -302,7 +304,7 @@ class ModelRunner:
             host.send_into(self.graph_inputs[b])
             plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
             if fed_any:                                # substituted before the replay
-                plan.feed = self.graph_views[b]["feed"][:nd]
+                plan.feed, plan.feed_all = self.graph_views[b]["feed"][:nd], fed_all
         else:
             t = host.send(self.device)
             rows_t = t["rows"]
@@ -312,7 +314,8 @@ class ModelRunner:
                 decode_lens=t["lens"][:nd],
                 prefix=None if prefix is None else (t["prefix"], prefix[1]),
                 append_indptr=t["indptr"], append_table=t["table"][nd:], append_lens=t["lens"][nd:],
-                sample_rows=t["sample"], sample_seqs=sample_seqs, feed=rows_t[3] if fed_any else None)
+                sample_rows=t["sample"], sample_seqs=sample_seqs, feed=rows_t[3] if fed_any else None,
+                feed_all=fed_all)
         if nd and prefix is None and not plan.use_graph and self.attention == "triton" \
                 and self.decode_hook is None:
             self.plan_decode(plan)
@@ -401,10 +404,14 @@ class ModelRunner:
         self.kept[:tokens.numel()].copy_(tokens)
 
     def feed_tokens(self, plan: StepPlan) -> None:
-        """Input ids from the kept tokens where ``plan.feed`` says so (no host sync; a few
-        small launches, before the forward or the graph replay)."""
+        """Input ids from the kept tokens where ``plan.feed`` says so (no host sync, before
+        the forward or the graph replay): one gather when every row is fed (a decode step
+        in steady state), else a few small launches."""
         ids, fed = plan.input_ids, plan.feed
-        ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
+        if plan.feed_all:
+            torch.index_select(self.kept, 0, fed, out=ids)
+        else:
+            ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
 
     @torch.no_grad()
     def run(self, items: list[tuple[Sequence, int]], copies=(), feed: dict[Sequence, int] | None = None

@@ -558,9 +558,10 @@ class SpeculativeLLM(LLM):
         and the argmax of every row of ``logits`` (``best``, if already computed)."""
         best = logits.argmax(-1) if best is None else best
         sampled = [seq for seq in drafts if not seq.params.greedy]
-        parts = [best.double()]
+        # token ids as they are when nothing else comes back; as float64 beside probabilities
+        parts = [best if not sampled else best.double()]
         if self.pending is not None:                      # the drafts come back in the same copy
-            parts.append(self.pending.flat().double())
+            parts.append(self.pending.flat() if not sampled else self.pending.flat().double())
         for seq in sampled:
             a, b = spans[seq]
             parts += [probabilities(logits[a:b], seq.params).double().flatten(), drafts[seq][1].double().flatten()]
