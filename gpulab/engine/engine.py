@@ -20,6 +20,10 @@ One :meth:`LLM.step`:
    completions of a request fork here, sharing the prompt's pages);
 4. finished sequences release their pages: full pages stay in the prefix cache.
 
+On a GPU the host runs one step ahead (:meth:`LLM.step_overlapped`, ``EngineConfig.overlap``):
+it schedules, plans and launches the next step before it reads the tokens of the one the
+GPU is running, so its own work no longer leaves the GPU idle between steps.
+
 Bad requests (empty prompt, prompt longer than the context, invalid sampling
 parameters, more pages than the pool has) are refused by ``add_request`` with a
 :class:`RequestError` saying what to change; ``generate`` reports that error on the

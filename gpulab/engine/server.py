@@ -11,7 +11,9 @@ handler sends it a command through a queue and awaits the answer; every step's o
 go back to the handler of each request through an asyncio queue. So requests from many
 clients join the running batch at the next step, a bad request gets its own 4xx while
 the others keep streaming, and a client that disconnects aborts its request, which
-frees its pages.
+frees its pages. :class:`EngineProcess` offers the same to the handlers with the engine
+in a process of its own (``create_app(make_llm=...)``, ``gpulab serve --engine-process``),
+so that the engine's host work and the event loop's do not take turns on one GIL.
 
 >>> from gpulab.engine.server import create_app        # doctest: +SKIP
 >>> app = create_app()                                  # the shipped checkpoint
@@ -27,6 +29,7 @@ import concurrent.futures
 import functools
 import itertools
 import json
+import multiprocessing
 import queue
 import threading
 import time
@@ -43,8 +46,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from .engine import LLM, RequestOutput, frozen_heap
+from .engine import LLM, EngineConfig, RequestOutput, frozen_heap
 from .model import encode_prompt
+from .serve_bench import build_model
 from .sequence import RequestError, SamplingParams
 
 MODEL_NAME = "gpulab-ternary-poet"
@@ -270,7 +274,6 @@ class EngineProcess:
     API server the same way."""
 
     def __init__(self, make_llm, start_timeout: float = 600.0):
-        import multiprocessing
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child), name="gpulab-engine",
@@ -410,8 +413,6 @@ def build_llm(model: str = "shipped", dtype: str | None = None, **config) -> LLM
     :func:`gpulab.engine.serve_bench.build_model` reads it; ``dtype`` e.g. "bfloat16") with
     these :class:`EngineConfig` fields. ``functools.partial(build_llm, ...)`` is what an
     :class:`EngineProcess` needs: it pickles, and the process builds the engine itself."""
-    from .engine import EngineConfig
-    from .serve_bench import build_model
     return LLM(build_model(model, dtype=None if dtype is None else getattr(torch, dtype)), EngineConfig(**config))
 
 
