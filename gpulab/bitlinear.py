@@ -502,12 +502,9 @@ _ternary_mm_x16_tuned = triton.autotune(configs=runtime.tuning_configs(_mm_x16_c
 
 # Narrow tiles for a few rows (a small decode batch, a short prompt chunk): at M = 16,
 # K = N = 8192 the tiles above make 64-128 programs for the H200's 132 SMs (31.8 µs: the
-# 16 MB of weights read at 0.5 TB/s). Tried only while M_BUCKET <= SMALL_M_BUCKET: up to 64
-# rows since 2026-12-03, for the engine's short prompt chunks (a 40-token question after a
-# cached prompt: at N = 3072 the wide tiles make 24 programs, 15.5 µs a GEMM on the H200);
-# the autotuner keeps a narrow tile only where it measures faster (not yet measured there).
+# 16 MB of weights read at 0.5 TB/s). Tried only while M_BUCKET <= SMALL_M_BUCKET.
 _MM_SMALL_M = ((16, 32, 128, 2, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3))
-SMALL_M_BUCKET = 64
+SMALL_M_BUCKET = 32
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_Q, num_warps, num_stages) of the tensor-core kernel's tiles

@@ -9,9 +9,10 @@ from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.sequence import Sequence
 from gpulab.engine.spec_graphs import MLGRUGraphDrafter
+from gpulab.engine.engine import PLACEHOLDER
 from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, TransformerDrafter, accept_draft,
                                        accept_greedy, best_k, draft_noise, expected_tokens_per_pass,
-                                       load_mlgru_draft, PLACEHOLDER)
+                                       load_mlgru_draft)
 import gpulab
 from gpulab.model import MatMulFreeLM
 

@@ -297,8 +297,8 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     while not server.started:
         time.sleep(0.05)
     if engine_process:                                      # the engine process warms up too
-        closed_loop_warm = httpx_post(f"http://127.0.0.1:{port}/v1/completions", prompts[0], max_tokens)
-        assert closed_loop_warm == 200
+        status = httpx_post(f"http://127.0.0.1:{port}/v1/completions", prompts[0], max_tokens)
+        assert status == 200, f"the engine process's warm-up request failed ({status})"
     ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
     n_procs = max(1, min(8, (os.cpu_count() or 2) // 2, clients))
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()

@@ -44,13 +44,14 @@ from .. import runtime
 from .block_manager import BlockManager
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
 from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
-from .runner import ModelRunner
+from .runner import ModelRunner, StepPlan
 from .sampling import sample, sample_on_device
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestError, SamplingParams, Sequence, Status, draw_seed, validate_request
 
 
-PLACEHOLDER = -1      # a sampled token the host has not read yet (EngineConfig.overlap)
+PLACEHOLDER = -1      # a token the host has not read yet (EngineConfig.overlap, speculative drafts);
+                      # an embedding lookup of one fails loudly
 
 
 def drop_placeholders(seq: Sequence) -> None:
@@ -62,9 +63,9 @@ def drop_placeholders(seq: Sequence) -> None:
 @dataclass
 class InFlight:
     """A launched step whose sampled tokens are still on their way to the host."""
-    batch: object
+    batch: ScheduledBatch
     prefill: list[bool]
-    plan: object
+    plan: StepPlan
     seqs: list[Sequence]                  # the sampled sequences, one token each
     host: torch.Tensor                    # their tokens, landing here (pinned on a GPU)
     ready: object                         # a CUDA event recorded after the copy (None on a CPU)

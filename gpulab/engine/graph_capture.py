@@ -77,6 +77,12 @@ class CapturedStep:
         return self.out
 
 
+def tokens_from_device(ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``ids`` with row r replaced by ``source[index[r]]`` wherever ``index[r] >= 0``: tokens
+    the host has not read yet (sampled last step, drafted this step) taken where they are."""
+    return torch.where(index >= 0, source[index.clamp(min=0)], ids)
+
+
 class StagedBuffers:
     """Named static device tensors with host twins (pinned on CUDA) that the host fills
     through NumPy views; ``send`` copies what the host filled to the device.

@@ -50,7 +50,7 @@ from .. import runtime
 from ..paged import PagedDecodeWrapper
 from .batch_attention import (append_attention, append_attention_reference, decode_attention,
                               plan_append_attention, shared_prefix_pages)
-from .graph_capture import capture
+from .graph_capture import capture, tokens_from_device
 from .model import TernaryTransformer
 from .piecewise import PiecewiseGraphs
 from .sequence import SamplingParams, Sequence
@@ -411,7 +411,7 @@ class ModelRunner:
         if plan.feed_all:
             torch.index_select(self.kept, 0, fed, out=ids)
         else:
-            ids.copy_(torch.where(fed >= 0, self.kept[fed.clamp(min=0)], ids))
+            ids.copy_(tokens_from_device(ids, fed, self.kept))
 
     @torch.no_grad()
     def run(self, items: list[tuple[Sequence, int]], copies=(), feed: dict[Sequence, int] | None = None

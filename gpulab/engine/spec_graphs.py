@@ -41,7 +41,7 @@ import torch
 from ..paged import fault_flag
 from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .batch_attention import append_attention_reference
-from .graph_capture import CapturedStep, StagedBuffers
+from .graph_capture import CapturedStep, StagedBuffers, tokens_from_device
 from .runner import ModelRunner, bucket_sizes
 from .sampling import filter_top_k_top_p
 from .sequence import Sequence
@@ -111,8 +111,7 @@ class VerifyGraphs:
                                     True, None, tiles)
             return o
 
-        at = buf["draft_at"][:rows]
-        ids = torch.where(at >= 0, self.drafts[at.clamp(min=0)], buf["ids"][:rows])
+        ids = tokens_from_device(buf["ids"][:rows], buf["draft_at"][:rows], self.drafts)
         h = run.model.hidden_states(ids, buf["pos"][:rows], attend, reference=run.linear == "torch")
         logits = run.model.logits(h)
         return logits, logits.argmax(-1)
@@ -286,13 +285,13 @@ class MLGRUGraphDrafter:
         that can draft (None if none can; at most ``max_num_seqs`` sequences). The engine
         hands the drafts to the verify graph on the device and reads them back with the
         verification's own copy, so a step waits for the GPU once, not twice."""
-        go = [s for s, k in zip(seqs, ks) if k > 0 and last_byte(s.token_ids) is not None]
+        go = [(s, k) for s, k in zip(seqs, ks) if k > 0 and last_byte(s.token_ids) is not None]
         if not go:
             return None
         if len(go) > self.max_batch:
             raise ValueError(f"{len(go)} sequences to draft, more than the graphs' {self.max_batch}")
-        pending = self.launch(go, {s.seq_id for s in go})
-        pending.ks = [k for s, k in zip(seqs, ks) if k > 0 and last_byte(s.token_ids) is not None]
+        pending = self.launch([s for s, _ in go], {s.seq_id for s, _ in go})
+        pending.ks = [k for _, k in go]
         return pending
 
     def launch(self, seqs: list[Sequence], busy: set) -> "PendingDrafts":

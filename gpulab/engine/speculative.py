@@ -38,7 +38,7 @@ from .. import runtime
 from ..bitlinear import BitLinear
 from ..model import MatMulFreeLM, encode, load_corpus, train
 from .block_manager import BlockManager
-from .engine import LLM
+from .engine import LLM, PLACEHOLDER      # drafts still on the device are placeholders too
 from .model import TernaryTransformer, attention_with_history, packed_bitlinear_reference
 from .sampling import filter_top_k_top_p, token_seed
 from .scheduler import ScheduledBatch
@@ -49,7 +49,6 @@ DRAFT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "mlgru_draf
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "engine" / "speculative.json"
 ACCEPT_SALT = 0x5EC0DE      # random streams of acceptance tests and draft samples are
 DRAFT_SALT = 0xD4AF7        # apart from the sampler's
-PLACEHOLDER = -1            # a draft token still on the device (an embedding lookup of it fails loudly)
 
 
 # -- the acceptance rule ----------------------------------------------------------------------
