@@ -615,11 +615,12 @@ def split_reduce_into(o_part, lse_part, o, lse, row_limit=None):
     B, h, s, d = o_part.shape
     if B * h == 0:
         return
-    _split_reduce_kernel[(B * h,)](
+    runtime.launch(
+        _split_reduce_kernel, (B * h,), {"num_warps": 4},
         o_part, lse_part, o, lse, row_limit if row_limit is not None else lse, s, h,
         *o_part.stride()[:3], *lse_part.stride()[:3], *o.stride()[:2], *lse.stride()[:2], d,
         BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d),
-        HAS_LIMIT=row_limit is not None, num_warps=4)
+        HAS_LIMIT=row_limit is not None)
 
 
 def decode_partitioning(batch: int, kv_heads: int, capacity: int, num_splits: int | None = None):

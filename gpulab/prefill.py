@@ -468,7 +468,9 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
         part_len = block_tables.shape[1] * page_size + config["BLOCK_N"]     # every position
         o_strides = (o.stride(0), o.stride(1), 0)
         lse_strides = (lse.stride(0), lse.stride(1), 0) if lse is not None else (0, 0, 0)
-    _append_attention_kernel[(work_req.shape[0], hkv, parts)](
+    runtime.launch(
+        _append_attention_kernel, (work_req.shape[0], hkv, parts),
+        {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
         q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, work_req, work_tile, out, out_lse, fault,
         scale * LOG2E, qo_indptr.shape[0] - 1, total_q, num_pages, block_tables.shape[1], part_len,
         q.stride(0), q.stride(1),
@@ -478,8 +480,7 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
         PAGE_SIZE=page_size, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         BLOCK_D=max(16, runtime.next_power_of_2(d)), CAUSAL=bool(causal), HAS_LSE=split is not None or lse is not None,
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN)
     if split is not None:
         # Only the rows requests own (below qo_indptr[B], read on the device): the others
         # keep what o held. Without an lse to return, part 0's slice takes it (the merge

@@ -336,13 +336,14 @@ def test_written_out_classifier_agrees_with_arg_class():
 @pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
 def test_decode_kernels_launch_directly_once_compiled():
     """Compiled, the decode path's kernels (ternary GEMVs of both layouts, the split-K
-    reduce, rmsnorm_quant, paged decode) really take DirectLaunch's path from their
+    reduce, rmsnorm_quant, paged decode; a prompt step's append attention and its
+    split-KV merge) really take DirectLaunch's path from their
     second call: a change that sent
     them back to Triton's launch path would still give right answers, so only this
     notices."""
     import triton
 
-    from gpulab import bitlinear, normquant, paged
+    from gpulab import bitlinear, normquant, paged, prefill
 
     dev = torch.device("cuda")
     x = torch.randn(3, 256, device=dev, dtype=torch.bfloat16)
@@ -353,6 +354,8 @@ def test_decode_kernels_launch_directly_once_compiled():
     table = torch.tensor([[0, 1, 2], [3, 4, 5]], device=dev, dtype=torch.int32)
     lens = torch.tensor([40, 17], device=dev, dtype=torch.int32)
     w16 = bitlinear.pack_ternary_x16(w_t)
+    qa = torch.randn(5, 4, 64, device=dev, dtype=torch.bfloat16)
+    indptr = torch.tensor([0, 2, 5], device=dev, dtype=torch.int32)
     for _ in range(3):
         x_q, x_scale = normquant.rmsnorm_quant(x, torch.ones(256, device=dev))
         bitlinear.ternary_matmul(x_q[:1], x_scale[:1], wp, ws)
@@ -361,6 +364,9 @@ def test_decode_kernels_launch_directly_once_compiled():
                                         torch.empty(1, 512, device=dev), split_k=2,
                                         config={"BLOCK_N": 32, "BLOCK_G": 8, "num_warps": 4})
         paged.paged_decode_attention(q, k_cache, k_cache, table, lens)
+        # a prompt step's attention, its KV split in two parts merged by the split reduce
+        prefill.append_attention_into(qa, k_cache, k_cache, indptr, table, lens, True, None,
+                                      torch.empty_like(qa), torch.empty(5, 4, device=dev), num_splits=2)
     torch.cuda.synchronize()
     launched = {}                                        # kernel name -> launched directly at least once
     for direct in (*runtime._DIRECT.values(), *runtime._FIXED.values()):
@@ -368,7 +374,8 @@ def test_decode_kernels_launch_directly_once_compiled():
             continue                                     # another test's fake kernel, same process
         name = direct.fn.fn.__name__
         launched[name] = launched.get(name, False) or (direct.usable and any(direct.compiled.values()))
-    for part in ("ternary_gemv_kernel", "ternary_gemv_x16", "split_k_reduce", "rmsnorm_quant_fwd", "decode_partition"):
+    for part in ("ternary_gemv_kernel", "ternary_gemv_x16", "split_k_reduce", "rmsnorm_quant_fwd", "decode_partition",
+                 "append_attention", "split_reduce"):
         assert any(part in name and ok for name, ok in launched.items()), (part, launched)
 
 

@@ -375,7 +375,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="k in (2, 4) only, one timed run each")
     ap.add_argument("--transformer", action="store_true", help="also the transformer draft (trained here)")
     ap.add_argument("--no-server", action="store_true", help="skip the HTTP server's overhead")
-    ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64)")
+    ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64; '' for none)")
+    ap.add_argument("--server-modes", default="thread,switch,process",
+                    help="the server runs to make: engine thread, with a 0.5 ms GIL switch interval, "
+                         "engine process")
     ap.add_argument("--profile", action="store_true",
                     help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
     args = ap.parse_args(argv)
@@ -403,7 +406,7 @@ def main(argv=None) -> int:
         result["seconds"] = time.perf_counter() - t_start
         (out / "speculative.json").write_text(json.dumps(result, indent=1))
 
-    batches = {int(b) for b in args.batches.split(",")}
+    batches = {int(b) for b in args.batches.split(",") if b.strip()}
     if 1 in batches:
         result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4,
                                             wrong=result["wrong_tokens"])
@@ -415,18 +418,16 @@ def main(argv=None) -> int:
     if args.profile:
         result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
         save()
-    if not args.no_server:
-        result["server"] = bench_server(target, 64, args.max_tokens)
-        print(f"server: {result['server']['ratio']:.0%} of in-process", flush=True)
-        save()
-        result["server_switch_interval"] = bench_server(target, 64, args.max_tokens, switch_interval=0.0005)
-        print(f"server, GIL switch interval 0.5 ms: {result['server_switch_interval']['ratio']:.0%} of in-process",
-              flush=True)
-        save()
-        result["server_engine_process"] = bench_server(target, 64, args.max_tokens, engine_process=True)
-        print(f"server, engine in its own process: {result['server_engine_process']['ratio']:.0%} of in-process",
-              flush=True)
-        save()
+    modes = set() if args.no_server else {m.strip() for m in args.server_modes.split(",") if m.strip()}
+    for mode, key, kwargs, what in (
+            ("thread", "server", {}, "server"),
+            ("switch", "server_switch_interval", dict(switch_interval=0.0005), "server, GIL switch interval 0.5 ms"),
+            ("process", "server_engine_process", dict(engine_process=True), "server, engine in its own process")):
+        if mode in modes:
+            r = result[key] = bench_server(target, 64, args.max_tokens, **kwargs)
+            print(f"{what}: {r['ratio']:.0%} of in-process ({r['http_tokens_per_s']:.0f} vs "
+                  f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events)", flush=True)
+            save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")
     for message in result["wrong_tokens"]:

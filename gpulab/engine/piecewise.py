@@ -13,17 +13,20 @@ bucket, as graphs ("segments"):
     segment i        layer i-1 after attention, layer i before it      -> x, q, k, v
     segment L        layer L-1 after attention, final norm             -> h
 
-A step of T real rows runs in the smallest bucket ≥ T (powers of two from 16 up to
-the engine's token budget): replay segment 0, run layer 0's attention eagerly on the
-real rows (the runner's :meth:`~.runner.ModelRunner.attend`: write K, V to the paged
-cache, decode and append attention), copy its output into the static buffer segment 1
-reads, replay segment 1, and so on; the logits of the sampled rows are computed from
-the last segment's output.
+Each segment also writes its layer's K and V into the paged cache (at static slots:
+a write is one more launch, and the host, not the GPU, is what a step of a few dozen
+rows waits for). A step of T real rows runs in the smallest bucket ≥ T (powers of two
+from 16 up to the engine's token budget): replay segment 0, run layer 0's attention
+eagerly on the real rows (the runner's :meth:`~.runner.ModelRunner.attend`: decode and
+append attention), copy its output into the static buffer segment 1 reads, replay
+segment 1, and so on; the logits of the sampled rows are computed from the last
+segment's output.
 
 Padded rows (T .. bucket) are harmless: their tokens and positions are whatever the
 static buffers held (valid ids), every piece of a segment treats rows independently,
-and attention only ever sees the real rows, so they write no K or V anywhere and
-nothing attends to them; their outputs are ignored.
+their K and V go to the cache's scratch page (the slot the decode graphs' padded rows
+write), and attention only ever sees the real rows, so nothing attends to them; their
+outputs are ignored.
 
 Buffers: a segment's inputs are static tensors (the token ids and positions, the
 attention output) or the previous segment's outputs (which a graph rewrites in place
@@ -74,6 +77,7 @@ class PiecewiseGraphs:
         # static inputs, shared by every bucket (bucket t reads their first t rows)
         self.token_ids = torch.zeros(t_max, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t_max, dtype=torch.long, device=dev)
+        self.slots = torch.full((t_max,), runner.scratch_slot, dtype=torch.long, device=dev)
         self.attn_out = torch.zeros(t_max, cfg.n_heads, cfg.head_dim, dtype=runner.dtype, device=dev)
         # per bucket: the latest x and RoPE tables, which the next segment reads
         self.carry: dict[int, dict[str, torch.Tensor]] = {t: {} for t in self.buckets}
@@ -108,7 +112,9 @@ class PiecewiseGraphs:
             cos, sin = c["cos"], c["sin"]
         if i == len(blocks):
             return m.norm(x)
-        return (x, cos, sin, *blocks[i].pre_attention(x, cos, sin, ref))
+        q, k, v = blocks[i].pre_attention(x, cos, sin, ref)
+        self.runner.write_kv(i, self.slots[:t], k, v)
+        return x, cos, sin, q, k, v
 
     # -- a step -------------------------------------------------------------------------------
     def bucket(self, num_rows: int) -> int:
@@ -124,12 +130,15 @@ class PiecewiseGraphs:
         t = self.bucket(n)
         self.token_ids[:n].copy_(plan.input_ids)
         self.positions[:n].copy_(plan.positions)
+        self.slots[:n].copy_(plan.slot_mapping)
+        if n < t:
+            self.slots[n:t].fill_(self.runner.scratch_slot)   # a longer step's slots are not scratch
         segments = self.segments[t]
         attend, out = self.runner.attend, self.attn_out[:n]
         for layer, step in enumerate(segments[:-1]):
             produced = step.replay()
             self.keep(t, produced)            # a graph's outputs: the same tensors every time
             q, k, v = produced[3:]
-            attend(plan, layer, q[:n], k[:n], v[:n], out=out)
+            attend(plan, layer, q[:n], k[:n], v[:n], out=out, kv_written=True)
         h = segments[-1].replay()
         return self.model.logits(h[plan.sample_rows])

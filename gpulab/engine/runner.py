@@ -357,12 +357,21 @@ class ModelRunner:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def attend(self, plan: StepPlan, layer: int, q, k, v, out: torch.Tensor | None = None):
-        """Write this step's K, V into the paged cache, then attention for every row
-        (into ``out`` [rows, Hq, D] when given: the piecewise graphs' static buffer)."""
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K, V [rows, Hkv, D] of one layer into the paged cache at ``slots`` (long [rows]:
+        page · block_size + offset)."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, plan.slot_mapping, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, plan.slot_mapping, v)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+
+    def attend(self, plan: StepPlan, layer: int, q, k, v, out: torch.Tensor | None = None,
+               kv_written: bool = False):
+        """Write this step's K, V into the paged cache (unless ``kv_written``: the piecewise
+        graphs write them inside their segments), then attention for every row (into
+        ``out`` [rows, Hq, D] when given: the piecewise graphs' static buffer)."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if not kv_written:
+            self.write_kv(layer, plan.slot_mapping, k, v)
         nd = plan.num_decode
         if self.attention == "torch" and self.decode_hook is None:     # PyTorch reference only
             indptr = torch.arange(nd + 1, dtype=torch.int32, device=q.device)

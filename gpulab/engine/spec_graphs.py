@@ -101,9 +101,8 @@ class VerifyGraphs:
             work = append_schedule_device(indptr, rows, tiles["BLOCK_M"] // group)
 
         def attend(layer, q, k, v):
+            run.write_kv(layer, slots, k, v)
             kc, vc = run.k_cache[layer], run.v_cache[layer]
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
             if run.attention == "torch":
                 return append_attention_reference(q, kc, vc, indptr, table, lens)
             o = torch.empty_like(q)
