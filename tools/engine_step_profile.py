@@ -1,7 +1,7 @@
 """Where the time of a step that carries a prompt goes (GPU only; issue 14's TTFT).
 
     PYTHONPATH=. python3 tools/engine_step_profile.py [--model SPEC] [--reps 8] [--json OUT.json]
-                                                      [--no-piecewise] [--kv-split]
+                                                      [--no-piecewise] [--kv-split] [--cached-only]
 
 The engine bench's TTFT workload sends prompts of a shared 2048-token system prompt and a
 16-64-token question. With prefix caching a new request's prompt step computes only its
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-piecewise", action="store_true")
     ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True)")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="only the prompt after a cached system prompt and the decode step (not the uncached prompt)")
     a = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         print("engine_step_profile needs a CUDA GPU (compiled mode)")
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
            "piecewise_graphs": not a.no_piecewise, "kv_split": a.kv_split}
     print(gpulab.env_report(), flush=True)
-    for caching in (True, False):
+    for caching in (True,) if a.cached_only else (True, False):
         llm = LLM(model, EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128,
                                       max_num_batched_tokens=2048, prefix_caching=caching,
                                       piecewise_graphs=not a.no_piecewise, kv_split=a.kv_split))
