@@ -208,7 +208,7 @@ def test_captured_piecewise_graphs_match_eager_on_the_gpu(dtype):
         plan, want, got, before, eager_kv, pw_kv = run_both(runner, pw, items)
         torch.testing.assert_close(got, want, **tol)
         for b, e, p in zip(before, eager_kv, pw_kv):
-            torch.testing.assert_close(p, e, **tol)
+            torch.testing.assert_close(p[:, :-1], e[:, :-1], **tol)     # the last page is scratch
             assert written_slots(b, p) <= step_slots(runner, plan)
         for s in decodes + [chunk]:
             bm.free_sequence(s)
@@ -254,7 +254,7 @@ def test_engine_with_split_kv_serves_what_it_does_without(kv_split):
                                       kv_split=split))
         plans = []
         plan = llm.runner.plan
-        llm.runner.plan = lambda items: plans.append(plan(items)) or plans[-1]
+        llm.runner.plan = lambda items, feed=None: plans.append(plan(items, feed)) or plans[-1]
         outs[split] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12))]
         assert llm.idle()
         if split == 3:
