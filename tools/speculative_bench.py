@@ -1,6 +1,7 @@
 """Speculative decoding and server overhead on a GPU (issue 15's targets).
 
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
+                                             [--batches 1,64] [--server-modes thread,switch,process] [--profile]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the target's tokens: issue 15 accepts a difference only where
@@ -23,10 +24,12 @@ the run once the other configurations are measured):
   four requests of ``--max-tokens`` tokens one after another (a closed loop: until the
   fourth run of 2026-12-03 one request of half that, so the run was mostly its ramp-up
   and tail), against the same closed loop driven in-process; with Python's GIL switch
-  interval as it is (5 ms) and at 0.5 ms.
+  interval as it is (5 ms), at 0.5 ms, and with the engine in a process of its own
+  (``--server-modes`` picks among ``thread``, ``switch`` and ``process``).
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
-ship it). About two minutes on an H200.
+ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
+mode, most of it compiling and warming up.
 """
 from __future__ import annotations
 
