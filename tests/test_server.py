@@ -3,7 +3,12 @@ official client, 4xx for bad input, disconnects free pages, many clients at once
 import asyncio
 import functools
 import json
+import os
+import secrets
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -15,7 +20,7 @@ import uvicorn
 from gpulab.engine.engine import LLM, EngineConfig
 from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
-from gpulab.engine.server import MODEL_NAME, create_app
+from gpulab.engine.server import MODEL_NAME, EngineProcess, create_app
 
 CONFIG = dict(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
 
@@ -26,10 +31,15 @@ def model():
     return TernaryTransformer(TINY).pack()
 
 
-def tiny_engine(overlap: bool = False) -> LLM:
-    """The ``model`` fixture's engine, built where it is called (the engine process)."""
+def tiny_engine(overlap: bool = False, step_delay: float = 0.0) -> LLM:
+    """The ``model`` fixture's engine, built where it is called (the engine process);
+    ``step_delay``: seconds each step waits first (a request that must outlast a test)."""
     torch.manual_seed(7)
-    return LLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG, overlap=overlap))
+    llm = LLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG, overlap=overlap))
+    if step_delay:
+        step = llm.step
+        llm.step = lambda *a, **kw: (time.sleep(step_delay), step(*a, **kw))[1]
+    return llm
 
 
 class RemoteEngine:
@@ -45,16 +55,8 @@ class RemoteEngine:
                                                                "requests_waiting"))
 
 
-@pytest.fixture(scope="module", params=["thread", "overlap", "process"])
-def server(model, request):
-    """A live server on a free loopback port, stopped at the end of the module; its engine
-    on a thread of the server's process, the same with the host a step ahead of the device
-    (``overlap``, a GPU's default), or in a process of its own (``make_llm``)."""
-    if request.param == "process":
-        app = create_app(make_llm=functools.partial(tiny_engine, overlap=True))
-    else:
-        llm = LLM(model, EngineConfig(**CONFIG, overlap=request.param == "overlap"))
-        app = create_app(llm)
+def serve_in_thread(app):
+    """(uvicorn server, its thread, its url) on a free loopback port, started."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,10 +67,40 @@ def server(model, request):
     while not srv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield url, RemoteEngine(url) if request.param == "process" else llm
+    return srv, thread, f"http://127.0.0.1:{port}"
+
+
+def listening_engine(step_delay: float = 0.0):
+    """An engine process (tiny_engine, the host a step ahead) that API servers connect to:
+    (the owner's EngineProcess, the (address, authkey) to give create_app)."""
+    address = os.path.join(tempfile.mkdtemp(prefix="gpulab-test-"), "engine")
+    key = secrets.token_bytes(16)
+    make = functools.partial(tiny_engine, overlap=True, step_delay=step_delay)
+    return EngineProcess(make, listen=(address, key)).start(), (address, key)
+
+
+@pytest.fixture(scope="module", params=["thread", "overlap", "process", "api-server"])
+def server(model, request):
+    """A live server on a free loopback port, stopped at the end of the module; its engine
+    on a thread of the server's process, the same with the host a step ahead of the device
+    (``overlap``, a GPU's default), in a process of its own (``make_llm``), or in a
+    process that API servers connect to (``engine_address``, as ``gpulab serve
+    --api-servers N`` runs it)."""
+    owner = None
+    if request.param == "process":
+        app = create_app(make_llm=functools.partial(tiny_engine, overlap=True))
+    elif request.param == "api-server":
+        owner, address = listening_engine()
+        app = create_app(engine_address=address)
+    else:
+        llm = LLM(model, EngineConfig(**CONFIG, overlap=request.param == "overlap"))
+        app = create_app(llm)
+    srv, thread, url = serve_in_thread(app)
+    yield url, llm if request.param in ("thread", "overlap") else RemoteEngine(url)
     srv.should_exit = True
     thread.join(timeout=10)
+    if owner is not None:
+        owner.stop()
 
 
 def wait_idle(llm, timeout=20.0):
@@ -261,14 +293,15 @@ class _InstantEngine:
     def abort(self, request_id):
         self.groups.pop(request_id, None)
 
-    def step(self):
+    def step(self, finished_only=False):
         from gpulab.engine.engine import Completion, RequestOutput
         time.sleep(self.step_s)
         outs = []
         for rid, (n, tokens) in list(self.groups.items()):
             tokens.append(97)
             done = len(tokens) >= n
-            outs.append(RequestOutput(rid, [1], [Completion(0, list(tokens), "length" if done else None)], done))
+            if done or not finished_only:
+                outs.append(RequestOutput(rid, [1], [Completion(0, list(tokens), "length" if done else None)], done))
             if done:
                 del self.groups[rid]
         return outs
@@ -313,7 +346,7 @@ def test_engine_process_reports_a_failed_start_and_a_death():
     from gpulab.engine.server import EngineProcess, build_llm
     with pytest.raises(RuntimeError, match="unknown model 'nope'"):
         EngineProcess(functools.partial(build_llm, "nope")).start()
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not two of them"):
         create_app(LLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG)), make_llm=tiny_engine)
     engine = EngineProcess(tiny_engine).start()
     assert engine.alive() and engine.stats()["pages_total"] == CONFIG["num_blocks"]
@@ -330,3 +363,81 @@ def test_engine_process_reports_a_failed_start_and_a_death():
     assert isinstance(failure, RuntimeError) and "stopped" in str(failure)
     engine.reader.join(timeout=10)
     assert not engine.alive()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc=None, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while True:
+        assert proc is None or proc.poll() is None, proc.stdout.read() if proc.stdout else "the server exited"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"{url} did not start"
+        time.sleep(0.2)
+
+
+def test_api_servers_share_one_engine_and_outlive_each_other(model):
+    """Two API servers on one engine process: both serve the engine's text; when one dies
+    mid-request (killed: it sends no abort) the engine aborts its request, frees its
+    pages, and serves the other on. Steps take 20 ms or more, so the cut request's 200
+    tokens would take 4 s to finish by themselves."""
+    from gpulab.engine.server import ENGINE_ADDRESS_ENV
+    owner, (address, key) = listening_engine(step_delay=0.02)
+    port = free_port()
+    a = subprocess.Popen([sys.executable, "-c", "import uvicorn; uvicorn.run('gpulab.engine.server:api_server_app', "
+                          f"factory=True, port={port}, log_level='warning')"],
+                         env={**os.environ, ENGINE_ADDRESS_ENV: f"{address},{key.hex()},0.01"})
+    url_a = f"http://127.0.0.1:{port}"
+    b, thread_b, url_b = serve_in_thread(create_app(engine_address=(address, key)))
+    try:
+        wait_healthy(url_a, a)
+        req = {"prompt": "Tyger Tyger", "max_tokens": 12, "temperature": 0}
+        texts = [httpx.post(url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+                 for url in (url_a, url_b)]
+        assert texts == [offline(model, "Tyger Tyger", max_tokens=12)] * 2
+        long = {"prompt": "A long poem", "max_tokens": 200, "temperature": 0.9, "seed": 1, "stream": True}
+        with httpx.stream("POST", url_a + "/v1/completions", json=long, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break                           # the request runs: now API server a dies
+            a.kill()
+            a.wait(timeout=10)
+        wait_idle(RemoteEngine(url_b), timeout=2)   # its request aborted: every page free
+        r = httpx.post(url_b + "/v1/completions", json=req, timeout=60)
+        assert r.json()["choices"][0]["text"] == texts[0]
+    finally:
+        if a.poll() is None:
+            a.kill()
+        b.should_exit = True
+        thread_b.join(timeout=10)
+        owner.stop()
+
+
+def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
+    """The command as a user runs it: two API servers and the engine's process serve the
+    shipped checkpoint; Ctrl-C (SIGINT) stops all of them."""
+    import signal
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpulab", "serve", "--port", str(port), "--api-servers", "2",
+                             "--pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The sea", "max_tokens": 5, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "2 API servers" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -30,7 +30,10 @@ import functools
 import itertools
 import json
 import multiprocessing
+import multiprocessing.connection
+import os
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -46,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from .engine import LLM, EngineConfig, RequestOutput, frozen_heap
+from .engine import LLM, Completion, EngineConfig, RequestOutput, frozen_heap
 from .model import encode_prompt
 from .serve_bench import build_model
 from .sequence import RequestError, SamplingParams
@@ -159,6 +162,28 @@ def dispatch(subscribers: dict, outputs: list) -> None:
         loop.call_soon_threadsafe(deliver, pairs)
 
 
+# The engine reports every running request's tokens at most this often (seconds), and
+# every finished request at once: the steps in between build no outputs (as offline
+# serving's ``step(finished_only=True)``). At batch 64 an output per request and step
+# cost the engine's host a sixth of its step (2026-12-03) for events that the stream
+# interval holds back anyway; a first token waits at most this long.
+REPORT_INTERVAL = 0.002
+
+
+class ReportClock:
+    """Says whether the engine's next step reports all its outputs (:data:`REPORT_INTERVAL`)."""
+
+    def __init__(self, interval: float = REPORT_INTERVAL):
+        self.interval, self.last = interval, 0.0
+
+    def due(self) -> bool:
+        now = time.perf_counter()
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
 def newest_outputs(items: list) -> list:
     """``items`` less every RequestOutput that the next item supersedes: a request's
     outputs are cumulative (each holds every token so far), so when the engine ran ahead
@@ -176,6 +201,7 @@ class EngineLoop:
         self.subscribers: dict[str, Subscription] = {}
         self.ids = itertools.count()
         self.steps = 0
+        self.clock = ReportClock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="gpulab-engine", daemon=True)
 
@@ -212,7 +238,7 @@ class EngineLoop:
             if self.stopping.is_set() or not self.llm.has_unfinished():
                 continue
             try:
-                outputs = self.llm.step()
+                outputs = self.llm.step(finished_only=not self.clock.due())
             except Exception as e:            # a bug, not a bad request: fail what is running, go on
                 traceback.print_exc()
                 self._fail_all(f"the engine failed a step: {type(e).__name__}: {e}")
@@ -269,17 +295,29 @@ class EngineProcess:
     while the loop writes events to 64 clients, and the other way round. Here the engine
     steps in a child process (``make_llm()`` builds it there: a picklable callable, e.g. a
     ``functools.partial``; spawned, never forked, as CUDA requires) and the two talk over
-    a pipe: commands down, each step's outputs (pickled) up, to a thread that hands them
-    to the requests' handlers as :class:`EngineLoop` does. vLLM splits its engine from its
-    API server the same way."""
+    a pipe: commands down, each step's new tokens up (:func:`step_deltas`), to a thread
+    that hands them to the requests' handlers as :class:`EngineLoop` does. vLLM splits
+    its engine from its API server the same way.
 
-    def __init__(self, make_llm, start_timeout: float = 600.0):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child), name="gpulab-engine",
-                                daemon=True)
+    One event loop can still fall behind a fast engine: every request costs it a few ms of
+    Python (HTTP, validation, streaming). ``listen=(address, authkey)`` makes the engine
+    process also accept more API servers there (:meth:`connect`, ``gpulab serve
+    --api-servers N``): N processes, each with its own event loop, feed one engine."""
+
+    def __init__(self, make_llm=None, start_timeout: float = 600.0, listen: tuple[str, bytes] | None = None,
+                 _conn=None):
         self.start_timeout = start_timeout
+        self.proc = None
+        if _conn is None:
+            ctx = multiprocessing.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child, listen),
+                                    name="gpulab-engine", daemon=True)
+        else:
+            self.conn = _conn
+        self.tag = secrets.token_hex(3)        # request ids stay unique across API servers
         self.subscribers: dict[str, Subscription] = {}
+        self.tokens: dict[str, dict[int, list[int]]] = {}
         self.waiting_add: dict[str, concurrent.futures.Future] = {}
         self.ids = itertools.count()
         self.steps = 0
@@ -287,8 +325,23 @@ class EngineProcess:
         self.reader = threading.Thread(target=self._read, name="gpulab-engine-reader", daemon=True)
         self.send_lock = threading.Lock()
 
+    @classmethod
+    def connect(cls, address: str, authkey: bytes, timeout: float = 60.0) -> "EngineProcess":
+        """An API server's link to an engine process started elsewhere with ``listen``."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                conn = multiprocessing.connection.Client(address, authkey=authkey)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.time() > deadline:
+                    raise RuntimeError(f"no engine process listens at {address}") from None
+                time.sleep(0.1)
+        return cls(_conn=conn, start_timeout=timeout)
+
     def start(self) -> "EngineProcess":
-        self.proc.start()
+        if self.proc is not None:
+            self.proc.start()
         if not self.conn.poll(self.start_timeout):
             raise RuntimeError(f"the engine process did not start within {self.start_timeout:.0f} s")
         kind, payload = self.conn.recv()
@@ -299,6 +352,11 @@ class EngineProcess:
         return self
 
     def stop(self) -> None:
+        if self.proc is None:                 # an API server: the engine serves the others on
+            self._send(("close",))            # its requests are aborted there; "stopped" ends the reader
+            self.reader.join(timeout=10)
+            self.conn.close()
+            return
         self._send(("stop",))
         self.proc.join(timeout=10)
         if self.proc.is_alive():
@@ -313,7 +371,7 @@ class EngineProcess:
 
     async def submit(self, prompt, params: SamplingParams) -> tuple[str, Subscription]:
         sub = Subscription(asyncio.get_running_loop())
-        rid = f"cmpl-{next(self.ids)}"
+        rid = f"cmpl-{self.tag}{next(self.ids)}"
         done = self.waiting_add[rid] = concurrent.futures.Future()
         self.subscribers[rid] = sub            # before the command: its first output may come at once
         self._send(("add", rid, prompt, params))
@@ -330,7 +388,7 @@ class EngineProcess:
             sub.put(None)
 
     def alive(self) -> bool:
-        return self.proc.is_alive() and self.reader.is_alive()
+        return (self.proc is None or self.proc.is_alive()) and self.reader.is_alive()
 
     def stats(self) -> dict:
         return self.last_stats
@@ -344,9 +402,9 @@ class EngineProcess:
                 self._fail_all("the engine process stopped")
                 return
             if kind == "outputs":
-                outputs, self.last_stats = rest
+                deltas, self.last_stats = rest
                 self.steps = self.last_stats["steps"]
-                dispatch(self.subscribers, outputs)
+                dispatch(self.subscribers, [self._output(*d) for d in deltas])
             elif kind == "stats":
                 self.last_stats = rest[0]
             elif kind == "added":
@@ -358,54 +416,169 @@ class EngineProcess:
             elif kind == "stopped":
                 return
 
+    def _output(self, rid, completions, finished, error, metrics) -> RequestOutput:
+        """A step's delta as the :class:`RequestOutput` the handlers read: each completion's
+        ``token_ids`` is this request's one growing list (outputs are cumulative)."""
+        held = self.tokens.setdefault(rid, {})
+        done = []
+        for index, new, reason in completions:
+            ids = held.setdefault(index, [])
+            ids += new
+            done.append(Completion(index, ids, reason))
+        if finished:
+            self.tokens.pop(rid, None)
+        return RequestOutput(rid, [], done, finished, error, metrics)
+
     def _fail_all(self, message: str) -> None:
         for sub in list(self.subscribers.values()):
             sub.put(RuntimeError(message))
         self.subscribers.clear()
+        self.tokens.clear()
         for fut in list(self.waiting_add.values()):
             fut.set_exception(RuntimeError(message))
         self.waiting_add.clear()
 
 
-def engine_process_main(make_llm, conn) -> None:
+def step_deltas(outputs: list[RequestOutput], sent: dict[str, dict[int, int]]) -> list[tuple]:
+    """What an engine process sends of a step: per request (id, [(completion index, its new
+    token ids, finish reason)], finished, error, metrics once finished). A step's outputs
+    as objects, each with every token so far, took 0.2 ms to pickle at batch 64 and as
+    long to unpickle: as much as the step itself. ``sent``: tokens sent so far, per request
+    and completion (updated here)."""
+    deltas = []
+    for out in outputs:
+        counts = sent.setdefault(out.request_id, {})
+        comps = []
+        for c in out.completions:
+            n = counts.get(c.index, 0)
+            comps.append((c.index, c.token_ids[n:], c.finish_reason))
+            counts[c.index] = len(c.token_ids)
+        if out.finished:
+            sent.pop(out.request_id, None)
+        deltas.append((out.request_id, comps, out.finished, out.error, out.metrics if out.finished else None))
+    return deltas
+
+
+def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None) -> None:
     """The engine process: build the engine, then step while there is work; between
-    steps take every command that arrived (blocking only when idle)."""
+    steps take every command that arrived, from the parent's pipe and from every API
+    server that connected at ``listen`` (blocking only when idle). Each step's tokens go
+    to the connection that asked for the request; when an API server goes away its
+    requests are aborted (their pages freed) and the engine serves the others on."""
     try:
         llm = make_llm()
+        listener = None if listen is None else multiprocessing.connection.Listener(listen[0], authkey=listen[1])
     except Exception as e:                       # reported to the parent's start()
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    steps = 0
+    steps, clock = 0, ReportClock()
+    conns, owner, sent = [conn], {}, {}
+    joined: queue.SimpleQueue = queue.SimpleQueue()
+
+    def accept():
+        while True:
+            try:
+                joined.put(listener.accept())
+            except (EOFError, multiprocessing.AuthenticationError):
+                continue                         # a caller without the key, or gone at once
+            except OSError:
+                return                           # the listener closed: the engine stops
+
+    if listener is not None:
+        threading.Thread(target=accept, name="gpulab-engine-accept", daemon=True).start()
     conn.send(("ready", engine_stats(llm, steps)))
+
+    def drop(c) -> None:
+        conns.remove(c)
+        for rid in [rid for rid, o in owner.items() if o is c]:
+            owner.pop(rid)
+            sent.pop(rid, None)
+            if rid in llm.groups:
+                llm.abort(rid)
+        if not llm.has_unfinished():             # the freed pages are news to the others
+            for other in conns:
+                try:
+                    other.send(("stats", engine_stats(llm, steps)))
+                except (BrokenPipeError, OSError):
+                    pass
+
+    def handle(c, kind, rest) -> str | None:
+        if kind == "stop":
+            conn.send(("stopped",))
+            return "stop"
+        if kind == "close":                      # an API server leaves
+            drop(c)
+            c.send(("stopped",))
+            c.close()
+            return "closed"
+        if kind == "add":
+            rid, prompt, params = rest
+            try:
+                llm.add_request(prompt, params, request_id=rid)
+                owner[rid] = c
+                c.send(("added", rid))
+            except RequestError as e:
+                c.send(("rejected", rid, str(e)))
+        elif kind == "abort" and rest[0] in llm.groups:
+            llm.abort(rest[0])
+            owner.pop(rest[0], None)
+            sent.pop(rest[0], None)
+            if not llm.has_unfinished():     # no step will report the freed pages
+                c.send(("stats", engine_stats(llm, steps)))
+        return True
+
     with frozen_heap():
         while True:
-            while not llm.has_unfinished() or conn.poll():
-                kind, *rest = conn.recv()
-                if kind == "stop":
-                    conn.send(("stopped",))
-                    return
-                if kind == "add":
-                    rid, prompt, params = rest
-                    try:
-                        llm.add_request(prompt, params, request_id=rid)
-                        conn.send(("added", rid))
-                    except RequestError as e:
-                        conn.send(("rejected", rid, str(e)))
-                elif kind == "abort" and rest[0] in llm.groups:
-                    llm.abort(rest[0])
-                    if not llm.has_unfinished():     # no step will report the freed pages
-                        conn.send(("stats", engine_stats(llm, steps)))
+            while not joined.empty():
+                c = joined.get()
+                conns.append(c)
+                c.send(("ready", engine_stats(llm, steps)))
+            ready = multiprocessing.connection.wait(conns, timeout=0 if llm.has_unfinished() else 0.05)
+            for c in ready:
+                try:
+                    while c.poll():
+                        kind, *rest = c.recv()
+                        done = handle(c, kind, rest)
+                        if done == "stop":
+                            if listener is not None:
+                                listener.close()
+                            return
+                        if done == "closed":
+                            break
+                except (EOFError, OSError):
+                    if c is conn:                    # the parent is gone
+                        return
+                    drop(c)
+            if not llm.has_unfinished():
+                continue
+            due = clock.due()
             try:
-                outputs = llm.step()
+                outputs = llm.step(finished_only=not due)
             except Exception as e:               # a bug, not a bad request: fail what is running, go on
                 traceback.print_exc()
                 for rid in list(llm.groups):
                     llm.abort(rid)
-                conn.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                for c in conns:
+                    c.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                owner.clear()
+                sent.clear()
                 continue
             steps += 1
-            if outputs or not llm.has_unfinished():       # idle now: the freed pages are news too
-                conn.send(("outputs", outputs, engine_stats(llm, steps)))
+            stats = engine_stats(llm, steps)
+            by_conn: dict = {}
+            for d in step_deltas(outputs, sent):
+                c = owner.pop(d[0], None) if d[2] else owner.get(d[0])
+                if c is not None:
+                    by_conn.setdefault(c, []).append(d)
+            # every API server's /metrics shows the engine's gauges: all hear of them when
+            # the reports are due, and when the engine goes idle (its freed pages)
+            idle = not llm.has_unfinished()
+            for c in conns:
+                if c in by_conn or due or idle:
+                    try:
+                        c.send(("outputs", by_conn.get(c, []), stats))
+                    except (BrokenPipeError, OSError):
+                        pass                         # found gone at its next recv
 
 
 def build_llm(model: str = "shipped", dtype: str | None = None, **config) -> LLM:
@@ -485,22 +658,28 @@ STREAM_INTERVAL = 0.01
 
 
 def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
-               stream_interval: float = STREAM_INTERVAL, make_llm=None) -> FastAPI:
+               stream_interval: float = STREAM_INTERVAL, make_llm=None,
+               engine_address: tuple[str, bytes] | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it.
     ``stream_interval``: the least time between two events of a streamed completion
     (0: an event per engine step). ``make_llm``: instead of ``llm``, a picklable callable
-    that builds the engine in a process of its own (:class:`EngineProcess`)."""
+    that builds the engine in a process of its own (:class:`EngineProcess`).
+    ``engine_address``: instead, (address, authkey) of an engine process that listens
+    for API servers (:meth:`EngineProcess.connect`)."""
     if not isinstance(stream_interval, (int, float)) or not 0 <= stream_interval <= 1:
         raise ValueError(f"stream_interval must be between 0 and 1 second, got {stream_interval!r}")
-    if llm is not None and make_llm is not None:
-        raise ValueError("give create_app an engine (llm) or a way to build one in its own process (make_llm), "
-                         "not both")
+    if (llm is not None) + (make_llm is not None) + (engine_address is not None) > 1:
+        raise ValueError("give create_app an engine (llm), a way to build one in its own process (make_llm) "
+                         "or the address of an engine process (engine_address), not two of them")
     holder = {}
 
     @asynccontextmanager
     async def lifespan(app):
         if make_llm is not None:
             engine = await asyncio.get_running_loop().run_in_executor(None, EngineProcess(make_llm).start)
+        elif engine_address is not None:
+            engine = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: EngineProcess.connect(*engine_address).start())
         else:
             engine = EngineLoop(llm if llm is not None else LLM()).start()
         holder["engine"], holder["metrics"] = engine, ServerMetrics(engine)
@@ -668,26 +847,66 @@ def plot_serving_timeline(llm: LLM):
     plt.show()
 
 
+ENGINE_ADDRESS_ENV = "GPULAB_ENGINE_ADDRESS"     # how `gpulab serve --api-servers N` tells its API servers
+
+
+def api_server_app() -> FastAPI:
+    """One API server of ``gpulab serve --api-servers N`` (uvicorn's factory, in each of its
+    worker processes): the app, linked to the engine process whose address, key and
+    stream interval the parent put in the environment."""
+    address, key, interval = os.environ[ENGINE_ADDRESS_ENV].split(",")
+    return create_app(engine_address=(address, bytes.fromhex(key)), stream_interval=float(interval))
+
+
 def main(argv=None) -> int:
-    """``gpulab serve [--host H] [--port P] [--pages N] [--stream-interval S] [--engine-process]``."""
+    """``gpulab serve [--host H] [--port P] [--pages N] [--max-num-seqs B] [--stream-interval S]
+    [--engine-process] [--api-servers N]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--pages", type=int, default=None, help="KV pages in the pool (default: the engine's)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="requests in one step, the running batch (default: the engine's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the token budget of one step (default: the engine's)")
     ap.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL,
                     help=f"least seconds between two events of a streamed completion (default {STREAM_INTERVAL})")
     ap.add_argument("--engine-process", action="store_true",
                     help="step the engine in a process of its own (no GIL shared with the HTTP side)")
+    ap.add_argument("--api-servers", type=int, default=1,
+                    help="HTTP processes feeding one engine process (more than 1 implies --engine-process): "
+                         "one event loop handles a few hundred requests a second")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:
         ap.error("--stream-interval must be between 0 and 1 second")
-    config = {"num_blocks": args.pages} if args.pages else {}
+    if args.api_servers < 1:
+        ap.error("--api-servers must be at least 1")
+    config = {key: v for key, v in (("num_blocks", args.pages), ("max_num_seqs", args.max_num_seqs),
+                                    ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+    try:
+        EngineConfig(**config)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
+    url = f"http://{args.host}:{args.port}/v1"
+    if args.api_servers > 1:
+        import tempfile
+        address = os.path.join(tempfile.mkdtemp(prefix="gpulab-engine-"), "socket")
+        key = secrets.token_bytes(16)
+        engine = EngineProcess(functools.partial(build_llm, "shipped", **config), listen=(address, key)).start()
+        os.environ[ENGINE_ADDRESS_ENV] = f"{address},{key.hex()},{args.stream_interval}"
+        print(f"serving {MODEL_NAME} on {url}: {args.api_servers} API servers, one engine process (Ctrl-C stops)")
+        try:
+            uvicorn.run(f"{__name__}:api_server_app", factory=True, workers=args.api_servers,
+                        host=args.host, port=args.port, log_level="warning")
+        finally:
+            engine.stop()
+        return 0
     if args.engine_process:
         app = create_app(make_llm=functools.partial(build_llm, "shipped", **config),
                          stream_interval=args.stream_interval)
     else:
         app = create_app(LLM(**config), stream_interval=args.stream_interval)
-    print(f"serving {MODEL_NAME} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    print(f"serving {MODEL_NAME} on {url} (Ctrl-C stops)")
     with frozen_heap():    # the start-up heap stays out of every garbage collection while serving
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
