@@ -533,7 +533,10 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
                 c = joined.get()
                 conns.append(c)
                 c.send(("ready", engine_stats(llm, steps)))
-            ready = multiprocessing.connection.wait(conns, timeout=0 if llm.has_unfinished() else 0.05)
+            if llm.has_unfinished():                 # between steps: a poll per link (wait()
+                ready = [c for c in conns if c.poll()]   # builds a selector at every call)
+            else:                                    # idle: sleep until a command comes
+                ready = multiprocessing.connection.wait(conns, timeout=0.05)
             for c in ready:
                 try:
                     while c.poll():
