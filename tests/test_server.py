@@ -336,6 +336,10 @@ def test_stream_interval_spaces_events_and_loses_no_text():
     assert "".join(spaced) == "a" * 30 and len(spaced) < 15
     every = stream(0.0)
     assert "".join(every) == "a" * 30 and len(every) > len(spaced)
+    # the last event does not wait for the interval: 30 steps of 2 ms end well before 0.9 s
+    t0 = time.perf_counter()
+    assert "".join(stream(0.9)) == "a" * 30
+    assert time.perf_counter() - t0 < 0.6, "the request's last event waited for the stream interval"
     for bad in (-0.1, 2.0, "10ms"):
         with pytest.raises(ValueError, match="stream_interval"):
             create_app(_InstantEngine(0.0), stream_interval=bad)

@@ -125,6 +125,7 @@ class Subscription:
     loop: asyncio.AbstractEventLoop
     items: collections.deque = field(default_factory=collections.deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)      # its last item arrived
 
     def put(self, item) -> None:
         """From the engine's thread: one item (an abort's None, a failure)."""
@@ -139,6 +140,15 @@ class Subscription:
         self.items.clear()
         return items
 
+    async def gather_for(self, seconds: float) -> None:
+        """Let outputs gather for ``seconds``, less if the request ends meanwhile: its last
+        event goes out at once (a closed-loop client sends its next request only then)."""
+        if not self.ended.is_set():
+            try:
+                await asyncio.wait_for(self.ended.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+
 
 def deliver(pairs: list) -> None:
     """On the event loop: (subscription, item) pairs, a step's outputs for many requests
@@ -146,6 +156,8 @@ def deliver(pairs: list) -> None:
     for sub, item in pairs:
         sub.items.append(item)
         sub.ready.set()
+        if item is None or isinstance(item, Exception) or (isinstance(item, RequestOutput) and item.finished):
+            sub.ended.set()
 
 
 def dispatch(subscribers: dict, outputs: list) -> None:
@@ -757,7 +769,7 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
             last = None
             while True:
                 if req.stream and last is not None and (wait := last + stream_interval - time.perf_counter()) > 0:
-                    await asyncio.sleep(wait)          # what arrives meanwhile goes out as one event
+                    await sub.gather_for(wait)         # what arrives meanwhile goes out as one event
                 items = await sub.take()
                 last = time.perf_counter()
                 for out in newest_outputs(items):
