@@ -614,3 +614,12 @@ def test_results_table_marks_adaptive_rows():
                                rows=[row, dict(row, adaptive=True), dict(row, near_tie_flips=2)]))
     assert "   4 " in text and "<=4" in text
     assert text.count("near-tie flip") == 1 and "(2 near-tie flips)" in text
+
+
+def test_results_table_names_each_way_of_serving():
+    from gpulab.engine.speculative import format_results
+    sv = dict(clients=64, http_tokens_per_s=40.0, engine_tokens_per_s=50.0, ratio=0.8)
+    text = format_results(dict(gpu="GPU", date="d", versions={}, max_tokens=8, rows=[], server=sv,
+                               server_engine_process=sv, server_api_servers=dict(sv, api_servers=4)))
+    assert "(engine thread)" in text and "(engine process)" in text
+    assert "(4 API servers + engine process)" in text and text.count("(80%)") == 3

@@ -13,7 +13,10 @@ clients join the running batch at the next step, a bad request gets its own 4xx 
 the others keep streaming, and a client that disconnects aborts its request, which
 frees its pages. :class:`EngineProcess` offers the same to the handlers with the engine
 in a process of its own (``create_app(make_llm=...)``, ``gpulab serve --engine-process``),
-so that the engine's host work and the event loop's do not take turns on one GIL.
+so that the engine's host work and the event loop's do not take turns on one GIL; with
+``gpulab serve --api-servers N`` N HTTP processes (uvicorn's workers, each
+``create_app(engine_address=...)``) feed one engine process, when one event loop cannot
+keep up with the engine.
 
 >>> from gpulab.engine.server import create_app        # doctest: +SKIP
 >>> app = create_app()                                  # the shipped checkpoint

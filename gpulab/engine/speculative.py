@@ -609,7 +609,8 @@ def load_results(path=RESULTS) -> dict | None:
 def format_results(result: dict) -> str:
     """One line per (batch size, draft, k): tokens/s, speed-up over the target alone,
     acceptance, tokens per pass (and the requests whose greedy tokens left the target's
-    at a near tie of its logits, if any); then the server's overhead."""
+    at a near tie of its logits, if any); then the server's overhead, per way of serving
+    measured."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
     lines.append(f"{'batch':>5} {'draft':>17} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
@@ -623,8 +624,12 @@ def format_results(result: dict) -> str:
         lines.append(f"{r['batch']:>5} {draft:>17} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {accept} {r['tokens_per_pass']:>8.2f}"
                      + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
-    if "server" in result:
-        sv = result["server"]
-        lines.append(f"server: {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s through HTTP "
-                     f"vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%})")
+    for key, how in (("server", "engine thread"), ("server_switch_interval", "engine thread, GIL switch 0.5 ms"),
+                     ("server_engine_process", "engine process"), ("server_api_servers", "API servers")):
+        if key in result:
+            sv = result[key]
+            if key == "server_api_servers":
+                how = f"{sv['api_servers']} {how} + engine process"
+            lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
+                         f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%})")
     return "\n".join(lines)

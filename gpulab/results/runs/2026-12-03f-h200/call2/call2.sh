@@ -1,0 +1,11 @@
+#!/bin/bash
+source tools/gpu-env.sh
+R=/tmp/r; mkdir -p $R
+git log --oneline -1 > $R/env.txt; git status --short >> $R/env.txt; nproc >> $R/env.txt
+t0=$(date +%s)
+timeout 330 python3 tools/speculative_bench.py $R/spec --quick --batches '' --server-modes scaleout,process --api-servers 4 > $R/spec.txt 2>&1
+echo "spec rc=$? $(( $(date +%s)-t0 ))s" >> $R/times.txt
+cp $R/spec.txt $R/times.txt $OUT/ 2>/dev/null; cp $R/spec/speculative.json $OUT/spec_server.json 2>/dev/null
+CI=true timeout $(( 540 - ($(date +%s)-t0) )) python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_piecewise.py tests/test_server.py "tests/test_runtime_and_bench.py::test_decode_kernels_launch_directly_once_compiled" --junitxml=$R/junit1.xml > $R/tests1.txt 2>&1
+echo "tests rc=$? $(( $(date +%s)-t0 ))s" >> $R/times.txt
+cp $R/tests1.txt $R/junit1.xml $R/times.txt $R/env.txt $OUT/
