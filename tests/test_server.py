@@ -162,6 +162,25 @@ def test_stream_concatenates_to_the_same_text(server, model):
     wait_idle(llm)
 
 
+def test_stream_usage_and_ignore_eos(server, model):
+    """stream_options.include_usage: a last chunk, without choices, says how many tokens the
+    completion had; ignore_eos (vLLM's extension for benchmarks) runs to max_tokens."""
+    url, llm = server
+    req = {"prompt": "Tyger", "max_tokens": 9, "temperature": 0.8, "seed": 3, "stream": True,
+           "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
+        chunks = sse_chunks(r.iter_lines())
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == []
+    assert chunks[-2]["usage"] == {"prompt_tokens": len("Tyger") + 1, "completion_tokens": 9,
+                                   "total_tokens": len("Tyger") + 10}
+    assert all("usage" not in c for c in chunks[:-2])
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-2])
+    want = LLM(model, EngineConfig(**CONFIG)).generate(
+        ["Tyger"], SamplingParams(max_tokens=9, temperature=0.8, seed=3, stop_at_eos=False))[0]
+    assert text == want.text and len(want.token_ids) == 9
+    wait_idle(llm)
+
+
 def test_official_openai_client(server, model):
     openai = pytest.importorskip("openai")
     url, llm = server
@@ -189,6 +208,8 @@ def test_official_openai_client(server, model):
     ({"prompt": ["a", "b"]}, 400, "one prompt"),
     ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400, "only include_usage"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, says):
     url, llm = server
@@ -445,3 +466,27 @@ def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_benchmarks_clients_read_every_event():
+    """tools/speculative_bench.py's load generator (aiohttp, a closed loop per client)
+    against an engine of one byte per step and an event per step: every event counted."""
+    import importlib.util
+    import queue
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    srv, thread, url = serve_in_thread(create_app(_InstantEngine(0.001), stream_interval=0.0))
+    try:
+        ready, go, results = queue.Queue(), threading.Event(), queue.Queue()
+        go.set()
+        bench.stream_clients(url + "/v1/completions", ["a", "b", "c"], 7, 2, ready, go, results)
+        t0, t1, events, tokens, cpu = results.get_nowait()
+        # tokens from each completion's usage chunk; events: the engine reports every 2 ms
+        assert ready.get_nowait() and tokens == 3 * 2 * 7 and 3 * 2 <= events <= 3 * 2 * 7
+        assert t1 > t0 and cpu > 0
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

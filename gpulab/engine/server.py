@@ -79,7 +79,8 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     logprobs: int | None = None
     user: str | None = None
-    stream_options: dict | None = None
+    stream_options: dict | None = None   # {"include_usage": true}: a last chunk with the usage
+    ignore_eos: bool = False             # an extension, as in vLLM: generate max_tokens (benchmarks)
 
 
 class APIError(Exception):
@@ -108,8 +109,13 @@ def _sampling_params(req: CompletionRequest) -> SamplingParams:
         raise APIError(400, "logprobs are not supported by this server: leave the field out", "logprobs")
     if req.echo and req.stream:
         raise APIError(400, "echo is supported only without stream", "echo")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        if set(req.stream_options) - {"include_usage"}:
+            raise APIError(400, "stream_options takes only include_usage", "stream_options")
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                          max_tokens=req.max_tokens, seed=req.seed, n=req.n)
+                          max_tokens=req.max_tokens, seed=req.seed, n=req.n, stop_at_eos=not req.ignore_eos)
 
 
 def _stops(req: CompletionRequest) -> list[str]:
@@ -762,6 +768,10 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
         created = int(time.time())
         watches = [_StopWatch(stops) for _ in range(req.n)]
 
+        def usage() -> dict:
+            n_out = sum(w.n_tokens for w in watches)
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
         def chunk(index: int, text: str, reason: str | None) -> dict:
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": reason}]}
@@ -804,6 +814,8 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
                         if text or reason:
                             yield f"data: {json.dumps(chunk(index, text, reason))}\n\n"
                     done = True
+                    if (req.stream_options or {}).get("include_usage"):    # as OpenAI: no choices
+                        yield f"data: {json.dumps(dict(chunk(0, '', None), choices=[], usage=usage()))}\n\n"
                     yield "data: [DONE]\n\n"
                 except RuntimeError as e:
                     done = True
@@ -824,13 +836,11 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
         except asyncio.CancelledError:
             engine.abort(rid)
             raise
-        n_out = sum(w.n_tokens for w in watches)
         echo = prompt if req.echo and isinstance(prompt, str) else ""
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"text": echo + t, "index": i, "logprobs": None, "finish_reason": r}
                             for i, (t, r) in enumerate(zip(texts, reasons))],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                          "total_tokens": n_prompt + n_out}}
+                "usage": usage()}
 
     return app
 
