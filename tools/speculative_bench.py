@@ -300,7 +300,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     llm = LLM(target, engine_config(clients))
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
-    # the better of two runs: on the H200's host the same run gave 53 to 97 K tok/s
+    # the better of two runs: from one H200 host to the next the same run gave 53 to 130 K tok/s
     in_process = [closed_loop(llm, prompts, params, rounds) for _ in range(2)]
     engine_tps = max(in_process)
     with socket.socket() as s:

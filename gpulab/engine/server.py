@@ -448,7 +448,7 @@ class EngineProcess:
             done.append(Completion(index, ids, reason))
         if finished:
             self.tokens.pop(rid, None)
-        return RequestOutput(rid, [], done, finished, error, metrics)
+        return RequestOutput(rid, [], done, finished, error, metrics)    # prompt ids stay in the engine
 
     def _fail_all(self, message: str) -> None:
         for sub in list(self.subscribers.values()):
@@ -546,7 +546,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
             sent.pop(rest[0], None)
             if not llm.has_unfinished():     # no step will report the freed pages
                 c.send(("stats", engine_stats(llm, steps)))
-        return True
+        return None
 
     with frozen_heap():
         while True:
@@ -583,7 +583,10 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
                 for rid in list(llm.groups):
                     llm.abort(rid)
                 for c in conns:
-                    c.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                    try:
+                        c.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                    except (BrokenPipeError, OSError):
+                        pass                         # found gone at its next recv
                 owner.clear()
                 sent.clear()
                 continue
