@@ -1,7 +1,7 @@
 """Where the time of a step that carries a prompt goes (GPU only; issue 14's TTFT).
 
     PYTHONPATH=. python3 tools/engine_step_profile.py [--model SPEC] [--reps 8] [--json OUT.json]
-                                                      [--no-piecewise] [--kv-split] [--cached-only]
+                                                      [--no-piecewise] [--kv-split] [--cached-only] [--gap S]
 
 The engine bench's TTFT workload sends prompts of a shared 2048-token system prompt and a
 16-64-token question. With prefix caching a new request's prompt step computes only its
@@ -68,11 +68,13 @@ def first_token_steps(llm: LLM, request_id: str) -> int:
     return steps
 
 
-def prompt_case(llm: LLM, prompt_of, reps: int) -> dict:
+def prompt_case(llm: LLM, prompt_of, reps: int, gap: float = 0.0) -> dict:
     """The steps that carry each new request's prompt, up to its first token (one
-    request at a time; a prompt longer than the token budget takes two steps)."""
+    request at a time; a prompt longer than the token budget takes two steps), each
+    request ``gap`` seconds after the last one finished (the GPU and the host idle)."""
     times, steps = [], 0
     for r in range(reps + 1):
+        time.sleep(gap)
         rid = llm.add_request(prompt_of(r), SamplingParams(max_tokens=2, stop_at_eos=False))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -122,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-piecewise", action="store_true")
     ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True)")
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="seconds idle before each timed prompt (the TTFT workload's requests come "
+                         "0.25 s apart on average: do idle clocks slow the step?)")
     ap.add_argument("--cached-only", action="store_true",
                     help="only the prompt after a cached system prompt and the decode step (not the uncached prompt)")
     a = ap.parse_args(argv)
@@ -131,7 +136,7 @@ def main(argv=None) -> int:
     model = build_model(a.model)
     system = [BOS] + [(7 * j) % 250 + 3 for j in range(2047)]
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
-           "piecewise_graphs": not a.no_piecewise, "kv_split": a.kv_split}
+           "piecewise_graphs": not a.no_piecewise, "kv_split": a.kv_split, "gap_s": a.gap}
     print(gpulab.env_report(), flush=True)
     for caching in (True,) if a.cached_only else (True, False):
         llm = LLM(model, EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128,
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
         llm.generate([system + [9] * 8], SamplingParams(max_tokens=1, stop_at_eos=False))  # fills the cache
         name = "prompt_cached_prefix" if caching else "prompt_no_cache"
         # a 40-token question after the system prompt, a different one each request
-        res[name] = prompt_case(llm, lambda r: system + [(r * 11 + j) % 250 + 3 for j in range(40)], a.reps)
+        res[name] = prompt_case(llm, lambda r: system + [(r * 11 + j) % 250 + 3 for j in range(40)], a.reps, a.gap)
         print(name, json.dumps(res[name], indent=1), flush=True)
         if caching:
             res["decode_b1"] = decode_case(llm, a.reps)
