@@ -9,5 +9,14 @@
 * :mod:`.sampling`       greedy, temperature, top-k, top-p, seeded per request;
 * :mod:`.metrics`        TTFT, TPOT, latency, throughput, pages, prefix-cache hits;
 * :mod:`.engine`         the step loop: ``LLM.generate`` and ``add_request``/``step``;
-* :mod:`.static`         the static-batching baseline.
+* :mod:`.graph_capture`  capture once, replay often: what every CUDA graph here is built from;
+* :mod:`.piecewise`      steps with prompt chunks, replayed between attention calls;
+* :mod:`.static`         the static-batching baseline;
+* :mod:`.serve_bench`    ``gpulab serve-bench``: a generated workload, continuous vs static;
+* :mod:`.timeline`       what the scheduler ran at every step and where the pages went;
+* :mod:`.train`          ``gpulab train``: the model on the bundled poems, packed;
+* :mod:`.speculative`    speculative decoding: drafts, exact acceptance, rollback (notebook 08);
+* :mod:`.spec_graphs`    one replay drafts k tokens, one replay verifies them;
+* :mod:`.server`         ``gpulab serve``: the OpenAI-compatible HTTP server (an engine
+  thread, an engine process, or N API servers on one engine process).
 """
