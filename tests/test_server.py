@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def server(model, request):
     thread.join(timeout=10)
     if owner is not None:
         owner.stop()
+        shutil.rmtree(os.path.dirname(address[0]), ignore_errors=True)
 
 
 def wait_idle(llm, timeout=20.0):
@@ -444,6 +446,7 @@ def test_api_servers_share_one_engine_and_outlive_each_other(model):
         b.should_exit = True
         thread_b.join(timeout=10)
         owner.stop()
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
 def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
@@ -451,6 +454,7 @@ def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
     shipped checkpoint; Ctrl-C (SIGINT) stops all of them."""
     import signal
     port = free_port()
+    before = set(os.listdir(tempfile.gettempdir()))
     proc = subprocess.Popen([sys.executable, "-m", "gpulab", "serve", "--port", str(port), "--api-servers", "2",
                              "--pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "128"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -460,9 +464,12 @@ def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
         r = httpx.post(url + "/v1/completions", json={"prompt": "The sea", "max_tokens": 5, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        ours = {f for f in set(os.listdir(tempfile.gettempdir())) - before if f.startswith("gpulab-engine-")}
+        assert ours, "no socket folder for the engine process"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "2 API servers" in out, out
+        assert not ours & set(os.listdir(tempfile.gettempdir())), "gpulab serve left its socket folder behind"
     finally:
         if proc.poll() is None:
             proc.kill()

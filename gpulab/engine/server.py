@@ -920,8 +920,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     url = f"http://{args.host}:{args.port}/v1"
     if args.api_servers > 1:
+        import shutil
         import tempfile
-        address = os.path.join(tempfile.mkdtemp(prefix="gpulab-engine-"), "socket")
+        folder = tempfile.mkdtemp(prefix="gpulab-engine-")       # only this user may connect
+        address = os.path.join(folder, "socket")
         key = secrets.token_bytes(16)
         engine = EngineProcess(functools.partial(build_llm, "shipped", **config), listen=(address, key)).start()
         os.environ[ENGINE_ADDRESS_ENV] = f"{address},{key.hex()},{args.stream_interval}"
@@ -931,6 +933,7 @@ def main(argv=None) -> int:
                         host=args.host, port=args.port, log_level="warning")
         finally:
             engine.stop()
+            shutil.rmtree(folder, ignore_errors=True)
         return 0
     if args.engine_process:
         app = create_app(make_llm=functools.partial(build_llm, "shipped", **config),
