@@ -449,6 +449,27 @@ def test_api_servers_share_one_engine_and_outlive_each_other(model):
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
+def test_api_server_errors_say_what_is_wrong(monkeypatch):
+    """An API server started without the engine's address, with a wrong key, or with no
+    engine listening: an error that names the cause."""
+    from gpulab.engine.server import ENGINE_ADDRESS_ENV, api_server_app
+    monkeypatch.delenv(ENGINE_ADDRESS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="--api-servers"):
+        api_server_app()
+    owner, (address, key) = listening_engine()
+    try:
+        with pytest.raises(RuntimeError, match="refused this key"):
+            EngineProcess.connect(address, b"not the key")
+        link = EngineProcess.connect(address, key).start()     # the right key still gets in
+        assert link.alive() and link.stats()["pages_total"] == CONFIG["num_blocks"]
+        link.stop()
+    finally:
+        owner.stop()
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+    with pytest.raises(RuntimeError, match="no engine process listens"):
+        EngineProcess.connect(address, key, timeout=0.3)
+
+
 def test_gpulab_serve_with_api_servers_starts_serves_and_stops():
     """The command as a user runs it: two API servers and the engine's process serve the
     shipped checkpoint; Ctrl-C (SIGINT) stops all of them."""

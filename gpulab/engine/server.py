@@ -358,6 +358,8 @@ class EngineProcess:
                 if time.time() > deadline:
                     raise RuntimeError(f"no engine process listens at {address}") from None
                 time.sleep(0.1)
+            except multiprocessing.AuthenticationError:
+                raise RuntimeError(f"the engine process at {address} refused this key") from None
         return cls(_conn=conn, start_timeout=timeout)
 
     def start(self) -> "EngineProcess":
@@ -885,6 +887,9 @@ def api_server_app() -> FastAPI:
     """One API server of ``gpulab serve --api-servers N`` (uvicorn's factory, in each of its
     worker processes): the app, linked to the engine process whose address, key and
     stream interval the parent put in the environment."""
+    if ENGINE_ADDRESS_ENV not in os.environ:
+        raise RuntimeError(f"api_server_app is the app of `gpulab serve --api-servers N`'s workers: that command "
+                           f"starts the engine process and sets {ENGINE_ADDRESS_ENV} for them")
     address, key, interval = os.environ[ENGINE_ADDRESS_ENV].split(",")
     return create_app(engine_address=(address, bytes.fromhex(key)), stream_interval=float(interval))
 
