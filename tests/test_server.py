@@ -166,20 +166,27 @@ def test_stream_concatenates_to_the_same_text(server, model):
 
 def test_stream_usage_and_ignore_eos(server, model):
     """stream_options.include_usage: a last chunk, without choices, says how many tokens the
-    completion had; ignore_eos (vLLM's extension for benchmarks) runs to max_tokens."""
+    completion had; ignore_eos (vLLM's extension for benchmarks) runs to max_tokens where
+    the model would stop (seed 29: EOS after two tokens)."""
     url, llm = server
-    req = {"prompt": "Tyger", "max_tokens": 9, "temperature": 0.8, "seed": 3, "stream": True,
-           "ignore_eos": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
-        chunks = sse_chunks(r.iter_lines())
-    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == []
-    assert chunks[-2]["usage"] == {"prompt_tokens": len("Tyger") + 1, "completion_tokens": 9,
-                                   "total_tokens": len("Tyger") + 10}
-    assert all("usage" not in c for c in chunks[:-2])
-    text = "".join(c["choices"][0]["text"] for c in chunks[:-2])
+
+    def stream(**extra):
+        req = {"prompt": "Tyger", "max_tokens": 12, "temperature": 1.0, "seed": 29, "stream": True,
+               "stream_options": {"include_usage": True}, **extra}
+        with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
+            chunks = sse_chunks(r.iter_lines())
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == []
+        assert all("usage" not in c for c in chunks[:-2])
+        return "".join(c["choices"][0]["text"] for c in chunks[:-2]), chunks[-2]["usage"]
+
+    n_prompt = len("Tyger") + 1
+    _, usage = stream()
+    assert usage["completion_tokens"] < 12                        # stopped at EOS
+    text, usage = stream(ignore_eos=True)
+    assert usage == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12}
     want = LLM(model, EngineConfig(**CONFIG)).generate(
-        ["Tyger"], SamplingParams(max_tokens=9, temperature=0.8, seed=3, stop_at_eos=False))[0]
-    assert text == want.text and len(want.token_ids) == 9
+        ["Tyger"], SamplingParams(max_tokens=12, temperature=1.0, seed=29, stop_at_eos=False))[0]
+    assert text == want.text and len(want.token_ids) == 12
     wait_idle(llm)
 
 
