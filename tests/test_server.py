@@ -56,11 +56,15 @@ class RemoteEngine:
                                                                "requests_waiting"))
 
 
-def serve_in_thread(app):
-    """(uvicorn server, its thread, its url) on a free loopback port, started."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def serve_in_thread(app):
+    """(uvicorn server, its thread, its url) on a free loopback port, started."""
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -343,33 +347,28 @@ def test_stream_interval_spaces_events_and_loses_no_text():
     from gpulab.engine.server import create_app
 
     def stream(interval):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        srv = uvicorn.Server(uvicorn.Config(create_app(_InstantEngine(0.002), stream_interval=interval),
-                                            host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=srv.run, daemon=True).start()
-        while not srv.started:
-            time.sleep(0.01)
+        """(the events' texts, the request's seconds)."""
+        srv, thread, url = serve_in_thread(create_app(_InstantEngine(0.002), stream_interval=interval))
         try:
-            texts = []
+            texts, t0 = [], time.perf_counter()
             body = {"prompt": "hi", "max_tokens": 30, "temperature": 0, "stream": True}
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         texts.append(json.loads(line[6:])["choices"][0]["text"])
-            return texts
+            return texts, time.perf_counter() - t0
         finally:
             srv.should_exit = True
+            thread.join(timeout=10)
 
-    spaced = stream(0.05)
+    spaced, _ = stream(0.05)
     assert "".join(spaced) == "a" * 30 and len(spaced) < 15
-    every = stream(0.0)
+    every, _ = stream(0.0)
     assert "".join(every) == "a" * 30 and len(every) > len(spaced)
     # the last event does not wait for the interval: 30 steps of 2 ms end well before 0.9 s
-    t0 = time.perf_counter()
-    assert "".join(stream(0.9)) == "a" * 30
-    assert time.perf_counter() - t0 < 0.6, "the request's last event waited for the stream interval"
+    texts, seconds = stream(0.9)
+    assert "".join(texts) == "a" * 30
+    assert seconds < 0.6, "the request's last event waited for the stream interval"
     for bad in (-0.1, 2.0, "10ms"):
         with pytest.raises(ValueError, match="stream_interval"):
             create_app(_InstantEngine(0.0), stream_interval=bad)
@@ -397,12 +396,6 @@ def test_engine_process_reports_a_failed_start_and_a_death():
     assert isinstance(failure, RuntimeError) and "stopped" in str(failure)
     engine.reader.join(timeout=10)
     assert not engine.alive()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc=None, timeout: float = 120.0) -> None:
