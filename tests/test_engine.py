@@ -500,3 +500,26 @@ def test_ttft_splits_into_the_wait_and_the_step_that_gave_the_first_token():
     assert s["ttft_step_s_mean"] == pytest.approx((0.5 + 0.4) / 2)
     assert s["ttft_s_mean"] == pytest.approx(s["ttft_wait_s_mean"] + s["ttft_step_s_mean"])
     assert s["step_prompt_s_p50"] == pytest.approx(0.45) and s["step_decode_s_p50"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finished_only_steps_can_report_first_tokens(model, overlap):
+    """A server steps with finished_only=True between its reports, and first_tokens=True so
+    that a request's first token is not held back until the next report: each request is
+    reported when its first token comes (one token, not finished) and when it ends, and
+    in no other step; with n = 2 the request's first report holds both completions."""
+    llm = LLM(model, EngineConfig(overlap=overlap, block_size=4, max_num_batched_tokens=8))
+    short = llm.add_request("a", SamplingParams(max_tokens=5))
+    long = llm.add_request("Tyger Tyger, burning bright", SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=3))
+    reports = []
+    while llm.has_unfinished():
+        reports += [(o.request_id, [len(c.token_ids) for c in o.completions], o.finished)
+                    for o in llm.step(finished_only=True, first_tokens=True)]
+    assert reports.count((short, [1], False)) == 1 and reports[-1][0] == long
+    assert [r for r in reports if r[0] == short] == [(short, [1], False), (short, [5], True)]
+    assert [r for r in reports if r[0] == long] == [(long, [1, 1], False), (long, [3, 3], True)]
+    assert llm.idle()
+    # without first_tokens: the ends only
+    llm.add_request("a", SamplingParams(max_tokens=5))
+    ends = [o for _ in range(20) for o in llm.step(finished_only=True)]
+    assert [o.finished for o in ends] == [True]

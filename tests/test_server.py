@@ -153,6 +153,11 @@ def test_completion_equals_engine_in_process(server, model):
     assert body["usage"]["prompt_tokens"] == len("Tyger Tyger") + 1
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     wait_idle(llm)
+    # the engine's step counters (what the server benchmark reads) count this request's steps
+    gauges = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines()
+                  if line.startswith("gpulab_engine_"))
+    assert float(gauges["gpulab_engine_steps"]) >= body["usage"]["completion_tokens"]
+    assert float(gauges["gpulab_engine_busy_seconds"]) > 0
 
 
 def test_stream_concatenates_to_the_same_text(server, model):
@@ -327,7 +332,7 @@ class _InstantEngine:
     def abort(self, request_id):
         self.groups.pop(request_id, None)
 
-    def step(self, finished_only=False):
+    def step(self, finished_only=False, first_tokens=False):
         from gpulab.engine.engine import Completion, RequestOutput
         time.sleep(self.step_s)
         outs = []
@@ -396,6 +401,29 @@ def test_engine_process_reports_a_failed_start_and_a_death():
     assert isinstance(failure, RuntimeError) and "stopped" in str(failure)
     engine.reader.join(timeout=10)
     assert not engine.alive()
+
+
+def test_engine_process_outlives_ctrl_c():
+    """Ctrl-C in a terminal signals every process of the group; the engine process leaves
+    its stop to the parent (after the API servers), so SIGINT neither kills it nor prints
+    a traceback, and it serves on."""
+    import signal
+    engine = EngineProcess(tiny_engine).start()
+    try:
+        os.kill(engine.proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert engine.alive()
+
+        async def complete():
+            rid, sub = await engine.submit("Tyger", SamplingParams(max_tokens=3))
+            items = []
+            while not any(getattr(i, "finished", False) for i in items):
+                items += await asyncio.wait_for(sub.take(), timeout=30)
+            return items[-1]
+
+        assert len(asyncio.run(complete()).token_ids) == 3
+    finally:
+        engine.stop()
 
 
 def wait_healthy(url: str, proc=None, timeout: float = 120.0) -> None:
@@ -512,7 +540,7 @@ def test_the_benchmarks_clients_read_every_event():
         go.set()
         bench.stream_clients(url + "/v1/completions", ["a", "b", "c"], 7, 2, ready, go, results)
         t0, t1, events, tokens, cpu = results.get_nowait()
-        # tokens from each completion's usage chunk; events: the engine reports every 2 ms
+        # tokens from each completion's usage chunk; events: at least one per request
         assert ready.get_nowait() and tokens == 3 * 2 * 7 and 3 * 2 <= events <= 3 * 2 * 7
         assert t1 > t0 and cpu > 0
     finally:

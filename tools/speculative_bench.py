@@ -27,7 +27,11 @@ the run once the other configurations are measured):
   and tail), against the same closed loop driven in-process; with Python's GIL switch
   interval as it is (5 ms), at 0.5 ms, with the engine in a process of its own, and as
   ``gpulab serve --api-servers N`` runs it (N HTTP processes feeding one engine process;
-  ``--server-modes`` picks among ``thread``, ``switch``, ``process`` and ``scaleout``).
+  ``--server-modes`` picks among ``thread``, ``switch``, ``process``, ``scaleout``, and
+  ``profile``: scaleout with cProfile in the engine process and over an in-process run).
+  Each server row also has the engine's steps and the seconds spent in them, behind HTTP
+  and in-process: fewer tokens a step means the clients starve it, longer steps that the
+  engine process is the limit.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
@@ -210,7 +214,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
 def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
     """Some of the HTTP clients, in a process of their own (a server's clients are not in
     its process, and one process of 64 clients was slower than the server it measured).
-    After a warm-up request each waits for ``go``; then every client streams ``rounds``
+    After a warm-up request from every client they wait for ``go``; then every client streams ``rounds``
     requests one after another (a closed loop: its next request when the last one ends),
     so that the server is measured in a steady state, not in its first and last steps.
     Puts (start, end, events, tokens (from each completion's usage), client CPU seconds) on
@@ -243,7 +247,7 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
     async def run():
         connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-            await one(session, prompts[0])                             # warm-up
+            await asyncio.gather(*(one(session, p) for p in prompts))  # warm-up: every client once
             ready.put(True)
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
             t0, cpu0 = time.time(), time.process_time()
@@ -254,9 +258,10 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
     results.put(asyncio.run(run()))
 
 
-def closed_loop(llm, prompts, params, rounds) -> float:
+def closed_loop(llm, prompts, params, rounds) -> dict:
     """In-process twin of the HTTP clients: client i's next request is added when its last
-    one finishes, ``rounds`` each; tokens/s over the whole run."""
+    one finishes, ``rounds`` each. Tokens/s over the whole run, the steps it took and the
+    seconds spent in them (as the server's /metrics counts them)."""
     left = {i: rounds for i in range(len(prompts))}
     owner = {}
 
@@ -269,18 +274,25 @@ def closed_loop(llm, prompts, params, rounds) -> float:
     t0 = time.perf_counter()
     for i in range(len(prompts)):
         add(i)
-    tokens = 0
+    tokens = steps = 0
+    busy = 0.0
     while llm.has_unfinished():
-        for out in llm.step(finished_only=True):
+        t1 = time.perf_counter()
+        outputs = llm.step(finished_only=True)
+        busy += time.perf_counter() - t1
+        steps += 1
+        for out in outputs:
             tokens += len(out.token_ids)
             i = owner.pop(out.request_id)
             if left[i]:
                 add(i)
     sync()
-    return tokens / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=steps, busy_s=busy)
 
 
-def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0):
+def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0,
+                 profile=None, client_processes=None):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
     ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
     ``switch_interval``: the interpreter's GIL switch interval while the server runs
@@ -289,7 +301,9 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     its own (:class:`gpulab.engine.server.EngineProcess`), built there as ``target`` was (the
     shipped checkpoint in bfloat16), with the same configuration. ``api_servers``: instead,
     ``gpulab serve --api-servers N`` as a user starts it (its own process: N HTTP processes
-    and the engine's), with the same engine configuration."""
+    and the engine's), with the same engine configuration. ``profile`` (a folder, with
+    ``api_servers``): cProfile one more in-process run and the engine process
+    (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's."""
     import multiprocessing
 
     import uvicorn
@@ -302,7 +316,18 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
     # the better of two runs: from one H200 host to the next the same run gave 53 to 130 K tok/s
     in_process = [closed_loop(llm, prompts, params, rounds) for _ in range(2)]
-    engine_tps = max(in_process)
+    best = max(in_process, key=lambda r: r["tokens_per_s"])
+    engine_tps = best["tokens_per_s"]
+    profiles = {}
+    if profile:
+        import cProfile
+        import pstats
+        os.makedirs(profile, exist_ok=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        r = closed_loop(llm, prompts, params, rounds)
+        prof.disable()
+        profiles["in_process"] = per_step_profile(pstats.Stats(prof), r["steps"], "in-process closed loop")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -312,10 +337,13 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     server = cli = None
     if api_servers:
         cfg = engine_config(clients)
+        env = dict(os.environ)
+        if profile:
+            env["GPULAB_ENGINE_PROFILE"] = os.path.join(profile, "engine.prof")
         cli = subprocess.Popen([sys.executable, "-m", "gpulab", "serve", "--port", str(port),
                                 "--api-servers", str(api_servers), "--pages", str(cfg.num_blocks),
                                 "--max-num-seqs", str(cfg.max_num_seqs),
-                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)])
+                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)], env=env)
         deadline = time.time() + 600
         while not server_healthy(port):
             assert cli.poll() is None and time.time() < deadline, "gpulab serve --api-servers did not start"
@@ -337,7 +365,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         status = httpx_post(f"http://127.0.0.1:{port}/v1/completions", prompts[0], max_tokens)
         assert status == 200, f"the engine process's warm-up request failed ({status})"
     ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
-    n_procs = max(1, min(8, (os.cpu_count() or 2) // 2, clients))
+    n_procs = client_processes or max(1, min(8, (os.cpu_count() or 2) // 2, clients))
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
     url = f"http://127.0.0.1:{port}/v1/completions"
     procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, rounds, ready, go,
@@ -347,8 +375,10 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         proc.start()
     for _ in procs:
         ready.get(timeout=600)
+    before = engine_gauges(port)
     go.set()                                                # every client process starts at once
     runs = [results.get(timeout=600) for _ in procs]
+    after = engine_gauges(port)
     for proc in procs:
         proc.join()
     pages_free = llm.idle()
@@ -366,15 +396,28 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         except subprocess.TimeoutExpired:
             cli.kill()
     sys.setswitchinterval(default_interval)
+    if profile and api_servers:
+        import pstats
+        path = os.path.join(profile, "engine.prof")
+        if os.path.exists(path):              # written when the engine process stops
+            profiles["engine_process"] = per_step_profile(pstats.Stats(path), int(after["steps"]),
+                                                          "engine process (its whole life)")
     dt = max(r[1] for r in runs) - min(r[0] for r in runs)
     http_tps = sum(r[3] for r in runs) / dt
     return dict(clients=clients, rounds=rounds, client_processes=n_procs, client_cpu_s=sum(r[4] for r in runs),
                 client=f"aiohttp {aiohttp_version()}", engine_process=engine_process or bool(api_servers),
                 api_servers=api_servers or 1,
                 switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
-                engine_runs_tokens_per_s=in_process,
+                engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
+                # where the time went: steps and seconds inside them, in-process and behind HTTP
+                # (the HTTP figures are the engine's /metrics counters around the timed run;
+                # the first report after the run may lag by a step)
+                engine_steps=best["steps"], engine_busy_s=best["busy_s"], engine_wall_s=best["wall_s"],
+                http_steps=after["steps"] - before["steps"], http_busy_s=after["busy_seconds"] - before["busy_seconds"],
+                http_wall_s=dt,
                 http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
-                events=sum(r[2] for r in runs), all_pages_free=pages_free)
+                events=sum(r[2] for r in runs), all_pages_free=pages_free,
+                **({"profiles": profiles} if profile else {}))
 
 
 def httpx_post(url, prompt, max_tokens) -> int:
@@ -393,6 +436,16 @@ def server_healthy(port) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def engine_gauges(port) -> dict:
+    """The engine's step counters from the server's /metrics."""
+    text = httpx_get(f"http://127.0.0.1:{port}/metrics")
+    found = {}
+    for key, name in (("steps", "gpulab_engine_steps"), ("busy_seconds", "gpulab_engine_busy_seconds")):
+        line = next(line for line in text.splitlines() if line.startswith(name + " "))
+        found[key] = float(line.split()[1])
+    return found
 
 
 def httpx_get(url) -> str:
@@ -416,13 +469,16 @@ def host_profile(target, drafter, max_tokens, top=25) -> dict:
     prof.enable()
     timed_generate(llm, waves, params)
     prof.disable()
-    steps = len(llm.metrics.steps)
-    stats = pstats.Stats(prof)
+    return per_step_profile(pstats.Stats(prof), len(llm.metrics.steps), "host profile, batch 1, k=4", top)
+
+
+def per_step_profile(stats, steps, what, top=25) -> dict:
+    """The ``top`` functions of a cProfile by own time, per engine step; printed too."""
     rows = sorted(((v[2], v[3], v[1], f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}") for k, v in stats.stats.items()),
                   reverse=True)[:top]
     out = dict(steps=steps, top_own=[dict(fn=fn, own_us_per_step=1e6 * own / steps, cum_us_per_step=1e6 * cum / steps,
                                           calls_per_step=n / steps) for own, cum, n, fn in rows])
-    print(f"host profile, batch 1, k=4: {steps} steps; own time per step:", flush=True)
+    print(f"{what}: {steps} steps; own time per step:", flush=True)
     for r in out["top_own"]:
         print(f"    {r['own_us_per_step']:8.1f} us  {r['calls_per_step']:6.1f} calls  {r['fn']}", flush=True)
     return out
@@ -438,8 +494,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64; '' for none)")
     ap.add_argument("--server-modes", default="thread,switch,process,scaleout",
                     help="the server runs to make: engine thread, with a 0.5 ms GIL switch interval, "
-                         "engine process, gpulab serve with --api-servers (scaleout)")
+                         "engine process, gpulab serve with --api-servers (scaleout), scaleout under cProfile "
+                         "(profile)")
     ap.add_argument("--api-servers", type=int, default=4, help="HTTP processes in the scaleout mode")
+    ap.add_argument("--client-processes", type=int, default=None,
+                    help="processes the 64 HTTP clients run in (default: half the cores, at most 8)")
+    ap.add_argument("--server-rounds", type=int, default=4,
+                    help="requests each of the 64 server clients sends one after another")
     ap.add_argument("--profile", action="store_true",
                     help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
     args = ap.parse_args(argv)
@@ -485,11 +546,17 @@ def main(argv=None) -> int:
             ("switch", "server_switch_interval", dict(switch_interval=0.0005), "server, GIL switch interval 0.5 ms"),
             ("process", "server_engine_process", dict(engine_process=True), "server, engine in its own process"),
             ("scaleout", "server_api_servers", dict(api_servers=args.api_servers),
-             f"gpulab serve --api-servers {args.api_servers}")):
+             f"gpulab serve --api-servers {args.api_servers}"),
+            ("profile", "server_profiled", dict(api_servers=args.api_servers, profile=os.path.join(args.out, "prof")),
+             f"gpulab serve --api-servers {args.api_servers}, profiled")):
         if mode in modes:
-            r = result[key] = bench_server(target, 64, args.max_tokens, **kwargs)
+            r = result[key] = bench_server(target, 64, args.max_tokens, rounds=args.server_rounds,
+                                           client_processes=args.client_processes, **kwargs)
             print(f"{what}: {r['ratio']:.0%} of in-process ({r['http_tokens_per_s']:.0f} vs "
-                  f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events)", flush=True)
+                  f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events); steps: "
+                  f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, behind HTTP; "
+                  f"{r['engine_steps']} in {r['engine_wall_s']:.3f} s, {r['engine_busy_s']:.3f} s busy, "
+                  "in-process", flush=True)
             save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")

@@ -230,12 +230,13 @@ class LLM:
         return self.scheduler.has_work() or self.in_flight is not None
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, first_tokens: bool = False) -> list[RequestOutput]:
         """One iteration of continuous batching; returns the requests that got tokens
         (``finished_only``: only those that finished, as offline serving needs: no
-        output is built for the others)."""
+        output is built for the others; ``first_tokens`` too: and those that got their
+        first token, as a server needs, to answer at once)."""
         if self.overlap:
-            return self.step_overlapped(finished_only)
+            return self.step_overlapped(finished_only, first_tokens)
         t0 = time.perf_counter()
         batch = self.schedule()
         if not batch.items:
@@ -243,9 +244,10 @@ class LLM:
         prefill = batch.prefill_flags          # before the step counts the tokens as computed
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
-        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan, finished_only)
+        return self.emit(batch, prefill, self.sample_tokens(logits, seqs), t0, plan, finished_only,
+                         first_tokens=first_tokens)
 
-    def step_overlapped(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step_overlapped(self, finished_only: bool = False, first_tokens: bool = False) -> list[RequestOutput]:
         """:meth:`step` with the host one step ahead of the GPU. This step is scheduled,
         planned and launched before the host reads the previous step's tokens: a decoding
         sequence's newest token is a :data:`PLACEHOLDER` in its ``token_ids`` and its
@@ -265,11 +267,13 @@ class LLM:
             prefill = batch.prefill_flags
             feed = None if prev is None else prev.index
             logits, seqs, plan = self.runner.run(batch.items, batch.copies, feed=feed)
+            # counted before a request with n > 1 forks: its completions start where the
+            # prompt ends (forked before, they would compute the prompt again)
+            self.scheduler.postprocess(batch, commit=False)
             seqs, rows = self._fork_completions(seqs)
             tokens = sample_on_device(logits if rows is None else logits[rows], seqs)
             self.runner.keep_tokens(tokens)
             self.in_flight = step = InFlight.launch(batch, prefill, plan, seqs, tokens, t0)
-            self.scheduler.postprocess(batch, commit=False)
             max_len, at = self.max_model_len, step.at
             for seq in seqs:
                 ids = seq.token_ids
@@ -278,17 +282,18 @@ class LLM:
                 # last one (max_tokens, context) does not: nothing runs until it lands
                 if len(ids) + 1 - seq.num_prompt_tokens < seq.params.max_tokens and len(ids) + 1 < max_len:
                     ids.append(PLACEHOLDER)
-        outputs = [] if prev is None else self.land(prev, finished_only)
+        outputs = [] if prev is None else self.land(prev, finished_only, first_tokens)
         if self.in_flight is not None:
             self.scheduler.commit(self.in_flight.batch)
         return outputs
 
-    def land(self, step: "InFlight", finished_only: bool) -> list[RequestOutput]:
+    def land(self, step: "InFlight", finished_only: bool, first_tokens: bool = False) -> list[RequestOutput]:
         """Read a launched step's tokens (waits for that step) into their sequences'
         placeholders, then retire and report as :meth:`emit` does."""
         new_tokens = {seq: [token] for seq, token in zip(step.seqs, step.tokens())
                       if not seq.finished}        # else aborted, or stopped at the token before
-        return self.emit(step.batch, step.prefill, new_tokens, step.t0, step.plan, finished_only, step.at)
+        return self.emit(step.batch, step.prefill, new_tokens, step.t0, step.plan, finished_only, step.at,
+                         first_tokens)
 
     def schedule(self):
         """The scheduler's batch for this step (see :mod:`.scheduler`)."""
@@ -306,12 +311,14 @@ class LLM:
         return {seq: [tok] for seq, tok in zip(seqs, tokens)}
 
     def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
-             plan, finished_only: bool = False, at: dict[Sequence, int] | None = None) -> list[RequestOutput]:
+             plan, finished_only: bool = False, at: dict[Sequence, int] | None = None,
+             first_tokens: bool = False) -> list[RequestOutput]:
         """Append each sequence's new tokens (a speculative step may bring several),
         retire those that hit EOS, max_tokens or the context, record the step
         (``prefill``: which of the batch's items were prompt chunks). Returns an output
         per request that got tokens, or with ``finished_only`` per request that finished
-        (a request's metrics are brought up to date when it reports). ``at``: where each
+        (a request's metrics are brought up to date when it reports), and with
+        ``first_tokens`` also per request whose first token came now. ``at``: where each
         sequence's one new token goes instead (its placeholder, :meth:`step_overlapped`);
         a sequence that stops there loses what follows (the next step's placeholder)."""
         items = batch.items
@@ -322,10 +329,11 @@ class LLM:
             n_prefill, n_decode = 0, len(items)
         now = time.perf_counter()
         max_len = self.max_model_len
-        touched, finished = {}, {}
+        touched, finished, first = {}, {}, []
         for seq, tokens in new_tokens.items():
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                first.append(seq.request_id)
             ids, params = seq.token_ids, seq.params
             for tok in tokens:
                 if at is None:
@@ -346,6 +354,8 @@ class LLM:
             touched[seq.request_id] = None
         if finished_only:
             touched = [rid for rid in finished if all(s.finished for s in self.groups[rid])]
+            if first_tokens:
+                touched += [rid for rid in dict.fromkeys(first) if rid not in touched]
         bm = self.block_manager
         self.metrics.steps.append(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),

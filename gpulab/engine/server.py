@@ -37,6 +37,7 @@ import multiprocessing.connection
 import os
 import queue
 import secrets
+import signal
 import threading
 import time
 import traceback
@@ -183,18 +184,17 @@ def dispatch(subscribers: dict, outputs: list) -> None:
         loop.call_soon_threadsafe(deliver, pairs)
 
 
-# The engine reports every running request's tokens at most this often (seconds), and
-# every finished request at once: the steps in between build no outputs (as offline
-# serving's ``step(finished_only=True)``). At batch 64 an output per request and step
-# cost the engine's host a sixth of its step (2026-12-03) for events that the stream
-# interval holds back anyway; a first token waits at most this long.
-REPORT_INTERVAL = 0.002
-
-
 class ReportClock:
-    """Says whether the engine's next step reports all its outputs (:data:`REPORT_INTERVAL`)."""
+    """Says whether the engine's next step reports every running request's tokens.
 
-    def __init__(self, interval: float = REPORT_INTERVAL):
+    The engine reports a request's first token and its end at once
+    (``step(finished_only=True, first_tokens=True)``), and everything else every
+    ``interval`` seconds: the steps in between build no outputs. At batch 64 an output
+    per request and step cost the engine's host a sixth of its step (2026-12-03), for
+    events that the stream interval holds back anyway: a server reports at half its
+    stream interval (:func:`report_interval`)."""
+
+    def __init__(self, interval: float):
         self.interval, self.last = interval, 0.0
 
     def due(self) -> bool:
@@ -203,6 +203,12 @@ class ReportClock:
             return False
         self.last = now
         return True
+
+
+def report_interval(stream_interval: float) -> float:
+    """How often the engine reports running requests for events ``stream_interval`` apart:
+    half of it, so an event's tokens are at most that old (0: every step)."""
+    return stream_interval / 2
 
 
 def newest_outputs(items: list) -> list:
@@ -214,15 +220,16 @@ def newest_outputs(items: list) -> list:
 
 
 class EngineLoop:
-    """Owns the engine: every call to it happens on this object's thread."""
+    """Owns the engine: every call to it happens on this object's thread. ``report_every``:
+    seconds between reports of running requests' tokens (:class:`ReportClock`)."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, report_every: float = 0.0):
         self.llm = llm
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[str, Subscription] = {}
         self.ids = itertools.count()
-        self.steps = 0
-        self.clock = ReportClock()
+        self.steps, self.busy = 0, 0.0     # steps run, seconds spent in them
+        self.clock = ReportClock(report_every)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="gpulab-engine", daemon=True)
 
@@ -258,13 +265,15 @@ class EngineLoop:
                     break
             if self.stopping.is_set() or not self.llm.has_unfinished():
                 continue
+            t0 = time.perf_counter()
             try:
-                outputs = self.llm.step(finished_only=not self.clock.due())
+                outputs = self.llm.step(finished_only=not self.clock.due(), first_tokens=True)
             except Exception as e:            # a bug, not a bad request: fail what is running, go on
                 traceback.print_exc()
                 self._fail_all(f"the engine failed a step: {type(e).__name__}: {e}")
                 continue
             self.steps += 1
+            self.busy += time.perf_counter() - t0
             dispatch(self.subscribers, outputs)
 
     def _handle(self, command) -> None:
@@ -298,14 +307,17 @@ class EngineLoop:
         return self.thread.is_alive()
 
     def stats(self) -> dict:
-        return engine_stats(self.llm, self.steps)
+        return engine_stats(self.llm, self.steps, self.busy)
 
 
-def engine_stats(llm: LLM, steps: int) -> dict:
-    """The gauges /metrics shows (a snapshot; read from another thread, so approximate)."""
+def engine_stats(llm: LLM, steps: int, busy: float = 0.0) -> dict:
+    """The gauges /metrics shows (a snapshot; read from another thread, so approximate).
+    ``busy``: seconds spent in steps; against wall-clock time it says whether the engine
+    or what feeds it is the limit."""
     bm = llm.block_manager
     return {"pages_used": bm.num_used, "pages_total": llm.config.num_blocks, "running": len(llm.scheduler.running),
-            "waiting": len(llm.scheduler.waiting), "steps": steps, "hit_rate": bm.hit_rate()}
+            "waiting": len(llm.scheduler.waiting), "steps": steps, "busy_seconds": busy,
+            "hit_rate": bm.hit_rate()}
 
 
 class EngineProcess:
@@ -323,16 +335,17 @@ class EngineProcess:
     One event loop can still fall behind a fast engine: every request costs it a few ms of
     Python (HTTP, validation, streaming). ``listen=(address, authkey)`` makes the engine
     process also accept more API servers there (:meth:`connect`, ``gpulab serve
-    --api-servers N``): N processes, each with its own event loop, feed one engine."""
+    --api-servers N``): N processes, each with its own event loop, feed one engine.
+    ``report_every`` as for :class:`EngineLoop`."""
 
     def __init__(self, make_llm=None, start_timeout: float = 600.0, listen: tuple[str, bytes] | None = None,
-                 _conn=None):
+                 report_every: float = 0.0, _conn=None):
         self.start_timeout = start_timeout
         self.proc = None
         if _conn is None:
             ctx = multiprocessing.get_context("spawn")
             self.conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child, listen),
+            self.proc = ctx.Process(target=engine_process_main, args=(make_llm, child, listen, report_every),
                                     name="gpulab-engine", daemon=True)
         else:
             self.conn = _conn
@@ -482,19 +495,22 @@ def step_deltas(outputs: list[RequestOutput], sent: dict[str, dict[int, int]]) -
     return deltas
 
 
-def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None) -> None:
+def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None, report_every: float = 0.0) -> None:
     """The engine process: build the engine, then step while there is work; between
     steps take every command that arrived, from the parent's pipe and from every API
     server that connected at ``listen`` (blocking only when idle). Each step's tokens go
     to the connection that asked for the request; when an API server goes away its
     requests are aborted (their pages freed) and the engine serves the others on."""
+    # Ctrl-C in a terminal reaches every process of the group: the parent stops this one
+    # (a "stop" command, or its pipe closing) after its API servers, so it ignores SIGINT
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = make_llm()
         listener = None if listen is None else multiprocessing.connection.Listener(listen[0], authkey=listen[1])
     except Exception as e:                       # reported to the parent's start()
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    steps, clock = 0, ReportClock()
+    steps, busy, clock = 0, 0.0, ReportClock(report_every)
     conns, owner, sent = [conn], {}, {}
     joined: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -509,7 +525,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
 
     if listener is not None:
         threading.Thread(target=accept, name="gpulab-engine-accept", daemon=True).start()
-    conn.send(("ready", engine_stats(llm, steps)))
+    conn.send(("ready", engine_stats(llm, steps, busy)))
 
     def drop(c) -> None:
         conns.remove(c)
@@ -521,7 +537,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
         if not llm.has_unfinished():             # the freed pages are news to the others
             for other in conns:
                 try:
-                    other.send(("stats", engine_stats(llm, steps)))
+                    other.send(("stats", engine_stats(llm, steps, busy)))
                 except (BrokenPipeError, OSError):
                     pass
 
@@ -547,67 +563,81 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None)
             owner.pop(rest[0], None)
             sent.pop(rest[0], None)
             if not llm.has_unfinished():     # no step will report the freed pages
-                c.send(("stats", engine_stats(llm, steps)))
+                c.send(("stats", engine_stats(llm, steps, busy)))
         return None
 
-    with frozen_heap():
-        while True:
-            while not joined.empty():
-                c = joined.get()
-                conns.append(c)
-                c.send(("ready", engine_stats(llm, steps)))
-            if llm.has_unfinished():                 # between steps: a poll per link (wait()
-                ready = [c for c in conns if c.poll()]   # builds a selector at every call)
-            else:                                    # idle: sleep until a command comes
-                ready = multiprocessing.connection.wait(conns, timeout=0.05)
-            for c in ready:
-                try:
-                    while c.poll():
-                        kind, *rest = c.recv()
-                        done = handle(c, kind, rest)
-                        if done == "stop":
-                            if listener is not None:
-                                listener.close()
+    # GPULAB_ENGINE_PROFILE=path: cProfile the serving loop, stats written to path at stop
+    # (a debugging aid for where the engine process's time goes; it slows the loop)
+    profiler = None
+    if os.environ.get("GPULAB_ENGINE_PROFILE"):
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        with frozen_heap():
+            while True:
+                while not joined.empty():
+                    c = joined.get()
+                    conns.append(c)
+                    c.send(("ready", engine_stats(llm, steps, busy)))
+                if llm.has_unfinished():                 # between steps: a poll per link (wait()
+                    ready = [c for c in conns if c.poll()]   # builds a selector at every call)
+                else:                                    # idle: sleep until a command comes
+                    ready = multiprocessing.connection.wait(conns, timeout=0.05)
+                for c in ready:
+                    try:
+                        while c.poll():
+                            kind, *rest = c.recv()
+                            done = handle(c, kind, rest)
+                            if done == "stop":
+                                if listener is not None:
+                                    listener.close()
+                                return
+                            if done == "closed":
+                                break
+                    except (EOFError, OSError):
+                        if c is conn:                    # the parent is gone
                             return
-                        if done == "closed":
-                            break
-                except (EOFError, OSError):
-                    if c is conn:                    # the parent is gone
-                        return
-                    drop(c)
-            if not llm.has_unfinished():
-                continue
-            due = clock.due()
-            try:
-                outputs = llm.step(finished_only=not due)
-            except Exception as e:               # a bug, not a bad request: fail what is running, go on
-                traceback.print_exc()
-                for rid in list(llm.groups):
-                    llm.abort(rid)
+                        drop(c)
+                if not llm.has_unfinished():
+                    continue
+                due = clock.due()
+                t0 = time.perf_counter()
+                try:
+                    outputs = llm.step(finished_only=not due, first_tokens=True)
+                except Exception as e:               # a bug, not a bad request: fail what is running, go on
+                    traceback.print_exc()
+                    for rid in list(llm.groups):
+                        llm.abort(rid)
+                    for c in conns:
+                        try:
+                            c.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
+                        except (BrokenPipeError, OSError):
+                            pass                         # found gone at its next recv
+                    owner.clear()
+                    sent.clear()
+                    continue
+                steps += 1
+                busy += time.perf_counter() - t0
+                stats = engine_stats(llm, steps, busy)
+                by_conn: dict = {}
+                for d in step_deltas(outputs, sent):
+                    c = owner.pop(d[0], None) if d[2] else owner.get(d[0])
+                    if c is not None:
+                        by_conn.setdefault(c, []).append(d)
+                # every API server's /metrics shows the engine's gauges: all hear of them when
+                # the reports are due, and when the engine goes idle (its freed pages)
+                idle = not llm.has_unfinished()
                 for c in conns:
-                    try:
-                        c.send(("failed", f"the engine failed a step: {type(e).__name__}: {e}"))
-                    except (BrokenPipeError, OSError):
-                        pass                         # found gone at its next recv
-                owner.clear()
-                sent.clear()
-                continue
-            steps += 1
-            stats = engine_stats(llm, steps)
-            by_conn: dict = {}
-            for d in step_deltas(outputs, sent):
-                c = owner.pop(d[0], None) if d[2] else owner.get(d[0])
-                if c is not None:
-                    by_conn.setdefault(c, []).append(d)
-            # every API server's /metrics shows the engine's gauges: all hear of them when
-            # the reports are due, and when the engine goes idle (its freed pages)
-            idle = not llm.has_unfinished()
-            for c in conns:
-                if c in by_conn or due or idle:
-                    try:
-                        c.send(("outputs", by_conn.get(c, []), stats))
-                    except (BrokenPipeError, OSError):
-                        pass                         # found gone at its next recv
+                    if c in by_conn or due or idle:
+                        try:
+                            c.send(("outputs", by_conn.get(c, []), stats))
+                        except (BrokenPipeError, OSError):
+                            pass                         # found gone at its next recv
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(os.environ["GPULAB_ENGINE_PROFILE"])
 
 
 def build_llm(model: str = "shipped", dtype: str | None = None, **config) -> LLM:
@@ -634,6 +664,7 @@ class ServerMetrics:
                                ("running", "requests_running", "requests in the running batch"),
                                ("waiting", "requests_waiting", "requests waiting for pages"),
                                ("steps", "engine_steps", "engine steps run"),
+                               ("busy_seconds", "engine_busy_seconds", "seconds the engine spent in steps"),
                                ("hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache")):
             Gauge(f"gpulab_{name}", doc, registry=r).set_function(lambda key=key: engine.stats()[key])
 
@@ -705,12 +736,13 @@ def create_app(llm: LLM | None = None, model_name: str = MODEL_NAME,
     @asynccontextmanager
     async def lifespan(app):
         if make_llm is not None:
-            engine = await asyncio.get_running_loop().run_in_executor(None, EngineProcess(make_llm).start)
+            engine = await asyncio.get_running_loop().run_in_executor(
+                None, EngineProcess(make_llm, report_every=report_interval(stream_interval)).start)
         elif engine_address is not None:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: EngineProcess.connect(*engine_address).start())
         else:
-            engine = EngineLoop(llm if llm is not None else LLM()).start()
+            engine = EngineLoop(llm if llm is not None else LLM(), report_interval(stream_interval)).start()
         holder["engine"], holder["metrics"] = engine, ServerMetrics(engine)
         app.state.engine = engine
         yield
@@ -930,7 +962,8 @@ def main(argv=None) -> int:
         folder = tempfile.mkdtemp(prefix="gpulab-engine-")       # only this user may connect
         address = os.path.join(folder, "socket")
         key = secrets.token_bytes(16)
-        engine = EngineProcess(functools.partial(build_llm, "shipped", **config), listen=(address, key)).start()
+        engine = EngineProcess(functools.partial(build_llm, "shipped", **config), listen=(address, key),
+                               report_every=report_interval(args.stream_interval)).start()
         os.environ[ENGINE_ADDRESS_ENV] = f"{address},{key.hex()},{args.stream_interval}"
         print(f"serving {MODEL_NAME} on {url}: {args.api_servers} API servers, one engine process (Ctrl-C stops)")
         try:

@@ -465,7 +465,7 @@ class SpeculativeLLM(LLM):
         if keep < len(tokens):
             del seq.token_ids[len(seq.token_ids) - (len(tokens) - keep):]
 
-    def step(self, finished_only: bool = False):
+    def step(self, finished_only: bool = False, first_tokens: bool = False):
         t0 = time.perf_counter()
         drafts = self._propose()
         batch = self.schedule()
@@ -488,7 +488,7 @@ class SpeculativeLLM(LLM):
             new_tokens = self.sample_tokens(logits, seqs)
         else:
             plan, new_tokens = self._verify_step(batch, drafts)
-        outputs = self.emit(batch, prefill, new_tokens, t0, plan, finished_only)
+        outputs = self.emit(batch, prefill, new_tokens, t0, plan, finished_only, first_tokens=first_tokens)
         for seq in drafts:                # full pages of accepted tokens join the prefix cache
             if seq.status is Status.RUNNING:
                 self.block_manager.commit_full_blocks(seq)
