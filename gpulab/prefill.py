@@ -409,10 +409,12 @@ class KVSplit:
     Opt-in (``num_splits`` of :func:`append_attention_into`, ``capacity`` of
     :func:`gpulab.engine.batch_attention.plan_append_attention`): on the H200 it cut the
     append attention of a 40-token prompt after a cached 2K-token one from 70 µs a layer
-    to 16 µs plus 3 µs of merge, but the serving engine is not measured with it off and
-    on in one run yet (BENCHMARKS.md, 2026-12-03), and the engine's warm-up does not meet
-    the split path's compiled variants (the merge's ``BLOCK_S`` follows the number of
-    parts): with it on, the fifth run of 2026-12-03 compiled four kernels while serving."""
+    to 16 µs plus 3 µs of merge, but in the serving benchmark the cached prompt's step
+    did not get faster with it (p50 5.8 ms on, 5.5 ms off, in runs of the same day: that
+    step is bound by the host and the GPU's idle clocks, BENCHMARKS.md, seventh run of
+    2026-12-03), and the engine's warm-up does not meet the split path's compiled variants
+    (the merge's ``BLOCK_S`` follows the number of parts): with it on, the engine compiled
+    three to four kernels while serving."""
     part_len: int
     o_part: torch.Tensor
     lse_part: torch.Tensor

@@ -339,11 +339,38 @@ class _InstantEngine:
         for rid, (n, tokens) in list(self.groups.items()):
             tokens.append(97)
             done = len(tokens) >= n
-            if done or not finished_only:
+            if done or not finished_only or (first_tokens and len(tokens) == 1):
                 outs.append(RequestOutput(rid, [1], [Completion(0, list(tokens), "length" if done else None)], done))
             if done:
                 del self.groups[rid]
         return outs
+
+
+def test_a_first_token_is_not_held_back_until_the_next_report():
+    """The engine reports running requests at half the stream interval (0.5 s here), but
+    a request's first token at once: a request that joins a running batch gets its first
+    event within a few steps, not at the next report."""
+    from gpulab.engine.server import create_app
+    srv, thread, url = serve_in_thread(create_app(_InstantEngine(0.002), stream_interval=1.0))
+    try:
+        def first_event_after(body) -> float:
+            t0 = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        return time.perf_counter() - t0
+
+        long = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                kwargs=dict(json={"prompt": "a", "max_tokens": 500}, timeout=30))
+        long.start()                              # the engine is busy, its last report just made
+        time.sleep(0.1)
+        # 150 steps of 2 ms: its first event is not its last (which goes out at once anyway)
+        waited = first_event_after({"prompt": "b", "max_tokens": 150, "stream": True, "ignore_eos": True})
+        long.join()
+        assert waited < 0.25, f"the first token waited {waited:.3f} s for the engine's next report"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_stream_interval_spaces_events_and_loses_no_text():
