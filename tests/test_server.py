@@ -346,6 +346,27 @@ class _InstantEngine:
         return outs
 
 
+def test_text_from_a_growing_token_list_loses_nothing():
+    """Behind an EngineProcess a completion's token list grows in place on the reader
+    thread while a handler turns it into text: a token appended between the handler's
+    read of the new tokens and its count of them was skipped (the text streamed from an
+    engine process lost bytes, now and then). Here the list grows exactly there."""
+    from gpulab.engine.server import _StopWatch
+
+    class Growing(list):
+        def __getitem__(self, key):
+            got = super().__getitem__(key)
+            if isinstance(key, slice) and len(self) < 6:
+                self.append(ord("a") + len(self))      # the reader thread's next token
+            return got
+
+    ids, watch, text = Growing([ord("a")]), _StopWatch([]), ""
+    for _ in range(8):
+        text += watch.feed(ids)
+    text += watch.feed(list(ids), final=True)
+    assert text == "abcdef" and watch.n_tokens == 6
+
+
 def test_a_first_token_is_not_held_back_until_the_next_report():
     """The engine reports running requests at half the stream interval (0.5 s here), but
     a request's first token at once: a request that joins a running batch gets its first

@@ -697,8 +697,9 @@ class _StopWatch:
         """New text from the completion's token ids so far (specials dropped; a partial
         UTF-8 character waits for its next byte unless ``final``); ends before the first
         stop string, which is not returned."""
-        new = bytes(t for t in token_ids[self.n_tokens:] if t < 256)
-        self.n_tokens = len(token_ids)
+        n = len(token_ids)       # read once: an EngineProcess's reader thread extends the list
+        new = bytes(t for t in token_ids[self.n_tokens:n] if t < 256)     # meanwhile
+        self.n_tokens = n
         start = max(0, len(self.text) - self.hold)
         self.text += self.decoder.decode(new, final=final)
         found = [at for at in (self.text.find(s, start) for s in self.stops) if at >= 0]
