@@ -32,6 +32,7 @@ import concurrent.futures
 import functools
 import itertools
 import json
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -924,7 +925,17 @@ def api_server_app() -> FastAPI:
         raise RuntimeError(f"api_server_app is the app of `gpulab serve --api-servers N`'s workers: that command "
                            f"starts the engine process and sets {ENGINE_ADDRESS_ENV} for them")
     address, key, interval = os.environ[ENGINE_ADDRESS_ENV].split(",")
+    logging.getLogger("uvicorn.error").addFilter(quiet_lifespan_cancel)
     return create_app(engine_address=(address, bytes.fromhex(key)), stream_interval=float(interval))
+
+
+def quiet_lifespan_cancel(record: logging.LogRecord) -> bool:
+    """A log filter for uvicorn's workers. Ctrl-C in a terminal reaches every worker as
+    well as their supervisor; a worker shuts down cleanly, re-raises the signal, and its
+    finished lifespan task is cancelled, which uvicorn logs as an error with two
+    tracebacks (a known uvicorn race, Kludex/uvicorn#2367). Nothing failed: that record
+    is dropped, every other one kept."""
+    return not (record.exc_info and record.exc_info[0] is asyncio.CancelledError)
 
 
 def main(argv=None) -> int:
