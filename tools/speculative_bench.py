@@ -314,7 +314,8 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     llm = LLM(target, engine_config(clients))
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
-    # the better of two runs: from one H200 host to the next the same run gave 53 to 130 K tok/s
+    # the best of two runs (and, with an engine process, one after the HTTP run): from one
+    # H200 host to the next the same run gave 53 to 130 K tok/s
     in_process = [closed_loop(llm, prompts, params, rounds) for _ in range(2)]
     best = max(in_process, key=lambda r: r["tokens_per_s"])
     engine_tps = best["tokens_per_s"]
@@ -396,6 +397,13 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         except subprocess.TimeoutExpired:
             cli.kill()
     sys.setswitchinterval(default_interval)
+    if engine_process or api_servers:
+        # once more after the HTTP run (its server's engine is another process): the same
+        # in-process run went from 57 to 127 K tok/s between processes on one H200 host,
+        # and a ratio against a baseline that drifted says little
+        in_process.append(closed_loop(llm, prompts, params, rounds))
+        best = max(in_process, key=lambda r: r["tokens_per_s"])
+        engine_tps = best["tokens_per_s"]
     if profile and api_servers:
         import pstats
         path = os.path.join(profile, "engine.prof")
