@@ -2,7 +2,8 @@
 
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
-                                             [--api-servers 4] [--profile]
+                                             [--api-servers 4] [--server-rounds 4]
+                                             [--client-processes N] [--profile]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the target's tokens: issue 15 accepts a difference only where

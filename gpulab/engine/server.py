@@ -455,7 +455,9 @@ class EngineProcess:
 
     def _output(self, rid, completions, finished, error, metrics) -> RequestOutput:
         """A step's delta as the :class:`RequestOutput` the handlers read: each completion's
-        ``token_ids`` is this request's one growing list (outputs are cumulative)."""
+        ``token_ids`` is this request's one growing list (outputs are cumulative; no copy
+        per step). This thread extends it while a handler reads it, so a reader takes its
+        length once and reads up to there (:meth:`_StopWatch.feed`)."""
         held = self.tokens.setdefault(rid, {})
         done = []
         for index, new, reason in completions:
