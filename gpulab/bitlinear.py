@@ -33,6 +33,12 @@ in an int32 word so that one AND yields four 2-bit codes as bytes, lined up with
 consecutive int8 x values in one int32 word of x, and one ``dp4a`` multiplies and adds all
 four: 0.5 unpack-and-multiply instructions per weight. The byte layout stays the default
 until the new GEMV is measured on a GPU (tools/ternary-gemv-bench.py).
+
+A few rows (2 to ``SMALL_MM_MAX_M``: a decode batch, a speculative verify, a prompt's last
+chunk) run ``ternary_mm_small_kernel``: the byte layout's tensor-core loop with the weights
+unpacked four per 32-bit register, ``((word >> 2i) & 0x03030303 | 0x80808080) − 0x01010101``
+then ``^ 0x80808080`` (c − 1 in every byte with no borrow across bytes), in inline PTX with a
+portable twin. On the H200 that took M = 16, K = N = 8192 from 31 to 18 µs.
 """
 from __future__ import annotations
 
@@ -397,6 +403,72 @@ def ternary_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, K, Q,
         store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
+@triton.jit
+def ternary_bytes_as_int8(b, i: tl.constexpr, USE_ASM: tl.constexpr):
+    """Quarter i's weights in packed bytes b (uint8): ((b >> 2i) & 3) − 1 as int8.
+
+    USE_ASM: four packed bytes per 32-bit register, so four instructions unpack four
+    weights: shift and mask give four codes c, and c − 1 in every byte at once, with no
+    borrow crossing bytes, is ((c | 0x80) − 1) ^ 0x80 (each byte is at least 0x80 before
+    the subtraction). The portable twin goes byte by byte, several instructions per weight
+    (and the interpreter cannot run inline PTX)."""
+    if USE_ASM:
+        if i == 0:
+            w = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $1, 0x03030303; or.b32 t, t, 0x80808080; "
+                "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }",
+                "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        elif i == 1:
+            w = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03030303; or.b32 t, t, 0x80808080; "
+                "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }",
+                "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        elif i == 2:
+            w = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 t, t, 0x03030303; or.b32 t, t, 0x80808080; "
+                "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }",
+                "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 t, t, 0x03030303; or.b32 t, t, 0x80808080; "
+                "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }",
+                "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        w = ((b >> (2 * i)) & 3).to(tl.int8) - 1
+    return w
+
+
+@triton.jit(do_not_specialize=["M"])
+def ternary_mm_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
+                            stride_xm, stride_wn, stride_ym,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            USE_ASM: tl.constexpr, DOT_INT8: tl.constexpr):
+    """A few rows (2 to 64: a decode batch, a prompt's last chunk, a speculative verify)
+    on the byte layout: tile [BLOCK_M, BLOCK_N] of y, as in :func:`ternary_mm_kernel`, but
+    with the weights unpacked four per instruction group (:func:`ternary_bytes_as_int8`):
+    at these sizes the unpacking, not the bytes or the tensor cores, is what takes the time."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
+    for j0 in range(0, Q, BLOCK_Q):
+        j = j0 + tl.arange(0, BLOCK_Q)
+        j_mask = j < Q
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + j[:, None],
+                    mask=j_mask[:, None] & n_mask[None, :], other=0x55)       # [BLOCK_Q, BLOCK_N]; 0x55: w = 0
+        for i in tl.static_range(4):
+            k = i * Q + j
+            xa = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & (j_mask & (k < K))[None, :], other=0)   # int8 [BLOCK_M, BLOCK_Q]
+            wi = ternary_bytes_as_int8(b, i, USE_ASM)
+            if DOT_INT8:
+                acc = tl.dot(xa, wi, acc, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(xa.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
+    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
+
+
 @triton.jit(do_not_specialize=["M"])
 def ternary_mm_x16_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, G, XW,
                           stride_xm, stride_wn, stride_ym, M_BUCKET,
@@ -545,9 +617,9 @@ _ternary_mm_tuned = triton.autotune(configs=runtime.tuning_configs(_mm_configs()
 
 
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ---------
-# One row: the GEMV. From two rows on, the tensor-core kernel (BLOCK_M = 16) reads each
-# weight tile once for all rows, where the GEMV re-reads it per row: at M=16, K=N=8192 about
-# 6× faster on the H200 (gpulab/results/ternary_mm.json against ternary_gemv.json).
+# One row: the GEMV. From two rows on, tensor-core kernels read each weight tile once for
+# all rows, where the GEMV re-reads it per row: at M=16, K=N=8192 about 6× faster on the
+# H200 (gpulab/results/ternary_mm.json against ternary_gemv.json).
 GEMV_MAX_M = 1
 
 
@@ -681,6 +753,50 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
             part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)
 
 
+# A few rows (2..SMALL_MM_MAX_M): ternary_mm_small_kernel. On the H200 (tools/small_m_probe.py,
+# 2026-12-03, as launched) it took 18.2 µs at M = 16, K = N = 8192 against 31.0 µs for
+# ternary_mm_kernel's best tile (the same tile with the portable unpacking: 37-49 µs), and
+# 28-38 µs against 58 µs at M = 40 and 64; from M = 128 on it lost, so larger M stays there.
+SMALL_MM_MAX_M = 64
+
+
+def small_mm_config(m: int, n: int) -> dict:
+    """The tile of :func:`ternary_mm_small_into` for m rows and n outputs: the fastest of
+    the H200 sweep (tools/small_m_probe.py): up to 16 rows one 16-row tile, 64 columns
+    wide when that still makes about one program per SM (else 32, twice the programs);
+    above 16 rows 64-row tiles 32 columns wide. Interpreted: few large programs."""
+    if runtime.interpreting():
+        return {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 1}
+    cc = runtime.compute_capability()
+    small_smem = cc is not None and cc < (8, 0)           # sm_75: 64 KiB of shared memory
+    if m <= 16:
+        wide = runtime.cdiv(n, 64) * 10 >= 9 * runtime.num_sms()
+        return {"BLOCK_M": 16, "BLOCK_N": 64 if wide else 32, "BLOCK_Q": 256, "num_warps": 4,
+                "num_stages": 2 if small_smem else 4 if wide else 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 2 if small_smem else 3}
+
+
+def ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, y, config=None, asm=None):
+    """Launcher for a few rows on the byte layout (check calling convention): grid
+    (N tiles, M tiles) of :func:`ternary_mm_small_kernel`. config: any keys of
+    :func:`small_mm_config` (default: its choice); asm: unpack four weights per
+    instruction group in inline PTX (default on the compiled path) or byte by byte
+    (the portable twin; always in the interpreter, which cannot run PTX)."""
+    m, k = x_q.shape
+    n, q = w_packed.shape
+    if runtime.interpreting():
+        if asm:
+            raise ValueError("asm=True needs the compiled path: the interpreter cannot run inline PTX")
+        asm = False
+    else:
+        asm = True if asm is None else bool(asm)
+    cfg = small_mm_config(m, n)
+    cfg.update(config or {})
+    grid = (runtime.cdiv(n, cfg["BLOCK_N"]), runtime.cdiv(m, cfg["BLOCK_M"]))
+    runtime.launch(ternary_mm_small_kernel, grid, cfg, x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
+                   x_q.stride(0), w_packed.stride(0), y.stride(0), USE_ASM=asm, DOT_INT8=_int8_dot())
+
+
 UNPACK_BLOCK_N, UNPACK_BLOCK_Q = 32, 128
 
 
@@ -751,7 +867,8 @@ def unpack_min_m() -> int | None:
 
 
 def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
-    """Dispatch on the layout, then on M: the GEMV for decode, tensor-core dots for prefill."""
+    """Dispatch on the layout, then on M: the GEMV for one row, tensor-core dots from two
+    rows on (a few rows: :func:`ternary_mm_small_into`; many: unpack once, then int8 GEMM)."""
     if w_packed.dtype == torch.int32:
         if x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
             ternary_gemv_x16_into(x_q, x_scale, w_packed, w_scale, y)
@@ -759,6 +876,8 @@ def ternary_matmul_into(x_q, x_scale, w_packed, w_scale, y):
             ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
     elif x_q.shape[0] <= GEMV_MAX_M and x_q.shape[1] <= GEMV_MAX_K:
         ternary_gemv_into(x_q, x_scale, w_packed, w_scale, y)
+    elif x_q.shape[0] <= SMALL_MM_MAX_M:
+        ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, y)
     elif (threshold := unpack_min_m()) is not None and x_q.shape[0] >= threshold:
         ternary_mm_unpacked_into(x_q, x_scale, w_packed, w_scale, y)
     else:

@@ -74,6 +74,42 @@ def test_tensor_core_path_passes_its_check():
     gpulab.check("ternary_mm", bl.ternary_mm_into)
 
 
+def test_few_rows_path_passes_its_check():
+    gpulab.check("ternary_mm_small", bl.ternary_mm_small_into)
+
+
+@pytest.mark.parametrize("m, k, n", [(2, 13, 9), (16, 1030, 65), (37, 301, 70)])
+def test_few_rows_unpacking_in_ptx_equals_its_portable_twin(m, k, n):
+    """The four-at-a-time unpacking (inline PTX) against the byte-by-byte twin: the same
+    integer sums, so the same bits; the interpreter refuses asm=True with a reason."""
+    x_q, x_scale, w_t, w_scale = _x16_problem(m, k, n, seed=m + k)
+    w_packed = bl.pack_ternary(w_t)
+    ys = [torch.full((m, n), float("nan"), device=x_q.device) for _ in range(2)]
+    bl.ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, ys[0], asm=False)
+    torch.testing.assert_close(ys[0].double(), bl.ternary_matmul_ref(x_q, x_scale, w_t, w_scale),
+                               atol=1e-4, rtol=1e-5)
+    if not on_gpu():
+        with pytest.raises(ValueError, match="interpreter cannot run inline PTX"):
+            bl.ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, ys[1], asm=True)
+        return
+    bl.ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, ys[1], asm=True)
+    assert torch.equal(ys[0], ys[1])
+
+
+def test_dispatcher_sends_two_to_64_rows_to_the_few_rows_kernel(device, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bl, "ternary_mm_small_into", lambda *a: calls.append(a[0].shape[0]))
+    monkeypatch.setattr(bl, "ternary_mm_into", lambda *a: calls.append(-a[0].shape[0]))
+    monkeypatch.setattr(bl, "ternary_gemv_into", lambda *a: None)
+    monkeypatch.setattr(bl, "unpack_min_m", lambda: None)
+    w_packed = bl.pack_ternary(torch.ones(5, 12, dtype=torch.int8, device=device))
+    for m in (1, 2, bl.SMALL_MM_MAX_M, bl.SMALL_MM_MAX_M + 1):
+        x = torch.ones(m, 12, dtype=torch.int8, device=device)
+        bl.ternary_matmul_into(x, torch.ones(m, device=device), w_packed, torch.ones(1, device=device),
+                               torch.empty(m, 5, device=device))
+    assert calls == [2, bl.SMALL_MM_MAX_M, -(bl.SMALL_MM_MAX_M + 1)]
+
+
 def test_unpacked_prefill_path_passes_its_check():
     gpulab.check("ternary_mm_unpacked", bl.ternary_mm_unpacked_into)
 
@@ -92,13 +128,14 @@ def test_unpack_to_int8_is_exact_and_stays_in_its_buffer(device, n, k):
 def test_dispatcher_takes_the_unpacked_path_from_its_threshold(device, monkeypatch):
     calls = []
     monkeypatch.setattr(bl, "ternary_mm_unpacked_into", lambda *a: calls.append(a[0].shape[0]))
-    monkeypatch.setattr(bl, "unpack_min_m", lambda: 8)
+    threshold = bl.SMALL_MM_MAX_M + 2
+    monkeypatch.setattr(bl, "unpack_min_m", lambda: threshold)
     w_packed = bl.pack_ternary(torch.ones(5, 12, dtype=torch.int8, device=device))
-    for m in (7, 8):
+    for m in (threshold - 1, threshold):
         x = torch.ones(m, 12, dtype=torch.int8, device=device)
         bl.ternary_matmul_into(x, torch.ones(m, device=device), w_packed, torch.ones(1, device=device),
                                torch.empty(m, 5, device=device))
-    assert calls == [8]
+    assert calls == [threshold]
 
 
 def test_unpacked_and_per_tile_prefill_agree_exactly(device):

@@ -12,7 +12,7 @@ import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
                          ternary_gemv_x16_into, ternary_matmul, ternary_matmul_into, ternary_matmul_ref,
-                         ternary_mm_into, ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize,
+                         ternary_mm_into, ternary_mm_small_into, ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize,
                          unpack_ternary, unpack_ternary_x16)
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
@@ -280,6 +280,16 @@ TERNARY_MM = _matmul_spec(
      "gpu": [Case("1 row", dict(m=1, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
              Case("ragged", dict(m=1000, k=4099, n=3001))],
      "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
+
+TERNARY_MM_SMALL = _matmul_spec(
+    "ternary_mm_small", "int8 × 2-bit ternary matmul for a few rows (2 to 64), four weights unpacked per "
+    "instruction group", ternary_mm_small_into,
+    {"cpu": [Case("2 rows", dict(m=2, k=13, n=9)), Case("K not /4, two row tiles", dict(m=37, k=301, n=70)),
+             Case("three K steps", dict(m=16, k=1030, n=65))],
+     "gpu": [Case("2 rows", dict(m=2, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
+             Case("40 rows", dict(m=40, k=2048, n=3072)), Case("64 rows, ragged", dict(m=64, k=4099, n=3001))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 64)]},
+    baselines={"torch bf16 F.linear": _bf16_linear, "ternary_mm (unpacks per tile)": _bench_with(ternary_mm_into)})
 
 TERNARY_MM_UNPACKED = _matmul_spec(
     "ternary_mm_unpacked", "int8 × 2-bit ternary matmul, weights unpacked to int8 once, then an int8 GEMM "
