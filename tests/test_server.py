@@ -617,37 +617,3 @@ def test_the_benchmarks_clients_read_every_event():
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="core pinning is Linux-only")
-def test_engine_cpus_pin_the_process_and_bad_lists_say_what_to_write():
-    from gpulab.engine.server import pin_to_cpus
-    before = os.sched_getaffinity(0)
-    core = min(before)
-    try:
-        pin_to_cpus("")                                   # nothing asked: nothing changes
-        assert os.sched_getaffinity(0) == before
-        pin_to_cpus(str(core))
-        assert os.sched_getaffinity(0) == {core}
-    finally:
-        os.sched_setaffinity(0, before)
-    with pytest.raises(ValueError, match="core numbers separated by commas"):
-        pin_to_cpus("first")
-    with pytest.raises(ValueError, match="this host has cores 0 to"):
-        pin_to_cpus(str(os.cpu_count() + 3))
-    assert os.sched_getaffinity(0) == before
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--engine-cpus", "0"], "needs an engine process"),
-    (["--engine-process", "--engine-cpus", "0,x"], "--engine-cpus='0,x': expected core numbers"),
-    (["--engine-process", "--engine-cpus", ",".join(map(str, range(os.cpu_count() or 1)))], "leaves no core"),
-])
-def test_serve_rejects_engine_cpus_it_cannot_use(argv, says, capsys):
-    from gpulab.engine.server import main
-    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    with pytest.raises(SystemExit):
-        main(argv)
-    assert says in capsys.readouterr().err
-    if before is not None:
-        assert os.sched_getaffinity(0) == before          # a refused option pins nothing

@@ -2,7 +2,7 @@
 
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
-                                             [--api-servers 4] [--server-rounds 4] [--pin-engine 0]
+                                             [--api-servers 4] [--server-rounds 4]
                                              [--client-processes N] [--profile]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
@@ -293,7 +293,7 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
 
 
 def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0,
-                 profile=None, client_processes=None, pin_engine=""):
+                 profile=None, client_processes=None):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
     ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
     ``switch_interval``: the interpreter's GIL switch interval while the server runs
@@ -304,9 +304,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     ``gpulab serve --api-servers N`` as a user starts it (its own process: N HTTP processes
     and the engine's), with the same engine configuration. ``profile`` (a folder, with
     ``api_servers``): cProfile one more in-process run and the engine process
-    (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's.
-    ``pin_engine`` ("0" or "0,1", with ``api_servers``): ``gpulab serve --engine-cpus`` on
-    those cores, the in-process runs on the same cores, the clients on the others."""
+    (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's."""
     import multiprocessing
 
     import uvicorn
@@ -315,10 +313,6 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
 
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
-    all_cores = os.sched_getaffinity(0) if pin_engine else None
-    engine_cores = {int(c) for c in pin_engine.split(",")} if pin_engine else None
-    if pin_engine:                                           # in-process: the engine's cores, like for like
-        os.sched_setaffinity(0, engine_cores)
     llm = LLM(target, engine_config(clients))
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
     # the best of two runs (and, with an engine process, one after the HTTP run): from one
@@ -343,8 +337,6 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
     server = cli = None
-    if pin_engine:             # the server (its HTTP side) and the clients off the engine's cores
-        os.sched_setaffinity(0, all_cores - engine_cores)
     if api_servers:
         cfg = engine_config(clients)
         env = dict(os.environ)
@@ -353,8 +345,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         cli = subprocess.Popen([sys.executable, "-m", "gpulab", "serve", "--port", str(port),
                                 "--api-servers", str(api_servers), "--pages", str(cfg.num_blocks),
                                 "--max-num-seqs", str(cfg.max_num_seqs),
-                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-                               + (["--engine-cpus", pin_engine] if pin_engine else []), env=env)
+                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)], env=env)
         deadline = time.time() + 600
         while not server_healthy(port):
             assert cli.poll() is None and time.time() < deadline, "gpulab serve --api-servers did not start"
@@ -407,8 +398,6 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         except subprocess.TimeoutExpired:
             cli.kill()
     sys.setswitchinterval(default_interval)
-    if pin_engine:
-        os.sched_setaffinity(0, engine_cores)
     if engine_process or api_servers:
         # once more after the HTTP run (its server's engine is another process): the same
         # in-process run went from 57 to 127 K tok/s between processes on one H200 host,
@@ -422,13 +411,11 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         if os.path.exists(path):              # written when the engine process stops
             profiles["engine_process"] = per_step_profile(pstats.Stats(path), int(after["steps"]),
                                                           "engine process (its whole life)")
-    if pin_engine:
-        os.sched_setaffinity(0, all_cores)
     dt = max(r[1] for r in runs) - min(r[0] for r in runs)
     http_tps = sum(r[3] for r in runs) / dt
     return dict(clients=clients, rounds=rounds, client_processes=n_procs, client_cpu_s=sum(r[4] for r in runs),
                 client=f"aiohttp {aiohttp_version()}", engine_process=engine_process or bool(api_servers),
-                api_servers=api_servers or 1, pin_engine=pin_engine or None,
+                api_servers=api_servers or 1,
                 switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
                 engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
                 # where the time went: steps and seconds inside them, in-process and behind HTTP
@@ -516,12 +503,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64; '' for none)")
     ap.add_argument("--server-modes", default="thread,switch,process,scaleout",
                     help="the server runs to make: engine thread, with a 0.5 ms GIL switch interval, "
-                         "engine process, gpulab serve with --api-servers (scaleout), the same with the engine "
-                         "pinned to --pin-engine's cores and the rest off them (pinned), scaleout under cProfile "
+                         "engine process, gpulab serve with --api-servers (scaleout), scaleout under cProfile "
                          "(profile)")
     ap.add_argument("--api-servers", type=int, default=4, help="HTTP processes in the scaleout mode")
-    ap.add_argument("--pin-engine", default="0",
-                    help="the pinned mode's engine cores (gpulab serve --engine-cpus; in-process runs there too)")
     ap.add_argument("--client-processes", type=int, default=None,
                     help="processes the 64 HTTP clients run in (default: half the cores, at most 8)")
     ap.add_argument("--server-rounds", type=int, default=4,
@@ -572,8 +556,6 @@ def main(argv=None) -> int:
             ("process", "server_engine_process", dict(engine_process=True), "server, engine in its own process"),
             ("scaleout", "server_api_servers", dict(api_servers=args.api_servers),
              f"gpulab serve --api-servers {args.api_servers}"),
-            ("pinned", "server_api_servers_pinned", dict(api_servers=args.api_servers, pin_engine=args.pin_engine),
-             f"gpulab serve --api-servers {args.api_servers} --engine-cpus {args.pin_engine}"),
             ("profile", "server_profiled", dict(api_servers=args.api_servers, profile=os.path.join(args.out, "prof")),
              f"gpulab serve --api-servers {args.api_servers}, profiled")):
         if mode in modes:

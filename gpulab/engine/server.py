@@ -498,30 +498,6 @@ def step_deltas(outputs: list[RequestOutput], sent: dict[str, dict[int, int]]) -
     return deltas
 
 
-ENGINE_CPUS_ENV = "GPULAB_ENGINE_CPUS"
-
-
-def parse_cpus(cpus: str) -> set[int]:
-    """The cores of a list like "3" or "2,3", checked against this host (Linux only)."""
-    try:
-        wanted = {int(c) for c in cpus.split(",")}
-    except ValueError:
-        raise ValueError(f"{ENGINE_CPUS_ENV}={cpus!r}: expected core numbers separated by commas, e.g. 3 or 2,3")
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError(f"{ENGINE_CPUS_ENV}: pinning to cores needs Linux (os.sched_setaffinity)")
-    if not wanted <= set(range(os.cpu_count() or 1)):
-        raise ValueError(f"{ENGINE_CPUS_ENV}={cpus!r}: this host has cores 0 to {(os.cpu_count() or 1) - 1}")
-    return wanted
-
-
-def pin_to_cpus(cpus: str) -> None:
-    """Run this process on the CPU cores listed in ``cpus`` ("3" or "2,3"; "" leaves it be),
-    so that API servers and clients on the same host do not take the engine's core between
-    two of its steps."""
-    if cpus:
-        os.sched_setaffinity(0, parse_cpus(cpus))
-
-
 def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None, report_every: float = 0.0) -> None:
     """The engine process: build the engine, then step while there is work; between
     steps take every command that arrived, from the parent's pipe and from every API
@@ -532,7 +508,6 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
     # (a "stop" command, or its pipe closing) after its API servers, so it ignores SIGINT
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pin_to_cpus(os.environ.get(ENGINE_CPUS_ENV, ""))
         llm = make_llm()
         listener = None if listen is None else multiprocessing.connection.Listener(listen[0], authkey=listen[1])
     except Exception as e:                       # reported to the parent's start()
@@ -967,7 +942,7 @@ def quiet_lifespan_cancel(record: logging.LogRecord) -> bool:
 
 def main(argv=None) -> int:
     """``gpulab serve [--host H] [--port P] [--pages N] [--max-num-seqs B] [--stream-interval S]
-    [--engine-process] [--api-servers N] [--engine-cpus LIST]``."""
+    [--engine-process] [--api-servers N]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -983,9 +958,6 @@ def main(argv=None) -> int:
     ap.add_argument("--api-servers", type=int, default=1,
                     help="HTTP processes feeding one engine process (more than 1 implies --engine-process): "
                          "one event loop handles a few hundred requests a second")
-    ap.add_argument("--engine-cpus", default="",
-                    help="with an engine process: the CPU cores it runs on (e.g. 0 or 0,1), and the HTTP side "
-                         "on the others, so that neither takes the other's core (Linux)")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:
         ap.error("--stream-interval must be between 0 and 1 second")
@@ -998,18 +970,6 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as e:
         ap.error(str(e))
     url = f"http://{args.host}:{args.port}/v1"
-    if args.engine_cpus:
-        if args.api_servers == 1 and not args.engine_process:
-            ap.error("--engine-cpus needs an engine process: add --engine-process or --api-servers N")
-        try:
-            engine_cores = parse_cpus(args.engine_cpus)   # checked here, where the error is clear
-        except ValueError as e:
-            ap.error(str(e).replace(ENGINE_CPUS_ENV, "--engine-cpus"))
-        rest = set(os.sched_getaffinity(0)) - engine_cores
-        if not rest:
-            ap.error(f"--engine-cpus {args.engine_cpus} leaves no core for the HTTP side")
-        os.sched_setaffinity(0, rest)                     # the API servers inherit the other cores
-        os.environ[ENGINE_CPUS_ENV] = args.engine_cpus     # the engine process pins itself
     if args.api_servers > 1:
         import shutil
         import tempfile
