@@ -755,8 +755,11 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
 
 # A few rows (2..SMALL_MM_MAX_M): ternary_mm_small_kernel. On the H200 (tools/small_m_probe.py,
 # 2026-12-03, as launched) it took 18.2 µs at M = 16, K = N = 8192 against 31.0 µs for
-# ternary_mm_kernel's best tile (the same tile with the portable unpacking: 37-49 µs), and
-# 28-38 µs against 58 µs at M = 40 and 64; from M = 128 on it lost, so larger M stays there.
+# ternary_mm_kernel's best tile (the same tile with the portable unpacking: 49 µs), and
+# 28-29 µs against 58 µs at M = 40 and 64; from M = 128 on it lost, so larger M stays there.
+# (Its loop streams the weight bytes through shared memory with cp.async, as the other tiled
+# kernels do; static counts of the compiled loop, sm_90: 2.4 instructions per weight, 6.6 with
+# the portable unpacking, 5.9 in ternary_mm_kernel.)
 SMALL_MM_MAX_M = 64
 
 

@@ -12,8 +12,8 @@ import triton
 
 from ..bitlinear import (WEIGHT_FLOOR, pack_ternary, pack_ternary_x16, ternary_gemv_into,
                          ternary_gemv_x16_into, ternary_matmul, ternary_matmul_into, ternary_matmul_ref,
-                         ternary_mm_into, ternary_mm_small_into, ternary_mm_unpacked_into, ternary_mm_x16_into, ternary_quantize,
-                         unpack_ternary, unpack_ternary_x16)
+                         ternary_mm_into, ternary_mm_small_into, ternary_mm_unpacked_into, ternary_mm_x16_into,
+                         ternary_quantize, unpack_ternary, unpack_ternary_x16)
 from ..harness.checking import Hypothesis, hypotheses_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..normquant import absmax_quantize
