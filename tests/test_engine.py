@@ -523,3 +523,25 @@ def test_finished_only_steps_can_report_first_tokens(model, overlap):
     llm.add_request("a", SamplingParams(max_tokens=5))
     ends = [o for _ in range(20) for o in llm.step(finished_only=True)]
     assert [o.finished for o in ends] == [True]
+
+
+def test_kept_metrics_stay_bounded_and_keep_what_is_running(model):
+    """A served engine keeps its newest records only (``EngineMetrics.keep_last``): the
+    oldest finished requests go, running ones stay, steps are a sliding window, and the
+    summary still works; asking to keep none is an error."""
+    llm = LLM(model, EngineConfig(linear="torch", attention="torch"))
+    running = llm.add_request("a request still running", SamplingParams(max_tokens=200))
+    llm.step()
+    llm.metrics.keep_last(3)
+    ids = [llm.add_request(f"prompt {i}", SamplingParams(max_tokens=2)) for i in range(8)]
+    while any(m.finish is None for rid, m in llm.metrics.requests.items() if rid != running):
+        llm.step()
+    finished = [rid for rid, m in llm.metrics.requests.items() if m.finish is not None]
+    assert finished == ids[-3:]                      # the three newest, in order
+    assert running in llm.metrics.requests           # still running: kept
+    assert len(llm.metrics.steps) <= 3
+    assert llm.metrics.summary()["requests"] == 3
+    llm.abort(running)
+    assert llm.idle()
+    with pytest.raises(ValueError, match="keep_last needs a number of records >= 1"):
+        llm.metrics.keep_last(0)

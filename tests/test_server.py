@@ -617,3 +617,12 @@ def test_the_benchmarks_clients_read_every_event():
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_served_engine_keeps_a_bounded_history(model):
+    """The server's engine loop keeps the newest records only: kept whole they would grow
+    by one per step and per request for as long as the server runs."""
+    from gpulab.engine.server import METRICS_HISTORY, EngineLoop
+    llm = LLM(model, EngineConfig(num_blocks=64))
+    EngineLoop(llm)                                   # what create_app's startup builds
+    assert llm.metrics.history == METRICS_HISTORY

@@ -409,6 +409,7 @@ class LLM:
         m.num_cached_tokens = first.num_cached_tokens
         if done and m.finish is None:
             m.finish = now
+            self.metrics.request_finished(request_id)
         prompt = self.prompt_ids.get(request_id)
         if prompt is None:                     # copied once per request, not once per step
             prompt = self.prompt_ids[request_id] = first.token_ids[:first.num_prompt_tokens]

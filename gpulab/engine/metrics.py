@@ -12,6 +12,7 @@ and the steps' times are summarised with and without prompt tokens.
 """
 from __future__ import annotations
 
+import collections
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
@@ -82,10 +83,37 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class EngineMetrics:
+    """Every request's and every step's record, for summaries and plots of a run; or, after
+    :meth:`keep_last`, only the newest (a server runs for days)."""
+
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self.requests: dict[str, RequestMetrics] = {}
         self.steps: list[StepRecord] = []
+        self.history: int | None = None            # None: keep everything
+        self._finished: collections.deque[str] = collections.deque()
+
+    def keep_last(self, n: int) -> None:
+        """From now on keep the newest ``n`` steps and ``n`` finished requests (requests
+        still running are always kept). A server calls this: kept whole, the records grow
+        by one per step and one per request for as long as it serves."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"keep_last needs a number of records >= 1, got {n!r}")
+        self.history = n
+        self.steps = collections.deque(self.steps, maxlen=n)
+        self._finished = collections.deque(rid for rid, r in self.requests.items() if r.finish is not None)
+        self._trim()
+
+    def request_finished(self, request_id: str) -> None:
+        """The engine's note that a request finished: with a history kept, the oldest
+        finished request's record goes once there are more than it keeps."""
+        if self.history is not None:
+            self._finished.append(request_id)
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self._finished) > self.history:
+            self.requests.pop(self._finished.popleft(), None)
 
     def summary(self, hit_rate: float | None = None) -> dict:
         done = [r for r in self.requests.values() if r.finish is not None]

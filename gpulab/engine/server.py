@@ -226,6 +226,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, report_every: float = 0.0):
         self.llm = llm
+        llm.metrics.keep_last(METRICS_HISTORY)
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[str, Subscription] = {}
         self.ids = itertools.count()
@@ -309,6 +310,11 @@ class EngineLoop:
 
     def stats(self) -> dict:
         return engine_stats(self.llm, self.steps, self.busy)
+
+
+# A served engine keeps the records of its newest steps and finished requests only (for
+# plot_serving_timeline and summaries): kept whole they would grow for as long as it serves.
+METRICS_HISTORY = 10_000
 
 
 def engine_stats(llm: LLM, steps: int, busy: float = 0.0) -> dict:
@@ -509,6 +515,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = make_llm()
+        llm.metrics.keep_last(METRICS_HISTORY)
         listener = None if listen is None else multiprocessing.connection.Listener(listen[0], authkey=listen[1])
     except Exception as e:                       # reported to the parent's start()
         conn.send(("error", f"{type(e).__name__}: {e}"))
