@@ -158,6 +158,7 @@ def test_completion_equals_engine_in_process(server, model):
                   if line.startswith("gpulab_engine_"))
     assert float(gauges["gpulab_engine_steps"]) >= body["usage"]["completion_tokens"]
     assert float(gauges["gpulab_engine_busy_seconds"]) > 0
+    assert 1 <= float(gauges["gpulab_engine_prompt_steps"]) < float(gauges["gpulab_engine_steps"])
 
 
 def test_stream_concatenates_to_the_same_text(server, model):

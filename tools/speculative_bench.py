@@ -277,6 +277,7 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
         add(i)
     tokens = steps = 0
     busy = 0.0
+    prompt_steps = llm.metrics.prompt_steps
     while llm.has_unfinished():
         t1 = time.perf_counter()
         outputs = llm.step(finished_only=True)
@@ -289,7 +290,8 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
                 add(i)
     sync()
     wall = time.perf_counter() - t0
-    return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=steps, busy_s=busy)
+    return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=steps, busy_s=busy,
+                prompt_steps=llm.metrics.prompt_steps - prompt_steps)
 
 
 def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0,
@@ -422,7 +424,9 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
                 # (the HTTP figures are the engine's /metrics counters around the timed run;
                 # the first report after the run may lag by a step)
                 engine_steps=best["steps"], engine_busy_s=best["busy_s"], engine_wall_s=best["wall_s"],
+                engine_prompt_steps=best["prompt_steps"],
                 http_steps=after["steps"] - before["steps"], http_busy_s=after["busy_seconds"] - before["busy_seconds"],
+                http_prompt_steps=after["prompt_steps"] - before["prompt_steps"],
                 http_wall_s=dt,
                 http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
                 events=sum(r[2] for r in runs), all_pages_free=pages_free,
@@ -451,7 +455,8 @@ def engine_gauges(port) -> dict:
     """The engine's step counters from the server's /metrics."""
     text = httpx_get(f"http://127.0.0.1:{port}/metrics")
     found = {}
-    for key, name in (("steps", "gpulab_engine_steps"), ("busy_seconds", "gpulab_engine_busy_seconds")):
+    for key, name in (("steps", "gpulab_engine_steps"), ("busy_seconds", "gpulab_engine_busy_seconds"),
+                      ("prompt_steps", "gpulab_engine_prompt_steps")):
         line = next(line for line in text.splitlines() if line.startswith(name + " "))
         found[key] = float(line.split()[1])
     return found
@@ -563,9 +568,10 @@ def main(argv=None) -> int:
                                            client_processes=args.client_processes, **kwargs)
             print(f"{what}: {r['ratio']:.0%} of in-process ({r['http_tokens_per_s']:.0f} vs "
                   f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events); steps: "
-                  f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, behind HTTP; "
+                  f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, "
+                  f"{r['http_prompt_steps']:.0f} with prompt tokens, behind HTTP; "
                   f"{r['engine_steps']} in {r['engine_wall_s']:.3f} s, {r['engine_busy_s']:.3f} s busy, "
-                  "in-process", flush=True)
+                  f"{r['engine_prompt_steps']} with prompt tokens, in-process", flush=True)
             save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")

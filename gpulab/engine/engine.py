@@ -357,7 +357,7 @@ class LLM:
             if first_tokens:
                 touched += [rid for rid in dict.fromkeys(first) if rid not in touched]
         bm = self.block_manager
-        self.metrics.steps.append(StepRecord(
+        self.metrics.record(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
             len(batch.preempted), plan.use_graph, plan.prefix is not None, [s.seq_id for s, _ in items],
             [1] * len(items) if not n_prefill else [n for _, n in items], prefill,

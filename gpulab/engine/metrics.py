@@ -92,6 +92,13 @@ class EngineMetrics:
         self.steps: list[StepRecord] = []
         self.history: int | None = None            # None: keep everything
         self._finished: collections.deque[str] = collections.deque()
+        self.prompt_steps = 0                       # steps that carried prompt tokens, ever
+
+    def record(self, step: StepRecord) -> None:
+        """Keep a step's record (and count it if it carried prompt tokens)."""
+        self.steps.append(step)
+        if step.prefill_tokens:
+            self.prompt_steps += 1
 
     def keep_last(self, n: int) -> None:
         """From now on keep the newest ``n`` steps and ``n`` finished requests (requests

@@ -320,11 +320,12 @@ METRICS_HISTORY = 10_000
 def engine_stats(llm: LLM, steps: int, busy: float = 0.0) -> dict:
     """The gauges /metrics shows (a snapshot; read from another thread, so approximate).
     ``busy``: seconds spent in steps; against wall-clock time it says whether the engine
-    or what feeds it is the limit."""
+    or what feeds it is the limit. ``prompt_steps``: steps that carried prompt tokens (a
+    step with a prompt chunk costs more than a decode-only one replayed from its graph)."""
     bm = llm.block_manager
     return {"pages_used": bm.num_used, "pages_total": llm.config.num_blocks, "running": len(llm.scheduler.running),
             "waiting": len(llm.scheduler.waiting), "steps": steps, "busy_seconds": busy,
-            "hit_rate": bm.hit_rate()}
+            "prompt_steps": llm.metrics.prompt_steps, "hit_rate": bm.hit_rate()}
 
 
 class EngineProcess:
@@ -675,6 +676,8 @@ class ServerMetrics:
                                ("waiting", "requests_waiting", "requests waiting for pages"),
                                ("steps", "engine_steps", "engine steps run"),
                                ("busy_seconds", "engine_busy_seconds", "seconds the engine spent in steps"),
+                               ("prompt_steps", "engine_prompt_steps",
+                                "engine steps that carried prompt tokens (the others only decoded)"),
                                ("hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache")):
             Gauge(f"gpulab_{name}", doc, registry=r).set_function(lambda key=key: engine.stats()[key])
 
