@@ -322,7 +322,9 @@ class _InstantEngine:
     """An engine whose steps cost ``step_s`` and nothing else: one byte 'a' per step."""
 
     def __init__(self, step_s: float):
+        from gpulab.engine.metrics import EngineMetrics
         self.groups, self.step_s = {}, step_s
+        self.metrics = EngineMetrics(num_pages=1)     # the loop bounds its history
 
     def has_unfinished(self):
         return bool(self.groups)
