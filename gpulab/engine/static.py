@@ -109,8 +109,8 @@ class StaticBatchLLM:
             n_prefill, n_decode = sum(n for _, n in items if n > 1), sum(n for _, n in items if n == 1)
             flags = [n > 1 for _, n in items]
         self.metrics.record(StepRecord(t0, now, len(items), n_prefill, n_decode, len(self.batch), 0,
-                                             len(self.waiting), 0, plan.use_graph, False,
-                                             [s.seq_id for s, _ in items], [n for _, n in items], flags))
+                                       len(self.waiting), 0, plan.use_graph, False,
+                                       [s.seq_id for s, _ in items], [n for _, n in items], flags))
         if self.batch_done == len(self.batch) or not items:
             self.batch, self.batch_done = [], 0
         return outputs
