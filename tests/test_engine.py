@@ -251,13 +251,18 @@ def test_overlap_needs_the_packages_own_parts(model):
     assert not LLM(model, EngineConfig()).overlap or gpulab.mode() == "compiled"
 
 
-def test_abort_frees_pages(model):
-    llm = LLM(model, EngineConfig(block_size=4))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_pages(model, overlap):
+    """Also with the host a step ahead (the GPU's default): the step in flight holds only
+    the aborted request, so nothing is left to wait for."""
+    llm = LLM(model, EngineConfig(block_size=4, overlap=overlap))
     rid = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=20))
     llm.step()
     assert llm.block_manager.num_used > 0
+    n_steps = len(llm.metrics.steps)
     llm.abort(rid)
-    assert llm.idle()
+    assert llm.idle() and llm.in_flight is None
+    assert len(llm.metrics.steps) == n_steps + overlap      # the landed step is recorded
 
 
 def test_static_batching_baseline_matches_reference(model, expected):
@@ -296,11 +301,13 @@ def test_train_and_serve_bench_commands(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_timeline_records_every_step(model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_timeline_records_every_step(model, overlap):
     from gpulab.engine import timeline
-    llm = LLM(model, EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=16))
+    llm = LLM(model, EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=16, overlap=overlap))
     frames = timeline.record(llm, PROMPTS[:4], SamplingParams(max_tokens=5))
     assert len(frames) == len(llm.metrics.steps) and llm.idle()
+    assert llm.overlap == overlap                # the engine's own setting again afterwards
     assert all(len(f.pages) == 20 for f in frames) and any(f.preempted for f in frames)
     timeline.draw(frames, len(frames) // 2)
     view = timeline.explore(frames)              # the notebook's view: a step slider over the figure
@@ -525,11 +532,12 @@ def test_finished_only_steps_can_report_first_tokens(model, overlap):
     assert [o.finished for o in ends] == [True]
 
 
-def test_kept_metrics_stay_bounded_and_keep_what_is_running(model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_kept_metrics_stay_bounded_and_keep_what_is_running(model, overlap):
     """A served engine keeps its newest records only (``EngineMetrics.keep_last``): the
     oldest finished requests go, running ones stay, steps are a sliding window, and the
     summary still works; asking to keep none is an error."""
-    llm = LLM(model, EngineConfig(linear="torch", attention="torch"))
+    llm = LLM(model, EngineConfig(linear="torch", attention="torch", overlap=overlap))
     running = llm.add_request("a request still running", SamplingParams(max_tokens=200))
     llm.step()
     llm.metrics.keep_last(3)

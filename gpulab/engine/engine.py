@@ -225,6 +225,12 @@ class LLM:
             drop_placeholders(seq)
         self.pending_forks.discard(request_id)
         self._maybe_close(request_id, time.perf_counter())
+        step = self.in_flight
+        if step is not None and all(seq.finished for seq in step.seqs):
+            # nothing of it is left to report: land it now (its record goes into the
+            # metrics), so that an engine whose last request was aborted is idle at once
+            self.in_flight = None
+            self.land(step, finished_only=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None

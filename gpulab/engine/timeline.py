@@ -30,9 +30,22 @@ class Frame:
 
 
 def record(llm: LLM, prompts, params, max_steps: int = 10_000) -> list[Frame]:
-    """Serve ``prompts`` to completion, one frame per step."""
+    """Serve ``prompts`` to completion, one frame per step. A GPU engine whose host runs a
+    step ahead (``EngineConfig.overlap``) records a step only when the next one starts, so
+    here it runs one step at a time (the same steps; only when tokens are read differs)."""
+    if llm.in_flight is not None:
+        raise ValueError("timeline.record needs an engine with no step in flight: "
+                         "serve its running requests to the end first")
     for p, sp in zip(prompts, params if isinstance(params, (list, tuple)) else [params] * len(prompts)):
         llm.add_request(p, sp)
+    overlap, llm.overlap = llm.overlap, False
+    try:
+        return _frames(llm, max_steps)
+    finally:
+        llm.overlap = overlap
+
+
+def _frames(llm: LLM, max_steps: int) -> list[Frame]:
     frames = []
     while llm.has_unfinished() and len(frames) < max_steps:
         llm.step()
