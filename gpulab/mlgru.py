@@ -47,10 +47,12 @@ the same linear recurrence run backwards in time with the gates shifted by one s
   Optionally in windows of ``segment`` steps, so phase 3 may reread f and i from L2.
 
 Which kernel runs (``kernel="auto"``): the recurrent kernel for T ≤ 32 (a chunk would be
-mostly padding), the chunked kernel otherwise. The two-phase kernel is not chosen
-automatically yet: ``choose_kernel`` switches to it (above some T, with the chunk
-length in ``TWO_PHASE_CHUNK``) once tools/mlgru_scan_bench.py has measured it faster on
-the H200. Accumulation is float32 throughout; h is stored in the input dtype, the final
+mostly padding), the chunked kernel up to T < 2048, the two-phase kernel from there (on
+the H200, tools/mlgru_scan_bench.py, 2026-12-03: at B16 D512 57.7 vs 69.4 µs at T = 2048,
+178 vs 246 µs at T = 8192; the chunked kernel still wins at T = 1024), in chunks of about
+T/32 steps (64 to 256: enough chunks to fill the GPU, each long enough to stream). Its
+tiles keep a tile's time steps inside each thread, so that a tile's scan needs no
+shuffles. Accumulation is float32 throughout; h is stored in the input dtype, the final
 state ``h_last`` in float32.
 """
 from __future__ import annotations
@@ -271,10 +273,15 @@ def scan_backward_chunked_kernel(f_ptr, h0_ptr, h_ptr, dh_ptr, dhlast_ptr,
 # Three launches over chunks of CHUNK time steps, every (channel block, chunk, batch row)
 # its own program: T/CHUNK times the chunked kernel's parallelism, for two more passes
 # over f and i (5 instead of 3). Scratch: [B, n_chunks, D] float32 maps and carries.
+# The last five put a whole tile's time steps in each thread (BLOCK_D = 256 per warp: 32
+# threads × 8 channels of 16 bytes), so a tile's scan runs in registers; the first four
+# spread time steps over threads and warps, and their scans cost shuffles and barriers
+# (112 shuffles and 22 barriers per tile at (16, 128, 4) in the compiled PTX).
 _TWO_PHASE_CONFIGS = _configs(
     [triton.Config({"BLOCK_T": 4, "BLOCK_D": 16}, num_warps=1)],
     [triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
-     for bt, bd, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 8))])
+     for bt, bd, w in ((32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 8),
+                       (4, 256, 1), (8, 256, 1), (16, 256, 1), (4, 512, 2), (8, 512, 2))])
 
 
 @triton.jit
@@ -416,14 +423,20 @@ def scan_chunked_into(f, i, h0, h, h_last):
     scan_chunked_kernel[_grid(B, D)](f, i, h0, h, h_last, B, T, D)
 
 
-TWO_PHASE_CHUNK = 256             # time steps per chunk on a GPU (to be tuned on the H200)
+TWO_PHASE_CHUNK = 256             # the longest chunk on a GPU (the H200's fastest at T = 8192)
+TWO_PHASE_MIN_CHUNK = 64          # the shortest (fastest at T = 2048)
 TWO_PHASE_CHUNK_INTERPRETED = 8   # in the interpreter (~1 ms per program): small shapes, small chunks
 CARRY_BLOCK_D = 16 if runtime.interpreting() else 64   # channels per phase-2 program
 
 
-def two_phase_chunk() -> int:
-    """The chunk length :func:`scan_two_phase_into` uses unless told."""
-    return TWO_PHASE_CHUNK_INTERPRETED if runtime.interpreting() else TWO_PHASE_CHUNK
+def two_phase_chunk(T: int | None = None) -> int:
+    """The chunk length :func:`scan_two_phase_into` uses unless told: on a GPU about T/32
+    steps, between TWO_PHASE_MIN_CHUNK and TWO_PHASE_CHUNK (T = None: the longest)."""
+    if runtime.interpreting():
+        return TWO_PHASE_CHUNK_INTERPRETED
+    if T is None:
+        return TWO_PHASE_CHUNK
+    return max(TWO_PHASE_MIN_CHUNK, min(TWO_PHASE_CHUNK, runtime.next_power_of_2(max(1, T // 32))))
 
 
 def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segment: int | None = None):
@@ -435,7 +448,7 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
     windows of that many steps in turn, each starting from the previous one's h_last, so
     that phase 3 may find a window's f and i still in the L2 cache."""
     B, T, D = f.shape
-    chunk = two_phase_chunk() if chunk is None else int(chunk)
+    chunk = two_phase_chunk(T) if chunk is None else int(chunk)
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
     if T == 0:
@@ -447,17 +460,21 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
     a, bc, carry = scratch[0], scratch[1], scratch[2]
     keep = segment < T          # windows: hint L2 to keep f and i from phase 1 to phase 3
     state = h0
+    # launched through runtime.launch_tuned / launch: three launches per window, and
+    # Triton's autotuner wrapper alone costs tens of µs of host time per launch
+    summary_key = (B, D, chunk, 1 if keep else 0, f.dtype)
+    apply_key = (B, D, chunk, 2 if keep else 0, f.dtype, h.dtype)
     for t0 in range(0, T, segment):
         t1 = min(t0 + segment, T)
         n = runtime.cdiv(t1 - t0, chunk)
         grid = lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
-        scan_chunk_summary_kernel[grid](f, i, a, bc, B, T, D, t0, t1, n, CHUNK=chunk,
-                                        L2_POLICY=1 if keep else 0)
-        scan_chunk_carry_kernel[(runtime.cdiv(D, CARRY_BLOCK_D), B)](
-            a, bc, carry, state, h_last, D, n, CHUNKS_BLOCK=min(64, runtime.next_power_of_2(n)),
-            BLOCK_D=CARRY_BLOCK_D, num_warps=4)
-        scan_chunk_apply_kernel[grid](f, i, carry, h, B, T, D, t0, t1, n, CHUNK=chunk,
-                                      L2_POLICY=2 if keep else 0)
+        runtime.launch_tuned(scan_chunk_summary_kernel, grid, summary_key, f, i, a, bc, B, T, D, t0, t1, n,
+                             CHUNK=chunk, L2_POLICY=1 if keep else 0)
+        runtime.launch(scan_chunk_carry_kernel, (runtime.cdiv(D, CARRY_BLOCK_D), B),
+                       {"CHUNKS_BLOCK": min(64, runtime.next_power_of_2(n)), "BLOCK_D": CARRY_BLOCK_D,
+                        "num_warps": 4}, a, bc, carry, state, h_last, D, n)
+        runtime.launch_tuned(scan_chunk_apply_kernel, grid, apply_key, f, i, carry, h, B, T, D, t0, t1, n,
+                             CHUNK=chunk, L2_POLICY=2 if keep else 0)
         state = h_last
 
 
@@ -471,13 +488,14 @@ def scan_backward_chunked_into(f, h0, h, dh, dh_last, df, di, dh0):
     scan_backward_chunked_kernel[_grid(B, D)](f, h0, h, dh, dh_last, df, di, dh0, B, T, D)
 
 
-RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel, else chunked
+RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel,
+TWO_PHASE_MIN_T = 2048      # T >= this -> two-phase, chunked in between
 
 
 def choose_kernel(T: int) -> str:
-    """The rule: 'recurrent' for T <= RECURRENT_MAX_T, else 'chunked'. ('two_phase' joins
-    the rule once tools/mlgru_scan_bench.py has measured it on a GPU.)"""
-    return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
+    """The rule: 'recurrent' for T <= RECURRENT_MAX_T, 'two_phase' for T >= TWO_PHASE_MIN_T,
+    else 'chunked' (measured on the H200: see the module's docstring)."""
+    return "recurrent" if T <= RECURRENT_MAX_T else "two_phase" if T >= TWO_PHASE_MIN_T else "chunked"
 
 
 _FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into, "two_phase": scan_two_phase_into}

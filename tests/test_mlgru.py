@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 import gpulab
-from gpulab import mlgru
+from gpulab import mlgru, runtime
 from gpulab.harness.checking import rejects
 from gpulab.harness.spec import Case
 
@@ -127,9 +127,14 @@ def test_two_phase_empty_sequence_returns_h0(device):
     assert torch.equal(h_last, h0)
 
 
-def test_two_phase_is_not_the_automatic_choice_yet():
-    """'auto' switches to two_phase only after it has been measured on a GPU."""
-    assert {mlgru.choose_kernel(T) for T in (1, 33, 8192, 1 << 20)} == {"recurrent", "chunked"}
+def test_rule_picks_two_phase_for_long_sequences():
+    """From TWO_PHASE_MIN_T steps (measured on the H200), in chunks of about T/32 steps."""
+    assert mlgru.choose_kernel(mlgru.TWO_PHASE_MIN_T - 1) == "chunked"
+    assert mlgru.choose_kernel(mlgru.TWO_PHASE_MIN_T) == mlgru.choose_kernel(1 << 20) == "two_phase"
+    if runtime.interpreting():
+        assert mlgru.two_phase_chunk(8192) == mlgru.TWO_PHASE_CHUNK_INTERPRETED
+    else:
+        assert [mlgru.two_phase_chunk(T) for T in (2048, 4096, 8192, 1 << 20)] == [64, 128, 256, 256]
 
 
 @pytest.mark.parametrize("chunk", sorted({C, mlgru.TWO_PHASE_CHUNK}))

@@ -1,6 +1,6 @@
 """The MLGRU forward scan on the H200: the chunked kernel vs the two-phase kernel (issue 13).
 
-    PYTHONPATH=. python3 tools/mlgru_scan_bench.py OUTDIR [--compile] [--quick]
+    PYTHONPATH=. python3 tools/mlgru_scan_bench.py OUTDIR [--compile] [--quick | --first-only | --t-sweep] [--graph]
 
 Writes OUTDIR/mlgru_scan_bench.json and prints a table. For B16 T8192 D512 and
 B4 T32768 D1024, bfloat16 (the spec's inputs: forget gates near 1, h0 given), it times
@@ -8,12 +8,16 @@ with ``do_bench`` (median, L2 flushed; autotuning on):
 
 * ``chunked``: :func:`gpulab.mlgru.scan_chunked_into` (today's "auto" at these shapes);
 * ``two_phase chunk=C segment=S``: :func:`gpulab.mlgru.scan_two_phase_into` for
-  C in 64 .. 1024 and S in (all of T, 512, 1024, 2048), S ≥ 2C (S < T: the three phases
+  C in 16 .. 1024 and S in (all of T, 512, 1024, 2048), S ≥ 2C (S < T: the three phases
   run on windows of S steps in turn, phase 1 loading with an L2 "evict_last" hint, so
   phase 3 may find f and i in the L2 cache);
 * for the fastest two-phase setting: each of its three launches alone, and the whole
   call inside a CUDA graph (``time_graph_ms``: no launch gaps) next to the chunked kernel
   in a graph;
+* ``--graph``: every two-phase row in a CUDA graph too (windows cost three launches
+  each: the graph shows the GPU's time without the host's);
+* ``--t-sweep``: B16 D512 at T = 512 .. 4096 instead, chunks 64-256, no windows: where
+  ``mlgru.choose_kernel`` switches from the chunked kernel to the two-phase one;
 * ``--compile``: torch.compile of the log-step PyTorch scan (slow to compile; measured
   before at 3262 µs, so off by default).
 
@@ -45,7 +49,8 @@ from gpulab.harness.bench import ceilings, require_gpu, time_graph_ms, time_ms  
 from gpulab.harness.spec import Case  # noqa: E402
 
 SHAPES = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512)), Case("B4 T32768 D1024", dict(B=4, T=32768, D=1024))]
-CHUNKS = (64, 128, 256, 512, 1024)
+T_SWEEP = [Case(f"B16 T{t} D512", dict(B=16, T=t, D=512)) for t in (512, 1024, 2048, 4096)]
+CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
 SEGMENTS = (None, 512, 1024, 2048)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -97,15 +102,19 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--compile", action="store_true", help="also torch.compile the log-step PyTorch scan")
     ap.add_argument("--quick", action="store_true", help="first shape only, chunks 128/256/512, no segments")
+    ap.add_argument("--t-sweep", action="store_true",
+                    help="B16 D512 at T = 512 .. 4096 (where the rule switches kernels), chunks 64/128/256, no segments")
+    ap.add_argument("--graph", action="store_true", help="time every two-phase row in a CUDA graph too")
+    ap.add_argument("--first-only", action="store_true", help="only the first shape (all chunks and segments)")
     args = ap.parse_args()
     require_gpu("the scan benchmark")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ceil = ceilings()
     spec = gpulab.get_spec("mlgru_scan_chunked")
-    shapes = SHAPES[:1] if args.quick else SHAPES
-    chunks = (128, 256, 512) if args.quick else CHUNKS
-    segments = (None,) if args.quick else SEGMENTS
+    shapes = T_SWEEP if args.t_sweep else SHAPES[:1] if args.quick or args.first_only else SHAPES
+    chunks = (64, 128, 256) if args.t_sweep else (128, 256, 512) if args.quick else CHUNKS
+    segments = (None,) if args.quick or args.t_sweep else SEGMENTS
     result = {"device": runtime.gpu_name(), "versions": runtime.versions(), "dtype": "bfloat16",
               "ceilings": ceil, "two_phase_chunk_default": mlgru.TWO_PHASE_CHUNK, "shapes": []}
     for case in shapes:
@@ -116,7 +125,7 @@ def main() -> int:
         rows, checks = [], {}
         h_ref, hl_ref = torch.empty_like(f), torch.empty(B, D, dtype=torch.float32, device=DEVICE)
         mlgru.scan_chunked_into(f, i, h0, h_ref, hl_ref)
-        if case is SHAPES[0]:
+        if case is shapes[0]:
             ref = mlgru.scan_reference(f, i, h0)
             checks["chunked vs float64: max |h diff|, |h_last diff|, within bf16 tolerance"] = (
                 _diff(h_ref, ref["h"]), _diff(hl_ref, ref["h_last"]), _close(h_ref, ref["h"]))
@@ -126,7 +135,7 @@ def main() -> int:
         best = None
         for chunk in chunks:
             for segment in segments:
-                if segment is not None and (segment >= T or segment < 2 * chunk):
+                if segment is not None and (segment >= T or segment < 2 * chunk) or chunk >= T:
                     continue
 
                 def run(chunk=chunk, segment=segment):
@@ -134,13 +143,14 @@ def main() -> int:
                 ms = time_ms(run)
                 run()
                 torch.cuda.synchronize()
+                extra = {"graph_us": round(time_graph_ms(run) * 1e3, 2)} if args.graph else {}
                 r = _row(f"two_phase chunk={chunk} segment={segment or T}", ms, p, ceil, 5, spec,
                          chunk=chunk, segment=segment, max_h_diff_vs_chunked=_diff(h, h_ref),
-                         max_hlast_diff_vs_chunked=_diff(h_last, hl_ref))
+                         max_hlast_diff_vs_chunked=_diff(h_last, hl_ref), **extra)
                 rows.append(r)
                 if best is None or r["us"] < best["us"]:
                     best = r
-        if case is SHAPES[0]:
+        if case is shapes[0]:
             mlgru.scan_two_phase_into(f, i, h0, h, h_last)
             checks["two_phase (default chunk) vs float64: max |h diff|, |h_last diff|, within bf16 tolerance"] = (
                 _diff(h, ref["h"]), _diff(h_last, ref["h_last"]), _close(h, ref["h"]))
@@ -166,9 +176,10 @@ def main() -> int:
                                  "best_two_phase": best["impl"], "best_phase_breakdown_us": breakdown,
                                  "cuda_graph_us": graph, "checks": checks})
         print(f"\n{case.label} bf16: roofline {roof_us:.1f} µs (copy {ceil['bytes_per_s'] / 1e12:.2f} TB/s)")
-        print(f"{'impl':40s} {'µs':>9s} {'GB/s':>8s} {'% copy':>7s} {'real GB/s':>10s}")
+        print(f"{'impl':40s} {'µs':>9s} {'GB/s':>8s} {'% copy':>7s} {'real GB/s':>10s} {'graph µs':>9s}")
         for r in rows:
-            print(f"{r['impl']:40s} {r['us']:9.1f} {r['GB/s']:8.1f} {r['pct_of_copy']:7.1f} {r['achieved_GB/s']:10.1f}")
+            print(f"{r['impl']:40s} {r['us']:9.1f} {r['GB/s']:8.1f} {r['pct_of_copy']:7.1f} {r['achieved_GB/s']:10.1f}"
+                  f" {r.get('graph_us', ''):>9}")
         print("best two-phase, launches alone (µs):", breakdown)
         print("in a CUDA graph (µs):", graph)
         print("checks:", checks)

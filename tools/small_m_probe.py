@@ -8,7 +8,8 @@ usage (repository root, on the H200):
     PYTHONPATH=$PWD python tools/small_m_probe.py OUTDIR [--quick]
 
 1. At M = 16, K = N = 8192: every config of the sweep below, checked equal (bits) to
-   ``ternary_mm_into`` first, timed as launched (``do_bench`` median, L2 flushed).
+   ``ternary_mm_into`` first, timed as launched (``do_bench`` median, L2 flushed);
+   ``--warps 4,8`` sweeps 8-warp programs too (up to 64 columns), ``--sweep-only`` stops here.
 2. The three fastest configs on every (M, N, K) of SHAPES x MS, with F.linear, ``ternary_matmul``
    as called, and the best small-kernel config again in a CUDA graph (as the engine replays it).
 Writes OUTDIR/small_m_probe.json (rows: shape, implementation, config, µs) and prints a table.
@@ -34,11 +35,12 @@ SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048)
 MS = (2, 5, 16, 40, 64, 128)
 
 
-def sweep_configs(quick: bool) -> list[dict]:
+def sweep_configs(quick: bool, warps=(4,)) -> list[dict]:
     out = []
     bqs, stages = ((256,), (3, 4)) if quick else ((128, 256, 512), (3, 4, 5))
-    for bn, bq, st in itertools.product((32, 64), bqs, stages):
-        out.append({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_Q": bq, "num_warps": 4, "num_stages": st})
+    for nw, bn, bq, st in itertools.product(warps, (32, 64, 128), bqs, stages):
+        if bn * nw <= 512:          # 128 columns only with 4 warps, as before
+            out.append({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_Q": bq, "num_warps": nw, "num_stages": st})
     return out
 
 
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("outdir")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--warps", default="4", help="warps per program to sweep, e.g. 4,8")
+    ap.add_argument("--sweep-only", action="store_true", help="only part 1, the sweep at M = 16")
     a = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         print("small_m_probe needs a CUDA GPU")
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     bl.ternary_mm_into(x, xs, wp, ws, want)
     timed = []
     t0 = time.time()
-    for cfg in sweep_configs(a.quick):
+    for cfg in sweep_configs(a.quick, tuple(int(w) for w in a.warps.split(","))):
         portable_too = cfg["BLOCK_N"] == 64 and cfg["BLOCK_Q"] == 256 and cfg["num_stages"] == 4
         for asm in (True, False) if portable_too else (True,):
             y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -105,6 +109,8 @@ def main(argv=None) -> int:
     timed.sort(key=lambda t: t[0])
     best = [c for _, c in timed[:3]]
     res["best_at_16"] = best
+    if a.sweep_only:
+        return 0
 
     # 2. every shape and M: baselines and the best configs
     for (n, k), m in itertools.product(SHAPES[:3] if a.quick else SHAPES, MS):
