@@ -24,7 +24,7 @@ def _load(name):
 
 def test_instruction_counts_of_old_and_new_gemv(tmp_path):
     env = subprocess_env(ROOT)
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gemv-instructions.py"), "--quick",
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gemv-instructions.py"), "--quick", "--few-rows",
                         "--json", str(tmp_path / "counts.json")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["kernel"].split(" BLOCK")[0]: row
@@ -34,6 +34,9 @@ def test_instruction_counts_of_old_and_new_gemv(tmp_path):
     assert new["loop_opcodes"].get("IDP", 0) > 0 and new["per_weight"]["dp4a"] == pytest.approx(0.25)
     assert new["per_weight"]["logic/shift"] == pytest.approx(0.25)
     assert new["sass_per_weight"] < old["sass_per_weight"] and twin["loop_opcodes"].get("IDP", 0) == 0
+    # the few-rows matmul: its inline PTX unpacks with fewer instructions than its twin
+    few, few_twin = rows["few rows PTX 16x64x256 w4 s4"], rows["few rows portable 16x64x256 w4 s4"]
+    assert few["loop_opcodes"].get("IMMA", 0) > 0 and few["sass_per_weight"] < few_twin["sass_per_weight"]
     assert "static instruction counts, no GPU run" in r.stdout
 
 

@@ -1,12 +1,13 @@
 """Static instruction counts of the ternary decode GEMVs, compiled without a GPU.
 
 usage (repository root, any machine, no GPU needed):
-    PYTHONPATH=$PWD python tools/gemv-instructions.py [--arch 90] [--json OUT.json] [--show-loop NAME]
+    PYTHONPATH=$PWD python tools/gemv-instructions.py [--arch 90] [--json OUT.json] [--show-loop NAME] [--few-rows]
 
 Compiles, for one GPU target (default sm_90), the byte-layout GEMV
 (``bitlinear.ternary_gemv_kernel``, each of its autotune configs) and the int32x16 GEMV
 (``bitlinear.ternary_gemv_x16_kernel``: the dp4a inline-PTX path and its portable twin)
-with the argument types and divisibility a K = N = 8192 decode launch has, takes the SASS
+with the argument types and divisibility a K = N = 8192 decode launch has (``--few-rows``:
+also ``bitlinear.ternary_mm_small_kernel``, the 2-64-row matmul, at its M = 16 tile), takes the SASS
 (``cuobjdump -sass`` from Triton's wheel) and the PTX, finds each kernel's main loop (the
 backward branch whose body has the most LOP3: the weight unpacking), and prints per loop iteration and per weight: all instructions,
 and the loads, integer logic (LOP3/SHF), multiply-adds (IMAD) and dp4a (IDP4A) in it.
@@ -172,6 +173,26 @@ def _new_variants(configs=None):
     return out
 
 
+def _small_variants():
+    """The few-rows kernel (``bitlinear.ternary_mm_small_kernel``) at M = 16, K = N = 8192,
+    with the tile ``small_mm_config`` picks there on an H200, inline PTX and portable twin."""
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}
+    return [dict(
+        name=f"few rows {'PTX' if asm else 'portable'} 16x{cfg['BLOCK_N']}x{cfg['BLOCK_Q']} w4 s4",
+        kernel=bl.ternary_mm_small_kernel,
+        signature={"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "y_ptr": "*bf16",
+                   "M": "i32", "N": "i32", "K": "i32", "Q": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                   "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_Q": "constexpr",
+                   "USE_ASM": "constexpr", "DOT_INT8": "constexpr"},
+        constexprs={"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_Q": cfg["BLOCK_Q"],
+                    "USE_ASM": asm, "DOT_INT8": True},
+        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        divisible=("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "N", "K", "Q", "stride_xm", "stride_wn",
+                   "stride_ym"),
+        weights_per_iter=cfg["BLOCK_N"] * cfg["BLOCK_Q"] * 4, threads=32 * cfg["num_warps"])
+        for asm in (True, False)]
+
+
 def measure(variant, arch=90):
     """Compile one variant for sm_<arch>; its main loop's counts, in total and per weight."""
     c = _compile(variant["kernel"], variant["signature"], variant["constexprs"], variant["options"],
@@ -213,6 +234,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     ap.add_argument("--show-loop", default=None, help="print the SASS main loop of kernels whose name contains this")
     ap.add_argument("--quick", action="store_true", help="one config per kernel (the defaults)")
+    ap.add_argument("--few-rows", action="store_true",
+                    help="also the few-rows ternary matmul (M = 16 tile; sm_80+: it needs int8 dots)")
     return ap.parse_args(argv)
 
 
@@ -221,6 +244,8 @@ def main(argv=None) -> int:
     variants = _old_variants() + _new_variants()
     if args.quick:
         variants = _old_variants()[:1] + _new_variants([bl.X16_CONFIG])
+    if args.few_rows:
+        variants += _small_variants()
     rows = [measure(v, args.arch) for v in variants]
     print(f"static instruction counts, no GPU run: triton {triton.__version__}, sm_{args.arch}, "
           f"main loop of each GEMV, signatures of a K=N={DECODE['k']} decode launch")
