@@ -18,6 +18,9 @@ with ``do_bench`` (median, L2 flushed; autotuning on):
   each: the graph shows the GPU's time without the host's);
 * ``--t-sweep``: B16 D512 at T = 512 .. 4096 instead, chunks 64-256, no windows: where
   ``mlgru.choose_kernel`` switches from the chunked kernel to the two-phase one;
+* ``--train``: forward + backward through autograd with the chunked and the two-phase
+  forward side by side (the saved forward+backward figure moved from 596 µs on 2026-11-29
+  to 710 µs with the two-phase forward, not timed side by side then);
 * ``--compile``: torch.compile of the log-step PyTorch scan (slow to compile; measured
   before at 3262 µs, so off by default).
 
@@ -97,6 +100,25 @@ def _phases(f, i, h0, h, h_last, chunk):
     return p1, p2, p3
 
 
+def train_rows(f, i, h0, p, ceil, spec_train) -> list[dict]:
+    """Forward + backward through autograd (``mlgru_scan(..., kernel=K)``, the same fixed dh
+    and dh_last), with each forward kernel in turn, side by side: the backward kernel is
+    the chunked one either way."""
+    rows = []
+    f, i, h0 = (t.detach().requires_grad_() for t in (f, i, h0))
+    dh = torch.randn_like(f)
+    dh_last = torch.randn_like(h0, dtype=torch.float32)
+    for kernel in ("chunked", "two_phase"):
+        def step(kernel=kernel):
+            h, h_last = mlgru.mlgru_scan(f, i, h0, kernel=kernel)
+            torch.autograd.backward((h, h_last), (dh, dh_last))
+        ms = time_ms(step)
+        gbs = round(spec_train.bytes_moved(p, DTYPE) / (ms * 1e-3) / 1e9, 1)   # the spec's fwd+bwd bytes
+        rows.append({"impl": f"train: fwd {kernel} + bwd chunked", "us": round(ms * 1e3, 2), "GB/s": gbs,
+                     "pct_of_copy": round(100 * gbs * 1e9 / ceil["bytes_per_s"], 1), "achieved_GB/s": gbs})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
@@ -106,6 +128,8 @@ def main() -> int:
                     help="B16 D512 at T = 512 .. 4096 (where the rule switches kernels), chunks 64/128/256, no segments")
     ap.add_argument("--graph", action="store_true", help="time every two-phase row in a CUDA graph too")
     ap.add_argument("--first-only", action="store_true", help="only the first shape (all chunks and segments)")
+    ap.add_argument("--train", action="store_true",
+                    help="also forward + backward through autograd with each forward kernel, side by side")
     args = ap.parse_args()
     require_gpu("the scan benchmark")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +189,8 @@ def main() -> int:
         graph = {"chunked": round(time_graph_ms(lambda: mlgru.scan_chunked_into(f, i, h0, h_ref, hl_ref)) * 1e3, 2),
                  best["impl"]: round(time_graph_ms(lambda: mlgru.scan_two_phase_into(
                      f, i, h0, h, h_last, chunk=best["chunk"], segment=best["segment"])) * 1e3, 2)}
+        if args.train:
+            rows += train_rows(f, i, h0, p, ceil, gpulab.get_spec("mlgru_scan_train"))
         if args.compile:
             compiled = torch.compile(mlgru.scan_torch)
             t = time.time()
