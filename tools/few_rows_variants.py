@@ -47,7 +47,7 @@ from gpulab import runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"package": (False, False), "no_other": (True, False), "codes": (True, True)}
-TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}
+TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}   # small_mm_config at M 16, N 8192, H200
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def launch(variant, x, xs, wp, ws, y):
     no_other, codes = VARIANTS[variant]
     m, k = x.shape
     n, q = wp.shape
-    cfg = {**TILE, "BLOCK_M": 16 if m <= 16 else 64}
+    cfg = bl.small_mm_config(m, n)            # the package's tile for these sizes (TILE at M = 16)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     probe_small_kernel[grid](x, xs, wp, ws, y, m, n, k, q, x.stride(0), wp.stride(0), y.stride(0),
                              NO_OTHER=no_other, CODES=codes, **cfg)
