@@ -46,6 +46,8 @@ from gpulab.bitlinear import store_scaled, ternary_bytes_as_int8  # noqa: E402
 from gpulab import runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# the few-rows probe's problem maker: (x_q, x_scale, packed w, w_scale, w) on the GPU
+tensors = runpy.run_path(str(ROOT / "tools" / "small_m_probe.py"), run_name="small_m_probe")["tensors"]
 VARIANTS = {"package": (False, False), "no_other": (True, False), "codes": (True, True)}
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}   # small_mm_config at M 16, N 8192, H200
 
@@ -118,14 +120,6 @@ def launch(variant, x, xs, wp, ws, y):
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     probe_small_kernel[grid](x, xs, wp, ws, y, m, n, k, q, x.stride(0), wp.stride(0), y.stride(0),
                              NO_OTHER=no_other, CODES=codes, **cfg)
-
-
-def tensors(m, n, k, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randint(-1, 2, (n, k), device="cuda", generator=g, dtype=torch.int8)
-    x = torch.randint(-128, 128, (m, k), device="cuda", generator=g, dtype=torch.int8)
-    xs = torch.rand(m, device="cuda", generator=g) + 0.5
-    return x, xs, bl.pack_ternary(w), torch.tensor([0.7], device="cuda"), w
 
 
 def static_counts() -> int:
