@@ -36,7 +36,7 @@ Backward. With g_t = ∂L/∂h_t in total (through h_t's own gradient dh_t and t
 
 the same linear recurrence run backwards in time with the gates shifted by one step.
 
-* *two-phase* (``kernel="two_phase"``, forward only): the chunked kernel has only
+* *two-phase* (``kernel="two_phase"``): the chunked kernel has only
   B·D/BLOCK_D programs (128 at B16 D512: one per SM), each walking all of T. Cutting time
   into chunks of C steps gives T/C times more programs, in three launches: (1) every
   (batch row, chunk, channel block) reduces its chunk to the map h ↦ A·h + Bc (A = ∏ f,
@@ -45,6 +45,8 @@ the same linear recurrence run backwards in time with the gates shifted by one s
   scanned again from its carry and h written. f and i are read twice: 5 passes over
   [B, T, D] instead of 3, so at best 3/5 of the bandwidth goes to the roofline's bytes.
   Optionally in windows of ``segment`` steps, so phase 3 may reread f and i from L2.
+  The backward runs the same three phases on the gradient recurrence, each chunk walked
+  from its last step down: dh and f read twice, h once, 7 passes instead of 5.
 
 Which kernel runs (``kernel="auto"``): the recurrent kernel for T ≤ 32 (a chunk would be
 mostly padding), the chunked kernel up to T < 2048, the two-phase kernel from there (on
@@ -408,6 +410,98 @@ def scan_chunk_apply_kernel(f_ptr, i_ptr, carry_ptr, h_ptr, B, T, D, t_begin, t_
         h = tl.sum(tl.where(is_last_row, h_tile, 0.0), axis=0)
 
 
+# -- the two-phase backward -----------------------------------------------------------------
+# The same three launches for the gradient recurrence g_t = dh_t + f_{t+1}·g_{t+1}, each chunk
+# walked from its last step down (tiles in descending time, as in the chunked backward):
+# (1) every chunk reduced to the map g ↦ A·g + Bc from the gradient entering it from above to
+# g at its first step, (2) the maps scanned from dh_last in reverse chunk order (phase 2 of
+# the forward, on maps stored last chunk first), (3) every chunk rescanned from its carry,
+# writing di and df. Reads dh and f twice and h once: 7 passes over [B, T, D], not 5.
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.jit
+def scan_backward_chunk_summary_kernel(f_ptr, dh_ptr, a_ptr, bc_ptr, B, T, D, n_chunks,
+                                       CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Backward phase 1: program (channel block, c, b) reduces chunk c, time steps
+    [c·CHUNK, min((c+1)·CHUNK, T)) walked downwards, to A = ∏ f_{t+1} (f_T = 1: dh_last
+    enters there) and Bc = the reverse scan of dh from zero; stored at n_chunks - 1 - c."""
+    pid_d = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    t_lo = c * CHUNK
+    t = tl.minimum(t_lo + CHUNK, T) - 1 - rows        # descending; below t_lo: padding
+    offs = b * T * D + t.to(tl.int64)[:, None] * D + cols[None, :]
+    # padded steps (a = 1, dh = 0) are the identity map
+    valid = (t >= t_lo)[:, None] & cmask[None, :]
+    dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+    a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+    A = tl.full([BLOCK_D], 1.0, tl.float32)
+    Bc = tl.zeros([BLOCK_D], tl.float32)
+    for _ in range(0, CHUNK, BLOCK_T):
+        dh = dh_next.to(tl.float32)
+        a = a_next.to(tl.float32)
+        t -= BLOCK_T                    # prefetch the next (earlier) tile
+        offs -= BLOCK_T * D
+        valid = (t >= t_lo)[:, None] & cmask[None, :]
+        dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+        a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+        a_cum, g_local = tl.associative_scan((a, dh), 0, linear_combine)
+        a_tile = tl.sum(tl.where(is_last_row, a_cum, 0.0), axis=0)
+        b_tile = tl.sum(tl.where(is_last_row, g_local, 0.0), axis=0)
+        Bc = a_tile * Bc + b_tile
+        A = A * a_tile
+    out = (b * n_chunks + n_chunks - 1 - c) * D + cols
+    tl.store(a_ptr + out, A, mask=cmask)
+    tl.store(bc_ptr + out, Bc, mask=cmask)
+
+
+@triton.autotune(configs=_TWO_PHASE_CONFIGS, key=["B", "D", "CHUNK"])
+@triton.jit
+def scan_backward_chunk_apply_kernel(f_ptr, h0_ptr, h_ptr, dh_ptr, carry_ptr, df_ptr, di_ptr, dh0_ptr,
+                                     B, T, D, n_chunks,
+                                     CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Backward phase 3: program (channel block, c, b) walks chunk c down from the gradient
+    phase 2 carried into it (g at the chunk's end), writing di_t = g_t and df_t = g_t·h_{t-1};
+    the first chunk's program also writes dh0 = f_0·g_0."""
+    pid_d = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, BLOCK_T)
+    is_last_row = (rows == BLOCK_T - 1)[:, None]
+    g = tl.load(carry_ptr + (b * n_chunks + n_chunks - 1 - c) * D + cols, mask=cmask, other=0.0)
+    h0 = tl.load(h0_ptr + b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    t_lo = c * CHUNK
+    t = tl.minimum(t_lo + CHUNK, T) - 1 - rows
+    offs = b * T * D + t.to(tl.int64)[:, None] * D + cols[None, :]
+    valid = (t >= t_lo)[:, None] & cmask[None, :]
+    dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+    a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+    h_prev_next = tl.load(h_ptr + offs - D, mask=valid & (t > 0)[:, None], other=0.0)
+    for _ in range(0, CHUNK, BLOCK_T):
+        dh = dh_next.to(tl.float32)
+        a = a_next.to(tl.float32)
+        h_prev = tl.where((t == 0)[:, None], h0[None, :], h_prev_next.to(tl.float32))
+        t_cur, valid_cur, offs_cur = t, valid, offs
+        t -= BLOCK_T
+        offs -= BLOCK_T * D
+        valid = (t >= t_lo)[:, None] & cmask[None, :]
+        dh_next = tl.load(dh_ptr + offs, mask=valid, other=0.0)
+        a_next = tl.load(f_ptr + offs + D, mask=valid & (t + 1 < T)[:, None], other=1.0)
+        h_prev_next = tl.load(h_ptr + offs - D, mask=valid & (t > 0)[:, None], other=0.0)
+        a_cum, g_local = tl.associative_scan((a, dh), 0, linear_combine)
+        g_tile = g_local + a_cum * g[None, :]
+        tl.store(di_ptr + offs_cur, g_tile.to(di_ptr.dtype.element_ty), mask=valid_cur)
+        tl.store(df_ptr + offs_cur, (g_tile * h_prev).to(df_ptr.dtype.element_ty), mask=valid_cur)
+        g = tl.sum(tl.where(is_last_row, g_tile, 0.0), axis=0)   # g at the tile's lowest step
+    f0 = tl.load(f_ptr + b * T * D + cols, mask=cmask & (c == 0), other=0.0).to(tl.float32)
+    tl.store(dh0_ptr + b * D + cols, f0 * g, mask=cmask & (c == 0))
+
+
 # -- launchers (the checks' calling convention: inputs, then preallocated outputs) ----------
 def _grid(B, D):
     return lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), B)
@@ -488,6 +582,32 @@ def scan_backward_chunked_into(f, h0, h, dh, dh_last, df, di, dh0):
     scan_backward_chunked_kernel[_grid(B, D)](f, h0, h, dh, dh_last, df, di, dh0, B, T, D)
 
 
+def scan_backward_two_phase_into(f, h0, h, dh, dh_last, df, di, dh0, *, chunk: int | None = None):
+    """The backward scan in parallel over time (the forward's three phases, time reversed):
+    (1) every chunk of ``chunk`` steps reduced to its map from the gradient entering it
+    from above, (2) the maps scanned from dh_last, last chunk first, into each chunk's
+    carry, (3) every chunk rescanned from its carry, writing di, df (and dh0)."""
+    B, T, D = f.shape
+    chunk = two_phase_chunk(T) if chunk is None else int(chunk)
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if T == 0:
+        dh0.copy_(dh_last)
+        return
+    n = runtime.cdiv(T, chunk)
+    scratch = torch.empty(3 * B * n * D + B * D, dtype=torch.float32, device=f.device)
+    a, bc, carry = scratch[:3 * B * n * D].view(3, B, n, D)
+    g0 = scratch[3 * B * n * D:].view(B, D)           # phase 2's "h_last": g_0 (phase 3 uses its own)
+    grid = lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
+    runtime.launch_tuned(scan_backward_chunk_summary_kernel, grid, (B, D, chunk, f.dtype, dh.dtype),
+                         f, dh, a, bc, B, T, D, n, CHUNK=chunk)
+    runtime.launch(scan_chunk_carry_kernel, (runtime.cdiv(D, CARRY_BLOCK_D), B),
+                   {"CHUNKS_BLOCK": min(64, runtime.next_power_of_2(n)), "BLOCK_D": CARRY_BLOCK_D, "num_warps": 4},
+                   a, bc, carry, dh_last, g0, D, n)
+    runtime.launch_tuned(scan_backward_chunk_apply_kernel, grid, (B, D, chunk, f.dtype, h.dtype, dh.dtype, df.dtype),
+                         f, h0, h, dh, carry, df, di, dh0, B, T, D, n, CHUNK=chunk)
+
+
 RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel,
 TWO_PHASE_MIN_T = 2048      # T >= this -> two-phase, chunked in between
 
@@ -499,9 +619,8 @@ def choose_kernel(T: int) -> str:
 
 
 _FORWARD = {"recurrent": scan_recurrent_into, "chunked": scan_chunked_into, "two_phase": scan_two_phase_into}
-# two_phase is a forward kernel; its backward is the chunked one.
 _BACKWARD = {"recurrent": scan_backward_recurrent_into, "chunked": scan_backward_chunked_into,
-             "two_phase": scan_backward_chunked_into}
+             "two_phase": scan_backward_two_phase_into}
 
 
 def scan_into(f, i, h0, h, h_last):
@@ -577,9 +696,10 @@ def mlgru_scan(f: torch.Tensor, i: torch.Tensor, h0: torch.Tensor | None = None,
 
     f, i: [B, T, D], one of float32/float16/bfloat16, contiguous. h0: [B, D] or None
     (zeros). Returns h ([B, T, D], f's dtype) and h_last ([B, D], float32).
-    kernel: "auto" (recurrent for T <= 32, chunked above), "recurrent", "chunked",
-    "two_phase" (forward parallel over time, :func:`scan_two_phase_into`; backward chunked),
-    "torch" (a plain-PyTorch log-step scan, the fast path on a CPU), or a
+    kernel: "auto" (:func:`choose_kernel` picks one by T), "recurrent", "chunked",
+    "two_phase" (parallel over time: :func:`scan_two_phase_into` and
+    :func:`scan_backward_two_phase_into`), "torch" (a plain-PyTorch log-step scan, the fast
+    path on a CPU), or a
     :class:`ScanLaunchers` pair (your own forward and backward launchers)."""
     require_scan_kernel("kernel", kernel)
     _require_scan_inputs(f, i, h0)

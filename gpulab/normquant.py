@@ -99,10 +99,14 @@ def _sum_and_max(s0, m0, s1, m1):
 def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
                               n_rows, n_cols, stride_x, stride_q, stride_y, eps,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                              FAKE_QUANT: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+                              FAKE_QUANT: tl.constexpr, ONE_REDUCTION: tl.constexpr,
+                              EVEN: tl.constexpr = False, MANY_ROWS: tl.constexpr = False):
     """One program normalises and quantizes BLOCK_R whole rows held in registers.
     FAKE_QUANT=False: store int8 q and the per-row scale (inference).
     FAKE_QUANT=True: store the dequantized ŷ = q/scale in x's dtype and rstd (training).
+    EVEN: n_cols == BLOCK_N and BLOCK_R divides n_rows, so loads and stores need no mask.
+    MANY_ROWS: only a key for the tuner (a grid of many programs wants other warps than a
+    decode step's few), unused in the body.
 
     max|y| = rstd · max|x·w| (rstd > 0), so Σx² and max|x·w| need not wait for each
     other: compiled, one reduction carries both (two values per step) instead of two in
@@ -114,8 +118,12 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
     rmask = rows < n_rows
     mask = rmask[:, None] & (cols < n_cols)[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    if EVEN:
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :]).to(tl.float32)
+        w = tl.load(w_ptr + cols).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     xw = x * w[None, :]
     if ONE_REDUCTION:                                                     # masked lanes give 0
         sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, _sum_and_max)
@@ -129,6 +137,9 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
         tl.store(yhat_ptr + rows64[:, None] * stride_y + cols[None, :],
                  yhat.to(yhat_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    elif EVEN:
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(tl.int8))
+        tl.store(scale_ptr + rows, scale)
     else:
         tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(tl.int8), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=rmask)
@@ -164,20 +175,27 @@ def rmsnorm_quant_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr
     tl.store(dw_part_ptr + pid * n_cols + cols, dw_acc, mask=cmask)
 
 
-# On a GPU the number of warps is tuned per row length (the interpreter has one config).
+# On a GPU the number of warps is tuned per row length and for few or many programs (the
+# interpreter has one config). Without MANY_ROWS in the key, the first call's grid chose for
+# every later one: 7 rows of 8192 picked 16 warps, which then ran 8192 rows in 65.0 µs
+# against 55.8 µs at 4 warps (H200, tools/rmsnorm_pieces_probe.py, 2026-12-03).
 if runtime.interpreting():
     _fwd_tuned = rmsnorm_quant_fwd_kernel
 else:
     _fwd_tuned = triton.autotune(configs=runtime.tuning_configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)]),
-                                 key=["n_cols", "BLOCK_R", "FAKE_QUANT"])(rmsnorm_quant_fwd_kernel)
+                                 key=["n_cols", "BLOCK_R", "FAKE_QUANT", "EVEN", "MANY_ROWS"])(rmsnorm_quant_fwd_kernel)
 
 
 def _fwd_launch(grid, *args, num_warps, **kw):
+    n_rows, n_cols = args[6], args[7]
+    kw["EVEN"] = n_cols == kw["BLOCK_N"] and n_rows % kw["BLOCK_R"] == 0
+    kw["MANY_ROWS"] = not runtime.interpreting() and grid[0] >= 2 * runtime.num_sms()
     if runtime.interpreting():
         _fwd_tuned[grid](*args, num_warps=num_warps, **kw)
-    else:   # the tuning key (n_cols, BLOCK_R, FAKE_QUANT) and the dtypes of x, weight, x_q and yhat
-        x, weight, x_q, _, yhat, _, _, n_cols = args[:8]
-        key = (n_cols, kw["BLOCK_R"], kw["FAKE_QUANT"], x.dtype, weight.dtype, x_q.dtype, yhat.dtype)
+    else:   # the tuner's key and the dtypes of x, weight, x_q and yhat
+        x, weight, x_q, _, yhat = args[:5]
+        key = (n_cols, kw["BLOCK_R"], kw["FAKE_QUANT"], kw["EVEN"], kw["MANY_ROWS"],
+               x.dtype, weight.dtype, x_q.dtype, yhat.dtype)
         runtime.launch_tuned(_fwd_tuned, grid, key, *args, **kw)
 
 

@@ -13,7 +13,7 @@ from gpulab.harness.spec import Case
 from helpers import on_gpu
 
 SPECS = ["mlgru_scan_recurrent", "mlgru_scan_chunked", "mlgru_scan_two_phase", "mlgru_scan_backward_recurrent",
-         "mlgru_scan_backward_chunked", "mlgru_scan", "mlgru_scan_train"]
+         "mlgru_scan_backward_chunked", "mlgru_scan_backward_two_phase", "mlgru_scan", "mlgru_scan_train"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -149,6 +149,54 @@ def test_two_phase_check_rejects_a_lost_carry(chunk):
             h[:, sl] = hs
     msg = rejects("mlgru_scan_two_phase", no_carry, cases=[Case("3 chunks", dict(B=1, T=2 * chunk + 4, D=5))])
     assert "output `h` is wrong" in msg and "every chunk of time steps starts from 0" in msg
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4, 16, None])
+def test_two_phase_backward_matches_float64(chunk, device):
+    """The backward in chunks shorter and longer than a tile, more chunks than phase 2 scans
+    per block (T = 70, chunk 1), a ragged first-from-the-end chunk, T = 1."""
+    for B, T, D in [(1, 1, 1), (2, 70, 3) if chunk == 1 else (2, 37, 19)]:
+        f, i, h0 = _inputs(B, T, D, torch.float32, device, seed=T + (chunk or 0))
+        h = mlgru.scan_reference(f, i, h0)["h"].float()
+        dh, dh_last = torch.randn_like(f), torch.randn_like(h0)
+        ref = mlgru.scan_backward_reference(f, h0, h, dh, dh_last)
+        df, di, dh0 = torch.full_like(f, float("nan")), torch.full_like(f, float("nan")), torch.full_like(h0, float("nan"))
+        mlgru.scan_backward_two_phase_into(f, h0, h, dh, dh_last, df, di, dh0, chunk=chunk)
+        for got, name in ((df, "df"), (di, "di"), (dh0, "dh0")):
+            torch.testing.assert_close(got.double(), ref[name], atol=1e-5, rtol=1e-4, msg=f"{name}, T={T}")
+
+
+def test_two_phase_backward_empty_sequence_and_bad_chunk(device):
+    f, i, h0 = _inputs(2, 0, 3, torch.float32, device)
+    dh_last, dh0 = torch.randn_like(h0), torch.empty_like(h0)
+    mlgru.scan_backward_two_phase_into(f, h0, f, f, dh_last, f, f, dh0)
+    assert torch.equal(dh0, dh_last)
+    with pytest.raises(ValueError, match="power of two"):
+        mlgru.scan_backward_two_phase_into(f, h0, f, f, dh_last, f, f, dh0, chunk=3)
+
+
+@pytest.mark.parametrize("from_end", [False, True])
+def test_backward_checks_reject_a_lost_carry(from_end):
+    """A backward whose every chunk starts its walk down from 0 is caught, with the diagnosis,
+    for chunks counted from t = 0 (the two-phase kernel) and from T - 1 (the chunked one)."""
+    chunk = C
+
+    def no_carry(f, h0, h, dh, dh_last, df, di, dh0):
+        T = f.shape[1]
+        starts = range(T % chunk - chunk if from_end else 0, T, chunk)
+        for t0 in starts:
+            sl = slice(max(t0, 0), t0 + chunk)
+            parts = [torch.empty_like(df[:, sl]), torch.empty_like(di[:, sl])]
+            h_in = h0 if t0 <= 0 else h[:, t0 - 1].float()
+            mlgru.scan_backward_recurrent_into(f[:, sl].contiguous(), h_in.contiguous(), h[:, sl].contiguous(),
+                                               dh[:, sl].contiguous(), torch.zeros_like(dh_last), *parts,
+                                               g := torch.empty_like(dh0))
+            df[:, sl], di[:, sl] = parts
+            if t0 <= 0:
+                dh0.copy_(g)
+    name = "mlgru_scan_backward_chunked" if from_end else "mlgru_scan_backward_two_phase"
+    msg = rejects(name, no_carry, cases=[Case("3 chunks", dict(B=1, T=2 * chunk + 4, D=5))])
+    assert "is wrong" in msg and "starts its walk down from 0" in msg, msg
 
 
 def test_rule_picks_recurrent_for_short_sequences():

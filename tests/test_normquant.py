@@ -303,9 +303,10 @@ from gpulab import normquant
 sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "yhat_ptr": "*bf16",
        "rstd_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_x": "i32", "stride_q": "i32",
        "stride_y": "i32", "eps": "fp32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr", "FAKE_QUANT": "constexpr",
-       "ONE_REDUCTION": "constexpr"}
+       "ONE_REDUCTION": "constexpr", "EVEN": "constexpr", "MANY_ROWS": "constexpr"}
 src = ASTSource(normquant.rmsnorm_quant_fwd_kernel, sig,
-                constexprs={"BLOCK_R": 1, "BLOCK_N": 4096, "FAKE_QUANT": False, "ONE_REDUCTION": True})
+                constexprs={"BLOCK_R": 1, "BLOCK_N": 4096, "FAKE_QUANT": False, "ONE_REDUCTION": True,
+                            "EVEN": True, "MANY_ROWS": True})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
 print(len(re.findall(r"cvt\.rzi\.s32\.f32", ptx)), len(re.findall(r"cvt\.rm[i]|cvt\.rp[i]", ptx)))
 '''
@@ -322,3 +323,36 @@ def test_quantizing_converts_each_element_to_an_integer_once():
     assert r.returncode == 0, r.stderr[-3000:]
     to_int, floor_ceil = map(int, r.stdout.split()[-2:])
     assert (to_int, floor_ceil) == (32, 0), r.stdout
+
+
+def test_even_rows_take_the_unmasked_path_with_the_same_bits(device):
+    """Rows exactly BLOCK_N wide load and store without masks (EVEN): the same codes and
+    scales as the masked path, which a row one column shorter still takes."""
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(6, 64, generator=g, device=device) * torch.rand(6, 1, generator=g, device=device) * 4
+    w = torch.rand(64, generator=g, device=device) + 0.5
+    q, s = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
+    nq.rmsnorm_quant_into(x, w, q, s)                        # EVEN
+    q2, s2 = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
+    nq.rmsnorm_quant_fwd_kernel[(6,)](x, w, q2, s2, x, s2, 6, 64, x.stride(0), q2.stride(0), 0, 1e-6,
+                                      BLOCK_R=1, BLOCK_N=64, FAKE_QUANT=False,
+                                      ONE_REDUCTION=gpulab.mode() == "compiled")   # masked
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    ref_q, ref_s = nq.rmsnorm_quant_ref(x[:, :63], w[:63])
+    q3, s3 = torch.empty(6, 63, dtype=torch.int8, device=device), torch.empty(6, device=device)
+    nq.rmsnorm_quant_into(x[:, :63].contiguous(), w[:63].contiguous(), q3, s3)
+    assert (q3.int() - ref_q.int()).abs().max() <= 1
+
+
+def test_pieces_probe_agrees_with_the_package_without_a_gpu():
+    """tools/rmsnorm_pieces_probe.py (issue 13's 4096 x 14336 row): its unpadded kernel gives
+    the package's codes and scales on rows of one, two and three pieces; timing needs a GPU."""
+    root = Path(__file__).resolve().parents[1]
+    tool = str(root / "tools" / "rmsnorm_pieces_probe.py")
+    r = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True,
+                       env=subprocess_env(root), timeout=600)
+    assert r.returncode == 0 and "False" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    if gpulab.mode() != "compiled":
+        r = subprocess.run([sys.executable, tool, str(root / "never-written")], capture_output=True, text=True,
+                           env=subprocess_env(root))
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout

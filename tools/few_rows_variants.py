@@ -1,16 +1,20 @@
-"""Two candidate changes to the few-rows ternary matmul (``bitlinear.ternary_mm_small_kernel``),
-kept out of the package until an H200 has measured them (issue 13's M = 16 line).
+"""Variants of the few-rows ternary matmul (``bitlinear.ternary_mm_small_kernel``), measured
+on an H200 before they go into the package (issue 13's M = 16 line).
 
-* ``no_other``: the weight load without ``other=0x55``. A masked weight always meets x = 0,
-  so it needs no value of its own, and with ``other`` the compiler splits every loaded word
-  into bytes to select it (224 PRMT and 161 SEL in a main loop of 1242 SASS instructions at
-  the M = 16 tile; 847 without). Same bits by construction.
-* ``codes``: ``no_other``, and the dots take the codes c = w + 1 themselves (a shift and a
+* ``with_other``: the weight load with ``other=0x55`` (the package's kernel until the first
+  run of 2026-12-04). With ``other`` the compiler splits every loaded word into bytes to
+  select it (224 PRMT and 161 SEL in a main loop of 1242 SASS instructions at the M = 16
+  tile; 847 without).
+* ``package``: the load without ``other`` (a masked weight always meets x = 0 or lands in a
+  column that is not stored, so it needs no value of its own). Same bits; on the H200
+  16.9 against 18.7 µs at M = 16, K = N = 8192, so the package took it.
+* ``codes``: ``package``, and the dots take the codes c = w + 1 themselves (a shift and a
   mask for four weights, no per-byte subtraction), Σ x·w = Σ x·c − Σx, the rows' Σx by dp4a
-  on the x tiles the loop loads anyway (508 instructions). A first version (ninth run of
-  2026-12-03) left out quarter 3's mask, `c = b >> 6`: on a word of four packed bytes the
-  shift brings each next byte's low bits into the byte below, and every sum was wrong. It
-  also ran slower, 28.9 vs 18 µs, unexplained: profile it (``--once codes`` under ncu).
+  on the x tiles the loop loads anyway (508 instructions). Wrong bits on the H200 twice
+  (the second time with quarter 3's mask after `shr 6` in place) and slower (28.9 against
+  18 µs timed; under Nsight Compute 34.0 against 20.7 µs, DRAM throughput 10%, "memory"
+  throughput 76%, a sign that the dp4a sums' layout changes go through shared memory).
+  Kept as a record, not fixed.
 
 usage (repository root):
     PYTHONPATH=$PWD python tools/few_rows_variants.py OUTDIR        (H200: check, then time)
@@ -48,7 +52,7 @@ from gpulab import runtime  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 # the few-rows probe's problem maker: (x_q, x_scale, packed w, w_scale, w) on the GPU
 tensors = runpy.run_path(str(ROOT / "tools" / "small_m_probe.py"), run_name="small_m_probe")["tensors"]
-VARIANTS = {"package": (False, False), "no_other": (True, False), "codes": (True, True)}
+VARIANTS = {"with_other": (False, False), "package": (True, False), "codes": (True, True)}
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}   # small_mm_config at M 16, N 8192, H200
 
 
@@ -82,7 +86,8 @@ def sums_of_four(x):
 def probe_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                        NO_OTHER: tl.constexpr, CODES: tl.constexpr):
-    """``ternary_mm_small_kernel`` (inline-PTX path, int8 dots) with the two switches."""
+    """``ternary_mm_small_kernel`` (inline-PTX path, int8 dots) with the two switches
+    (NO_OTHER=True, CODES=False: the package's kernel)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rm < M

@@ -18,9 +18,9 @@ with ``do_bench`` (median, L2 flushed; autotuning on):
   each: the graph shows the GPU's time without the host's);
 * ``--t-sweep``: B16 D512 at T = 512 .. 4096 instead, chunks 64-256, no windows: where
   ``mlgru.choose_kernel`` switches from the chunked kernel to the two-phase one;
-* ``--train``: forward + backward through autograd with the chunked and the two-phase
-  forward side by side (the saved forward+backward figure moved from 596 µs on 2026-11-29
-  to 710 µs with the two-phase forward, not timed side by side then);
+* ``--train``: forward + backward through autograd for the pairs (chunked, chunked),
+  (two-phase, chunked) and (two-phase, two-phase) side by side, then the backward
+  launchers alone, the two-phase one for chunks 64-512;
 * ``--compile``: torch.compile of the log-step PyTorch scan (slow to compile; measured
   before at 3262 µs, so off by default).
 
@@ -100,23 +100,113 @@ def _phases(f, i, h0, h, h_last, chunk):
     return p1, p2, p3
 
 
-def train_rows(f, i, h0, p, ceil, spec_train) -> list[dict]:
-    """Forward + backward through autograd (``mlgru_scan(..., kernel=K)``, the same fixed dh
-    and dh_last), with each forward kernel in turn, side by side: the backward kernel is
-    the chunked one either way."""
+def train_rows(f, i, h0, p, ceil, spec_train, spec_bwd) -> list[dict]:
+    """Forward + backward through autograd (``mlgru_scan`` with a :class:`ScanLaunchers`
+    pair, the same fixed dh and dh_last) for three pairs side by side; then the backward
+    launchers alone (the spec's 5-pass bytes), the two-phase one for several chunks, each
+    output compared with the chunked backward's."""
     rows = []
+    fwd = {"chunked": mlgru.scan_chunked_into, "two_phase": mlgru.scan_two_phase_into}
+    bwd = {"chunked": mlgru.scan_backward_chunked_into, "two_phase": mlgru.scan_backward_two_phase_into}
     f, i, h0 = (t.detach().requires_grad_() for t in (f, i, h0))
     dh = torch.randn_like(f)
     dh_last = torch.randn_like(h0, dtype=torch.float32)
-    for kernel in ("chunked", "two_phase"):
-        def step(kernel=kernel):
-            h, h_last = mlgru.mlgru_scan(f, i, h0, kernel=kernel)
+    for kf, kb in (("chunked", "chunked"), ("two_phase", "chunked"), ("two_phase", "two_phase")):
+        pair = mlgru.ScanLaunchers(fwd[kf], bwd[kb])
+
+        def step(pair=pair):
+            h, h_last = mlgru.mlgru_scan(f, i, h0, kernel=pair)
             torch.autograd.backward((h, h_last), (dh, dh_last))
         ms = time_ms(step)
         gbs = round(spec_train.bytes_moved(p, DTYPE) / (ms * 1e-3) / 1e9, 1)   # the spec's fwd+bwd bytes
-        rows.append({"impl": f"train: fwd {kernel} + bwd chunked", "us": round(ms * 1e3, 2), "GB/s": gbs,
+        rows.append({"impl": f"train: fwd {kf} + bwd {kb}", "us": round(ms * 1e3, 2), "GB/s": gbs,
                      "pct_of_copy": round(100 * gbs * 1e9 / ceil["bytes_per_s"], 1), "achieved_GB/s": gbs})
+    with torch.no_grad():
+        h, _ = mlgru.mlgru_scan(f, i, h0, kernel="chunked")
+    outs = [torch.empty_like(f), torch.empty_like(f), torch.empty_like(h0)]
+    mlgru.scan_backward_chunked_into(f, h0, h, dh, dh_last, *outs)
+    want = [t.clone() for t in outs]
+    settings = [("backward chunked", mlgru.scan_backward_chunked_into)] + [
+        (f"backward two_phase chunk={c}", lambda *a, c=c: mlgru.scan_backward_two_phase_into(*a, chunk=c))
+        for c in (64, 128, 256, 512)]
+    for name, run in settings:
+        def launch(run=run):
+            run(f, h0, h, dh, dh_last, *outs)
+        ms = time_ms(launch)
+        launch()
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, want))
+        gbs = round(spec_bwd.bytes_moved(p, DTYPE) / (ms * 1e-3) / 1e9, 1)
+        rows.append({"impl": name, "us": round(ms * 1e3, 2), "GB/s": gbs,
+                     "pct_of_copy": round(100 * gbs * 1e9 / ceil["bytes_per_s"], 1), "achieved_GB/s": gbs,
+                     "max_diff_vs_chunked": diff})
     return rows
+
+
+def train_only(out: Path, ceil, spec) -> int:
+    """--train-only: the train rows, then where a forward + backward as called spends its
+    time: the profiler's CUDA kernel times against the step's wall time."""
+    case = SHAPES[0]
+    p = case.params
+    inp = spec.make_inputs(p, DTYPE, torch.device(DEVICE), torch.Generator(DEVICE).manual_seed(0))
+    rows = train_rows(inp["f"], inp["i"], inp["h0"], p, ceil, gpulab.get_spec("mlgru_scan_train"),
+                      gpulab.get_spec("mlgru_scan_backward_chunked"))
+    train = gpulab.get_spec("mlgru_scan_train")
+    tin = train.make_inputs(p, DTYPE, torch.device(DEVICE), torch.Generator(DEVICE).manual_seed(0))
+    step = lambda: train.implementation(**tin)  # noqa: E731   (the benchmark's "gpulab" row)
+    rows.append({"impl": "mlgru_scan_train as benchmarked", "us": round(time_ms(step) * 1e3, 2)})
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    for r in rows:
+        print(f"{r['impl']:44s} {r['us']:9.1f} µs {r.get('pct_of_copy', '')} {r.get('max_diff_vs_chunked', '')}")
+    print(table)
+    (out / "mlgru_train.json").write_text(json.dumps({"device": runtime.gpu_name(), "versions": runtime.versions(),
+                                                      "case": case.label, "rows": rows, "profile": table}, indent=1))
+    return 0
+
+
+def configs_run(out: Path) -> int:
+    """--configs: in a fresh process, forward + backward as the benchmark calls it (autotuned
+    on its first call), the configuration the tuner chose for each two-phase kernel, then
+    every configuration of each of the four two-phase kernels timed alone (chunk 256)."""
+    p = SHAPES[0].params
+    B, T, D = p["B"], p["T"], p["D"]
+    train = gpulab.get_spec("mlgru_scan_train")
+    inp = train.make_inputs(p, DTYPE, torch.device(DEVICE), torch.Generator(DEVICE).manual_seed(0))
+    res = {"device": runtime.gpu_name(), "versions": runtime.versions(),
+           "train_us_first": round(time_ms(lambda: train.implementation(**inp)) * 1e3, 2)}
+    kernels = {"fwd summary": mlgru.scan_chunk_summary_kernel, "fwd apply": mlgru.scan_chunk_apply_kernel,
+               "bwd summary": mlgru.scan_backward_chunk_summary_kernel,
+               "bwd apply": mlgru.scan_backward_chunk_apply_kernel}
+    res["chosen"] = {name: {str(k): str(v) for k, v in k_.cache.items()} for name, k_ in kernels.items()}
+    res["train_us_again"] = round(time_ms(lambda: train.implementation(**inp)) * 1e3, 2)
+    f, i, h0, dh, dh_last = (inp[k] for k in ("f", "i", "h0", "dh", "dh_last"))
+    chunk = mlgru.two_phase_chunk(T)
+    n = triton.cdiv(T, chunk)
+    a, bc, carry = torch.rand(3, B, n, D, device=DEVICE)
+    h, df, di = torch.empty_like(f), torch.empty_like(f), torch.empty_like(f)
+    dh0 = torch.empty_like(h0)
+    calls = {"fwd summary": lambda fn, g, kw: fn[g](f, i, a, bc, B, T, D, 0, T, n, CHUNK=chunk, L2_POLICY=0, **kw),
+             "fwd apply": lambda fn, g, kw: fn[g](f, i, carry, h, B, T, D, 0, T, n, CHUNK=chunk, L2_POLICY=0, **kw),
+             "bwd summary": lambda fn, g, kw: fn[g](f, dh, a, bc, B, T, D, n, CHUNK=chunk, **kw),
+             "bwd apply": lambda fn, g, kw: fn[g](f, h0, h, dh, carry, df, di, dh0, B, T, D, n, CHUNK=chunk, **kw)}
+    res["per_config_us"] = {}
+    for name, tuned in kernels.items():
+        times = {}
+        for cfg in tuned.configs:
+            kw = cfg.all_kwargs()
+            g = (triton.cdiv(D, kw["BLOCK_D"]), n, B)
+            times[str(cfg)] = round(time_ms(lambda: calls[name](tuned.fn, g, kw)) * 1e3, 2)
+        res["per_config_us"][name] = times
+    print(json.dumps(res, indent=1))
+    (out / "mlgru_configs.json").write_text(json.dumps(res, indent=1))
+    return 0
 
 
 def main() -> int:
@@ -130,12 +220,22 @@ def main() -> int:
     ap.add_argument("--first-only", action="store_true", help="only the first shape (all chunks and segments)")
     ap.add_argument("--train", action="store_true",
                     help="also forward + backward through autograd with each forward kernel, side by side")
+    ap.add_argument("--train-only", action="store_true",
+                    help="only --train's rows on the first shape, and the profiler's kernel times of one "
+                         "forward + backward as called")
+    ap.add_argument("--configs", action="store_true",
+                    help="only: forward + backward as benchmarked in a fresh process, the tuner's choices, "
+                         "and each two-phase kernel's configurations timed alone")
     args = ap.parse_args()
     require_gpu("the scan benchmark")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ceil = ceilings()
     spec = gpulab.get_spec("mlgru_scan_chunked")
+    if args.configs:
+        return configs_run(args.out)
+    if args.train_only:
+        return train_only(args.out, ceil, spec)
     shapes = T_SWEEP if args.t_sweep else SHAPES[:1] if args.quick or args.first_only else SHAPES
     chunks = (64, 128, 256) if args.t_sweep else (128, 256, 512) if args.quick else CHUNKS
     segments = (None,) if args.quick or args.t_sweep else SEGMENTS
@@ -190,7 +290,8 @@ def main() -> int:
                  best["impl"]: round(time_graph_ms(lambda: mlgru.scan_two_phase_into(
                      f, i, h0, h, h_last, chunk=best["chunk"], segment=best["segment"])) * 1e3, 2)}
         if args.train:
-            rows += train_rows(f, i, h0, p, ceil, gpulab.get_spec("mlgru_scan_train"))
+            rows += train_rows(f, i, h0, p, ceil, gpulab.get_spec("mlgru_scan_train"),
+                               gpulab.get_spec("mlgru_scan_backward_chunked"))
         if args.compile:
             compiled = torch.compile(mlgru.scan_torch)
             t = time.time()
@@ -205,7 +306,7 @@ def main() -> int:
         print(f"{'impl':40s} {'µs':>9s} {'GB/s':>8s} {'% copy':>7s} {'real GB/s':>10s} {'graph µs':>9s}")
         for r in rows:
             print(f"{r['impl']:40s} {r['us']:9.1f} {r['GB/s']:8.1f} {r['pct_of_copy']:7.1f} {r['achieved_GB/s']:10.1f}"
-                  f" {r.get('graph_us', ''):>9}")
+                  f" {r.get('graph_us', ''):>9} {r.get('max_diff_vs_chunked', '')}")
         print("best two-phase, launches alone (µs):", breakdown)
         print("in a CUDA graph (µs):", graph)
         print("checks:", checks)

@@ -1,5 +1,5 @@
 """Grading of notebook 03 (:mod:`gpulab.mlgru`): inputs, cases, baselines and the specs
-of the scan kernels (forward and backward, recurrent and chunked; forward two-phase), of the scan the rule
+of the scan kernels (forward and backward: recurrent, chunked and two-phase), of the scan the rule
 picks, and of forward + backward through autograd. The references are
 :func:`gpulab.mlgru.scan_reference` and :func:`gpulab.mlgru.scan_backward_reference`
 (float64 loops over time)."""
@@ -10,7 +10,7 @@ import torch
 from ..harness.checking import Hypothesis, hypotheses_hint, narrowed_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..mlgru import (mlgru_scan, scan_backward_chunked_into, scan_backward_recurrent_into,
-                     scan_backward_reference, scan_chunked_into, scan_into, scan_recurrent_into,
+                     scan_backward_reference, scan_backward_two_phase_into, scan_chunked_into, scan_into, scan_recurrent_into,
                      scan_reference, scan_torch, scan_two_phase_into)
 from ..validate import FLOAT_DTYPES
 
@@ -128,13 +128,17 @@ SCAN_HINT = narrowed_hint(hypotheses_hint(
 ), _first_channels)
 
 
-def _bwd_variant(f, h0, h, dh, dh_last, *, h_for_df="prev", carry_f="next", dh0_f=True):
+def _bwd_variant(f, h0, h, dh, dh_last, *, h_for_df="prev", carry_f="next", dh0_f=True, lost_at=None):
+    """scan_backward_reference with one mistake; ``lost_at(t)``: the gradient carried into
+    step t from above is dropped there (a chunk's walk that starts from 0)."""
     f64, h64, dh64 = f.double(), h.double(), dh.double()
     T = f.shape[1]
     g = dh_last.double()
     f_next = torch.ones_like(g)
     df, di = torch.empty_like(f64), torch.empty_like(f64)
     for t in range(T - 1, -1, -1):
+        if lost_at is not None and lost_at(t):
+            g = torch.zeros_like(g)
         mul = {"next": f_next, "none": torch.ones_like(g), "same": f64[:, t]}[carry_f]
         g = dh64[:, t] + mul * g
         di[:, t] = g
@@ -150,6 +154,16 @@ def _bwd(**kw):
     return lambda inp: _bwd_variant(inp["f"], inp["h0"], inp["h"], inp["dh"], inp["dh_last"], **kw)
 
 
+def _bwd_carry_lost(inp):
+    """Every chunk walked down from 0, for each chunk length a kernel may have used, with
+    chunks counted from t = 0 (the two-phase kernel) or from T - 1 (the chunked one). At
+    least two chunks: with one, only dh_last is lost, a mistake of its own."""
+    T = inp["f"].shape[1]
+    for tile in _tiles(T):
+        for lost_at in (lambda t: (t + 1) % tile == 0 or t == T - 1, lambda t: (T - 1 - t) % tile == 0):
+            yield _bwd_variant(inp["f"], inp["h0"], inp["h"], inp["dh"], inp["dh_last"], lost_at=lost_at)
+
+
 SCAN_BACKWARD_HINT = narrowed_hint(hypotheses_hint(
     Hypothesis("df_t uses h_t: h_t = f_t·h_(t-1) + i_t, so df_t = g_t · h_(t-1) (h0 at t = 0).",
                _bwd(h_for_df="same"), outputs=("df",)),
@@ -159,6 +173,9 @@ SCAN_BACKWARD_HINT = narrowed_hint(hypotheses_hint(
                "g_t = dh_t + f_(t+1)·g_(t+1) (keep the f of the step after).", _bwd(carry_f="same")),
     Hypothesis("dh0 misses the first forget gate: h_0 = f_0·h0 + i_0, so dh0 = f_0·g_0.",
                _bwd(dh0_f=False), outputs=("dh0",)),
+    Hypothesis("every chunk of time steps starts its walk down from 0: the gradient carried in from the "
+               "chunk after it (dh_last for the last chunk) is lost; add A·g_carried to the chunk's local "
+               "scan (A = the product of its f_(t+1)).", _bwd_carry_lost, **_CHUNK_TOL),
 ), _first_channels)
 
 
@@ -307,6 +324,10 @@ MLGRU_SCAN_BACKWARD_RECURRENT = _bwd_spec("mlgru_scan_backward_recurrent", "scan
 MLGRU_SCAN_BACKWARD_CHUNKED = _bwd_spec("mlgru_scan_backward_chunked",
                                         "scan gradients in chunks, walking time backwards",
                                         scan_backward_chunked_into, _CPU_CHUNKED)
+MLGRU_SCAN_BACKWARD_TWO_PHASE = _bwd_spec("mlgru_scan_backward_two_phase",
+                                          "scan gradients parallel over time: chunk maps walked backwards, "
+                                          "their carries, then a rescan", scan_backward_two_phase_into,
+                                          _CPU_TWO_PHASE)
 MLGRU_SCAN = _fwd_spec("mlgru_scan", "MLGRU scan forward (the kernel the rule picks)", scan_into,
                        _CPU_EITHER, baselines=_BASELINES)
 
