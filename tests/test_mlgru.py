@@ -1,5 +1,9 @@
 """Notebook 03's scan kernels: forward and gradients against float64 on awkward shapes,
 recurrent vs chunked, step vs scan, input validation, and checks that reject wrong kernels."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -10,7 +14,7 @@ from gpulab import mlgru, runtime
 from gpulab.harness.checking import rejects
 from gpulab.harness.spec import Case
 
-from helpers import on_gpu
+from helpers import on_gpu, subprocess_env
 
 SPECS = ["mlgru_scan_recurrent", "mlgru_scan_chunked", "mlgru_scan_two_phase", "mlgru_scan_backward_recurrent",
          "mlgru_scan_backward_chunked", "mlgru_scan_backward_two_phase", "mlgru_scan", "mlgru_scan_train"]
@@ -463,3 +467,14 @@ def test_backward_check_rejects_wrong_scale():
         di.mul_(2)
     msg = rejects("mlgru_scan_backward_recurrent", scaled, cases=CPU_BWD)
     assert "same factor ≈ 2" in msg
+
+
+def test_lookback_probe_matches_float64_without_a_gpu():
+    """tools/mlgru_lookback_probe.py (issue 13's single-read scan, to be measured on a GPU):
+    correct in the interpreter, also when every program composes every map down to chunk 0
+    window by window (its look-back arithmetic; a wrong composition fails there)."""
+    root = Path(__file__).resolve().parents[1]
+    tool = str(root / "tools" / "mlgru_lookback_probe.py")
+    r = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True,
+                       env=subprocess_env(root), timeout=600)
+    assert r.returncode == 0 and "WRONG" not in r.stdout and r.stdout.count("ok") == 5, r.stdout + r.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The MLGRU forward scan on the H200: the chunked kernel vs the two-phase kernel (issue 13).
 
     PYTHONPATH=. python3 tools/mlgru_scan_bench.py OUTDIR [--compile] [--quick | --first-only | --t-sweep] [--graph]
+                                                         [--train | --train-only | --configs]
 
 Writes OUTDIR/mlgru_scan_bench.json and prints a table. For B16 T8192 D512 and
 B4 T32768 D1024, bfloat16 (the spec's inputs: forget gates near 1, h0 given), it times
@@ -21,6 +22,13 @@ with ``do_bench`` (median, L2 flushed; autotuning on):
 * ``--train``: forward + backward through autograd for the pairs (chunked, chunked),
   (two-phase, chunked) and (two-phase, two-phase) side by side, then the backward
   launchers alone, the two-phase one for chunks 64-512;
+* ``--train-only``: only those rows (first shape), then the step as the benchmark calls it
+  and the profiler's table of one step (OUTDIR/mlgru_train.json);
+* ``--configs``: only, in a fresh process: the step as benchmarked (twice), the tuner's
+  choices for the four two-phase kernels, the host's time to queue a step against the wall
+  time, the step from a CUDA graph, and every configuration of each two-phase kernel timed
+  alone (OUTDIR/mlgru_configs.json). On 2026-12-03 the step took 425 µs in one process and
+  942-1051 µs in fresh ones, its kernels 400-435 µs: this tells host from device;
 * ``--compile``: torch.compile of the log-step PyTorch scan (slow to compile; measured
   before at 3262 µs, so off by default).
 
@@ -186,6 +194,21 @@ def configs_run(out: Path) -> int:
                "bwd apply": mlgru.scan_backward_chunk_apply_kernel}
     res["chosen"] = {name: {str(k): str(v) for k, v in k_.cache.items()} for name, k_ in kernels.items()}
     res["train_us_again"] = round(time_ms(lambda: train.implementation(**inp)) * 1e3, 2)
+    # host or device? 50 steps queued without waiting: the host's time to queue them and the
+    # wall time until the GPU has run them (equal when the host sets the pace); then the
+    # step replayed from a CUDA graph (the GPU's time alone)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        train.implementation(**inp)
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    res["host_us_per_step"] = round(queued / 50 * 1e6, 1)
+    res["wall_us_per_step"] = round((time.perf_counter() - t0) / 50 * 1e6, 1)
+    try:
+        res["train_graph_us"] = round(time_graph_ms(lambda: train.implementation(**inp)) * 1e3, 2)
+    except Exception as e:      # autograd inside a capture may not be allowed here: say why
+        res["train_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     f, i, h0, dh, dh_last = (inp[k] for k in ("f", "i", "h0", "dh", "dh_last"))
     chunk = mlgru.two_phase_chunk(T)
     n = triton.cdiv(T, chunk)
