@@ -10,19 +10,20 @@ program that reads its tile once and keeps it in registers:
    waits for lower tickets);
 2. each scans its tile from a zero state and publishes the chunk's map h ↦ A·h + B with a
    flag (1: the map is there);
-3. it then looks back over ``WINDOW`` predecessors at once: their flags, and the maps of
-   those nearer than the nearest one whose state is known (flag 2: the state after it,
-   "inclusive"). Composed, they give the state entering this chunk; if no flag 2 is in the
-   window (and all are at least 1) it composes the whole window and moves down. One memory
-   round trip covers ``WINDOW`` chunks: with one predecessor at a time, the known states
-   would advance one chunk per round trip, 512 round trips at T = 8192 in chunks of 16;
+3. it then looks back over ``WINDOW`` predecessors at once: their flags in one load, then
+   the maps of those nearer than the nearest one whose state is known (flag 2: the state
+   after it, "inclusive"), all loaded before any is used and composed nearest first. They
+   give the state entering this chunk; if no flag 2 is in the window (and all are at least
+   1) it composes the whole window and moves down. One round trip covers ``WINDOW`` chunks:
+   with one predecessor at a time, the known states would advance one chunk per round
+   trip, 512 round trips at T = 8192 in chunks of 16;
 4. it publishes the state after its own chunk (flag 2) and writes h from its registers.
 
-Not yet run on a GPU. Compiled for sm_90 without one (triton 3.8, ``ptxas -v``) every
-configuration in ``CONFIGS`` compiles, and most spill: 255 registers a thread with a stack
-(the window's [WINDOW, BLOCK_D] maps on top of the tile's [CHUNK, BLOCK_D] scan), or 32-64
-registers with 2.6-6 KB of stack. The tile and the window each need registers per channel
-a thread holds; measuring which of them costs most is the first thing to do with it.
+Not yet run on a GPU. Compiled for sm_90 without one (triton 3.8, ``ptxas -v``), every
+configuration in ``CONFIGS`` compiles. The tile's scan takes most registers: with a window
+of one chunk, 120 a thread for chunks of 8 steps × 4 channels a thread (BLOCK_D 128, one
+warp) or 16 × 2, 188 for 16 × 4, 221 for 8 × 8; a window of 8 adds 15-45. (A first
+version held the window as a [WINDOW, BLOCK_D] tile and spilled at every setting.)
 
 Writes of a map or a state come before their flag (a barrier, then an atomic exchange
 with release semantics); flags are read by atomics with acquire semantics, the maps after
@@ -102,24 +103,25 @@ def lookback_scan_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, map_a_ptr, map_
             ready = tl.min(tl.where(w > nearest_known, fl, 2), axis=0) >= 1
             if ready:
                 tl.debug_barrier()
-                mo = jslot.to(tl.int64)[:, None] * BLOCK_D + lane[None, :]
-                above = (w > nearest_known)[:, None]
-                at = (w == nearest_known)[:, None]
-                ma = tl.load(map_a_ptr + mo, mask=above, other=1.0, volatile=True)
-                mb = tl.load(map_b_ptr + mo, mask=above, other=0.0, volatile=True)
-                st = tl.load(state_ptr + mo, mask=at, other=0.0, volatile=True)
-                # the known state enters as the constant map h -> state; rows below it: identity
-                wa = tl.where(above, ma, tl.where(at, 0.0, 1.0))
-                wb = tl.where(above, mb, tl.where(at, st, 0.0))
-                ca, cb = tl.associative_scan((wa, wb), 0, mlgru.linear_combine)
-                win_a = tl.sum(tl.where((w == WINDOW - 1)[:, None], ca, 0.0), axis=0)
-                win_b = tl.sum(tl.where((w == WINDOW - 1)[:, None], cb, 0.0), axis=0)
-                if nearest_known >= 0:                       # found: win_a is 0
-                    carry = acc_a * win_b + acc_b
+                # compose nearest first, one row of the window at a time: the rows' loads do
+                # not depend on each other (one round trip for all), and no [WINDOW, BLOCK_D]
+                # tile is held. (m_a, m_b): the state entering this row -> entering c.
+                m_a, m_b = acc_a, acc_b
+                for r in tl.static_range(WINDOW):
+                    row = WINDOW - 1 - r
+                    ro = (((lo + row) * B + b) * n_blocks + blk).to(tl.int64) * BLOCK_D + lane
+                    use_map = (lane < BLOCK_D) & (row > nearest_known)
+                    use_state = (lane < BLOCK_D) & (row == nearest_known)
+                    ma = tl.load(map_a_ptr + ro, mask=use_map, other=1.0, volatile=True)
+                    mb = tl.load(map_b_ptr + ro, mask=use_map, other=0.0, volatile=True)
+                    st = tl.load(state_ptr + ro, mask=use_state, other=0.0, volatile=True)
+                    carry = tl.where(use_state, m_a * st + m_b, carry)
+                    m_b = m_a * mb + m_b            # rows past the known one: identity maps
+                    m_a = m_a * ma
+                if nearest_known >= 0:
                     searching = 0
                 else:
-                    acc_b = acc_a * win_b + acc_b
-                    acc_a = acc_a * win_a
+                    acc_a, acc_b = m_a, m_b
                     lo -= WINDOW
     state = A * carry + Bc
     if PUBLISH_STATE or c == 0:
@@ -127,7 +129,13 @@ def lookback_scan_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, map_a_ptr, map_
         tl.debug_barrier()
         tl.atomic_xchg(flag_ptr + slot, 2, sem="release")
     h = h_loc + a_cum * carry[None, :]
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
+    # the store's addresses computed afresh, in another form than the loads' (so that they
+    # are not one value kept alive across the look-back: 64-bit addresses and a mask per
+    # element cost three registers each)
+    tile = (b.to(tl.int64) * T + c * CHUNK) * D
+    inside = rows[:, None] * D + cols[None, :]
+    keep = ((c * CHUNK + rows) < T)[:, None] & (cols < D)[None, :]
+    tl.store(h_ptr + tile + inside, h.to(h_ptr.dtype.element_ty), mask=keep)
     tl.store(hlast_ptr + b * D + cols, state, mask=cmask & (c == n_chunks - 1))
 
 
@@ -147,7 +155,7 @@ def scan_lookback_into(f, i, h0, h, h_last, *, chunk=16, block_d=128, window=16,
 
 
 CONFIGS = [dict(chunk=c, block_d=bd, window=w, num_warps=nw)
-           for c, bd, nw in ((8, 256, 1), (16, 128, 1), (8, 512, 2), (16, 256, 2), (32, 64, 1))
+           for c, bd, nw in ((8, 128, 1), (16, 64, 1), (4, 256, 1), (8, 256, 1), (16, 128, 1))
            for w in (8, 16, 32)]
 
 
