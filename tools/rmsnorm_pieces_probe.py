@@ -1,14 +1,22 @@
-"""rmsnorm_quant at 4096 x 14336 (issue 13's 71% row): is the padding the cost?
+"""rmsnorm_quant at 4096 x 14336 (issue 13's 72% row): padding, or rows in flight?
 
 The package kernel holds a row in one power-of-two block: 14336 columns in a 16384-wide
-block, an eighth of every thread's lanes masked off and their registers spent anyway
-(161 registers a thread at 4 warps in Nsight Compute, 19% occupancy). This probe's kernel
-holds the row as up to three unmasked power-of-two pieces instead (14336 = 8192 + 4096
-+ 2048; a remainder that is not such a sum becomes a masked third piece), with the
-package kernel's arithmetic (one reduction carrying Σx² and max|x·w|, one conversion per
-rounding). It checks the probe's int8 output and scales bit-equal to the package's, then
-times both (``do_bench``, L2 flushed) at 4, 8 and 16 warps on 4096 x 14336 and 8192 x 8192
-bf16, next to the package's public function as called.
+block. Two kernels here, each with the package kernel's arithmetic (one reduction carrying
+Σx² and max|x·w|, one conversion per rounding):
+
+* pieces: the row as up to three unmasked power-of-two pieces (14336 = 8192 + 4096 + 2048;
+  a remainder that is not such a sum becomes a masked third piece), no padded lanes. On the
+  H200 (2026-12-03) no faster: 61.0 µs at 4 warps against the package's 57.3 at 8.
+* prefetch: a persistent kernel, 1, 2 or 4 programs per SM, each loading its next row
+  before it reduces and stores this one. At 8 warps the package kernel holds one row of
+  14336 per program and two programs fit an SM (96 registers a thread): 57 KB in flight per
+  SM, against four to eight rows of 8192 (64-128 KB) in the 88% case. Not yet on a GPU;
+  compiled for sm_90 on a CPU (triton 3.8, ``ptxas -v``) the second row costs registers one
+  for one: 255 a thread at 8 warps, 128 at 16 (the package kernel: 136 and 81).
+
+It checks the codes (within one) and scales of both against the package's, then times
+them (``do_bench``, L2 flushed) at 4, 8 and 16 warps on 4096 x 14336 and 8192 x 8192 bf16,
+next to the package's kernel and its public function as called.
 
     PYTHONPATH=$PWD python3 tools/rmsnorm_pieces_probe.py OUTDIR     (a CUDA GPU)
     PYTHONPATH=$PWD python3 tools/rmsnorm_pieces_probe.py --check    (any machine: the pieces
@@ -88,6 +96,39 @@ def rmsnorm_quant_pieces_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, stride_x
     tl.store(scale_ptr + r, scale)
 
 
+@triton.jit
+def rmsnorm_quant_prefetch_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x, stride_q, eps,
+                                  BLOCK_N: tl.constexpr):
+    """Persistent: program p takes rows p, p + P, p + 2P, ... (P programs) and loads the
+    next row before it reduces and stores this one, so each program keeps two rows in
+    flight. The weights are loaded again for every row (from L1/L2), not held."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    # 32-bit row offsets: a probe for inputs under 2**31 elements
+    x_next = tl.load(x_ptr + pid * stride_x + cols, mask=cmask & (pid < n_rows), other=0.0)
+    for r in range(pid, n_rows, nprog):
+        x = x_next.to(tl.float32)
+        nxt = r + nprog
+        x_next = tl.load(x_ptr + nxt * stride_x + cols, mask=cmask & (nxt < n_rows), other=0.0)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        xw = x * w
+        sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 0, sum_and_max)
+        rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+        scale = 127.0 / tl.maximum(max_xw * rstd, 1e-5)
+        q = tl.minimum(tl.maximum(nq.round_half_away_int(xw * (rstd * scale)), -128), 127).to(tl.int8)
+        tl.store(q_ptr + r * stride_q + cols, q, mask=cmask)
+        tl.store(scale_ptr + r, scale)
+
+
+def run_prefetch(x, w, q, scale, num_warps, per_sm, eps=1e-6):
+    n_rows, n_cols = x.shape
+    grid = (max(1, min(n_rows, per_sm * runtime.num_sms())),)
+    rmsnorm_quant_prefetch_kernel[grid](x, w, q, scale, n_rows, n_cols, x.stride(0), q.stride(0), eps,
+                                        BLOCK_N=runtime.next_power_of_2(n_cols), num_warps=num_warps)
+
+
 def pieces(n: int) -> tuple[int, int, int, bool]:
     """n as P0 + P1 + P2 (powers of two, descending), the last masked if it overshoots."""
     out, rest = [], n
@@ -118,7 +159,7 @@ def run_package(x, w, q, scale, num_warps, eps=1e-6):
         num_warps=num_warps)
 
 
-def same_bits(shape, device, warps=4) -> bool:
+def same_bits(shape, device, warps=4, run=None) -> bool:
     g = torch.Generator(device=device).manual_seed(shape[1])
     x = (torch.randn(shape, generator=g, device=device) * torch.rand(shape[0], 1, generator=g, device=device) * 3
          ).to(torch.bfloat16)
@@ -126,7 +167,7 @@ def same_bits(shape, device, warps=4) -> bool:
     q1, q2 = torch.empty(shape, dtype=torch.int8, device=device), torch.empty(shape, dtype=torch.int8, device=device)
     s1, s2 = torch.empty(shape[0], device=device), torch.empty(shape[0], device=device)
     nq.rmsnorm_quant_into(x, w, q1, s1)
-    run_pieces(x, w, q2, s2, warps)
+    (run or run_pieces)(x, w, q2, s2, warps)
     # one ulp apart at most in the scale (a sum in another order), so codes off by one at most
     return bool((q1.int() - q2.int()).abs().max() <= 1 and torch.allclose(s1, s2, rtol=1e-5, atol=0))
 
@@ -139,6 +180,9 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.check:
         ok = {f"{r}x{c}": same_bits((r, c), device) for r, c in ((3, 7), (2, 96), (3, 112), (2, 100))}
+        # the persistent kernel with fewer programs than rows (each takes several, prefetching)
+        ok |= {f"{r}x{c} prefetch": same_bits((r, c), device, run=lambda *a: run_prefetch(*a, per_sm=1))
+               for r, c in ((7, 100), (300, 24))}
         print("pieces vs package (codes within 1, scales within 1e-5):", ok)
         return 0 if all(ok.values()) else 1
     if runtime.mode() != "compiled":
@@ -154,6 +198,8 @@ def main(argv=None) -> int:
            "checks": {}, "rows": []}
     for shape in ((1000, 14336), (7, 8192), (33, 4100)):
         res["checks"][f"{shape[0]}x{shape[1]}"] = same_bits(shape, device)
+        res["checks"][f"{shape[0]}x{shape[1]} prefetch"] = same_bits(shape, device,
+                                                                   run=lambda *a: run_prefetch(*a, per_sm=2))
     print("checks:", res["checks"], flush=True)
     for n_rows, n_cols in ((4096, 14336), (8192, 8192)):
         x = torch.randn(n_rows, n_cols, device=device, dtype=torch.bfloat16)
@@ -165,6 +211,9 @@ def main(argv=None) -> int:
         for wps in (4, 8, 16):
             timed[f"package kernel {wps} warps"] = lambda wps=wps: run_package(x, w, q, s, wps)
             timed[f"pieces {pieces(n_cols)[:3]} {wps} warps"] = lambda wps=wps: run_pieces(x, w, q, s, wps)
+            for per_sm in (1, 2, 4):
+                timed[f"prefetch {per_sm}/SM {wps} warps"] = (
+                    lambda wps=wps, per_sm=per_sm: run_prefetch(x, w, q, s, wps, per_sm))
         for name, fn in timed.items():
             us = time_ms(fn) * 1e3
             pct = 100 * moved / (us * 1e-6) / ceil["bytes_per_s"]
