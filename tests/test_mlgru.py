@@ -164,7 +164,8 @@ def test_two_phase_backward_matches_float64(chunk, device):
         h = mlgru.scan_reference(f, i, h0)["h"].float()
         dh, dh_last = torch.randn_like(f), torch.randn_like(h0)
         ref = mlgru.scan_backward_reference(f, h0, h, dh, dh_last)
-        df, di, dh0 = torch.full_like(f, float("nan")), torch.full_like(f, float("nan")), torch.full_like(h0, float("nan"))
+        nan = float("nan")
+        df, di, dh0 = torch.full_like(f, nan), torch.full_like(f, nan), torch.full_like(h0, nan)
         mlgru.scan_backward_two_phase_into(f, h0, h, dh, dh_last, df, di, dh0, chunk=chunk)
         for got, name in ((df, "df"), (di, "di"), (dh0, "dh0")):
             torch.testing.assert_close(got.double(), ref[name], atol=1e-5, rtol=1e-4, msg=f"{name}, T={T}")

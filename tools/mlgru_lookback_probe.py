@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     mlgru.scan_two_phase_into(f, i, h0, want, want_last)
     res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "shape": [B, T, D], "rows": []}
     us = time_ms(lambda: mlgru.scan_two_phase_into(f, i, h0, want, want_last)) * 1e3
-    res["rows"].append({"impl": "two_phase (package)", "us": round(us, 2), "pct_of_copy": round(100 * moved / us / 1e-6 / copy, 1)})
+    res["rows"].append({"impl": "two_phase (package)", "us": round(us, 2),
+                        "pct_of_copy": round(100 * moved / us / 1e-6 / copy, 1)})
     print(f"two_phase (package)                          {us:8.1f} µs", flush=True)
     h, h_last = torch.empty_like(f), torch.empty_like(h0)
     for cfg in CONFIGS:

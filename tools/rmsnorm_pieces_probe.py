@@ -217,7 +217,8 @@ def main(argv=None) -> int:
         for name, fn in timed.items():
             us = time_ms(fn) * 1e3
             pct = 100 * moved / (us * 1e-6) / ceil["bytes_per_s"]
-            res["rows"].append({"shape": [n_rows, n_cols], "impl": name, "us": round(us, 2), "pct_of_copy": round(pct, 1)})
+            res["rows"].append({"shape": [n_rows, n_cols], "impl": name, "us": round(us, 2),
+                                "pct_of_copy": round(pct, 1)})
             print(f"{n_rows}x{n_cols}  {name:<34} {us:8.2f} µs  {pct:5.1f}%", flush=True)
     (out / "rmsnorm_pieces_probe.json").write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -10,8 +10,8 @@ import torch
 from ..harness.checking import Hypothesis, hypotheses_hint, narrowed_hint
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..mlgru import (mlgru_scan, scan_backward_chunked_into, scan_backward_recurrent_into,
-                     scan_backward_reference, scan_backward_two_phase_into, scan_chunked_into, scan_into, scan_recurrent_into,
-                     scan_reference, scan_torch, scan_two_phase_into)
+                     scan_backward_reference, scan_backward_two_phase_into, scan_chunked_into, scan_into,
+                     scan_recurrent_into, scan_reference, scan_torch, scan_two_phase_into)
 from ..validate import FLOAT_DTYPES
 
 
@@ -160,7 +160,8 @@ def _bwd_carry_lost(inp):
     least two chunks: with one, only dh_last is lost, a mistake of its own."""
     T = inp["f"].shape[1]
     for tile in _tiles(T):
-        for lost_at in (lambda t: (t + 1) % tile == 0 or t == T - 1, lambda t: (T - 1 - t) % tile == 0):
+        for lost_at in (lambda t, tile=tile: (t + 1) % tile == 0 or t == T - 1,
+                        lambda t, tile=tile: (T - 1 - t) % tile == 0):
             yield _bwd_variant(inp["f"], inp["h0"], inp["h"], inp["dh"], inp["dh_last"], lost_at=lost_at)
 
 
