@@ -478,4 +478,4 @@ def test_lookback_probe_matches_float64_without_a_gpu():
     tool = str(root / "tools" / "mlgru_lookback_probe.py")
     r = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True,
                        env=subprocess_env(root), timeout=600)
-    assert r.returncode == 0 and "WRONG" not in r.stdout and r.stdout.count("ok") == 5, r.stdout + r.stderr[-2000:]
+    assert r.returncode == 0 and "WRONG" not in r.stdout and r.stdout.count(": ok") == 6, r.stdout + r.stderr[-2000:]

@@ -20,10 +20,12 @@ program that reads its tile once and keeps it in registers:
 4. it publishes the state after its own chunk (flag 2) and writes h from its registers.
 
 Not yet run on a GPU. Compiled for sm_90 without one (triton 3.8, ``ptxas -v``), every
-configuration in ``CONFIGS`` compiles. The tile's scan takes most registers: with a window
-of one chunk, 120 a thread for chunks of 8 steps × 4 channels a thread (BLOCK_D 128, one
-warp) or 16 × 2, 188 for 16 × 4, 221 for 8 × 8; a window of 8 adds 15-45. (A first
-version held the window as a [WINDOW, BLOCK_D] tile and spilled at every setting.)
+configuration in ``CONFIGS`` compiles. Keeping the tile's scan in registers through the
+look-back costs most: 176 registers a thread for chunks of 4 steps × 8 channels a thread,
+255 (with a small stack) for 8 × 8; reading the tile again from L1/L2 once the carry is
+known (``reload=True``; DRAM still reads it once) takes 88-94 and 137-140. The window's
+size hardly matters (its maps are composed row by row, never held as a tile; a first
+version that held them spilled at every setting).
 
 Writes of a map or a state come before their flag (a barrier, then an atomic exchange
 with release semantics); flags are read by atomics with acquire semantics, the maps after
@@ -56,9 +58,11 @@ from gpulab import mlgru, runtime
 def lookback_scan_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, map_a_ptr, map_b_ptr, state_ptr, flag_ptr,
                          ticket_ptr, B, T, D, n_chunks, n_blocks,
                          CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
-                         PUBLISH_STATE: tl.constexpr = True):
+                         PUBLISH_STATE: tl.constexpr = True, RELOAD: tl.constexpr = False):
     """PUBLISH_STATE=False (a test of the look-back's arithmetic): only chunk 0 publishes
-    its state, so every other program composes every map down to it, window by window."""
+    its state, so every other program composes every map down to it, window by window.
+    RELOAD: the tile is read again (from L1/L2: this program just read it) and rescanned
+    once the carry is known, instead of keeping its scan in registers through the look-back."""
     ticket = tl.atomic_add(ticket_ptr, 1)
     per_chunk = B * n_blocks
     c = ticket // per_chunk
@@ -103,22 +107,22 @@ def lookback_scan_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, map_a_ptr, map_
             ready = tl.min(tl.where(w > nearest_known, fl, 2), axis=0) >= 1
             if ready:
                 tl.debug_barrier()
-                # compose nearest first, one row of the window at a time: the rows' loads do
-                # not depend on each other (one round trip for all), and no [WINDOW, BLOCK_D]
-                # tile is held. (m_a, m_b): the state entering this row -> entering c.
+                # compose the maps above the known state nearest first, one row of the window
+                # at a time: the rows' loads do not depend on each other (one round trip for
+                # all), and no [WINDOW, BLOCK_D] tile is held. (m_a, m_b): the state after the
+                # known chunk (or before the window) -> the state entering c.
                 m_a, m_b = acc_a, acc_b
                 for r in tl.static_range(WINDOW):
                     row = WINDOW - 1 - r
                     ro = (((lo + row) * B + b) * n_blocks + blk).to(tl.int64) * BLOCK_D + lane
-                    use_map = (lane < BLOCK_D) & (row > nearest_known)
-                    use_state = (lane < BLOCK_D) & (row == nearest_known)
+                    use_map = (lane < BLOCK_D) & (row > nearest_known)     # below: identity maps
                     ma = tl.load(map_a_ptr + ro, mask=use_map, other=1.0, volatile=True)
                     mb = tl.load(map_b_ptr + ro, mask=use_map, other=0.0, volatile=True)
-                    st = tl.load(state_ptr + ro, mask=use_state, other=0.0, volatile=True)
-                    carry = tl.where(use_state, m_a * st + m_b, carry)
-                    m_b = m_a * mb + m_b            # rows past the known one: identity maps
+                    m_b = m_a * mb + m_b
                     m_a = m_a * ma
                 if nearest_known >= 0:
+                    so = (((lo + nearest_known) * B + b) * n_blocks + blk).to(tl.int64) * BLOCK_D + lane
+                    carry = m_a * tl.load(state_ptr + so, volatile=True) + m_b
                     searching = 0
                 else:
                     acc_a, acc_b = m_a, m_b
@@ -128,19 +132,23 @@ def lookback_scan_kernel(f_ptr, i_ptr, h0_ptr, h_ptr, hlast_ptr, map_a_ptr, map_
         tl.store(state_ptr + vals, state)
         tl.debug_barrier()
         tl.atomic_xchg(flag_ptr + slot, 2, sem="release")
-    h = h_loc + a_cum * carry[None, :]
     # the store's addresses computed afresh, in another form than the loads' (so that they
     # are not one value kept alive across the look-back: 64-bit addresses and a mask per
     # element cost three registers each)
     tile = (b.to(tl.int64) * T + c * CHUNK) * D
     inside = rows[:, None] * D + cols[None, :]
     keep = ((c * CHUNK + rows) < T)[:, None] & (cols < D)[None, :]
+    if RELOAD:
+        f2 = tl.load(f_ptr + tile + inside, mask=keep, other=1.0).to(tl.float32)
+        x2 = tl.load(i_ptr + tile + inside, mask=keep, other=0.0).to(tl.float32)
+        a_cum, h_loc = tl.associative_scan((f2, x2), 0, mlgru.linear_combine)
+    h = h_loc + a_cum * carry[None, :]
     tl.store(h_ptr + tile + inside, h.to(h_ptr.dtype.element_ty), mask=keep)
     tl.store(hlast_ptr + b * D + cols, state, mask=cmask & (c == n_chunks - 1))
 
 
-def scan_lookback_into(f, i, h0, h, h_last, *, chunk=16, block_d=128, window=16, num_warps=1,
-                       walk_all=False):
+def scan_lookback_into(f, i, h0, h, h_last, *, chunk=4, block_d=256, window=16, num_warps=1,
+                       walk_all=False, reload=False):
     B, T, D = f.shape
     if T == 0:
         h_last.copy_(h0)
@@ -151,12 +159,15 @@ def scan_lookback_into(f, i, h0, h, h_last, *, chunk=16, block_d=128, window=16,
     flags = torch.zeros(slots + 1, dtype=torch.int32, device=f.device)     # the last: the ticket counter
     lookback_scan_kernel[(slots,)](f, i, h0, h, h_last, scratch[0], scratch[1], scratch[2], flags, flags[slots:],
                                    B, T, D, n_chunks, n_blocks, CHUNK=chunk, BLOCK_D=block_d, WINDOW=window,
-                                   PUBLISH_STATE=not walk_all, num_warps=num_warps)
+                                   PUBLISH_STATE=not walk_all, RELOAD=reload, num_warps=num_warps)
 
 
-CONFIGS = [dict(chunk=c, block_d=bd, window=w, num_warps=nw)
-           for c, bd, nw in ((8, 128, 1), (16, 64, 1), (4, 256, 1), (8, 256, 1), (16, 128, 1))
-           for w in (8, 16, 32)]
+# 256 channels a warp: 8 a thread (16-byte loads) and every time step of the tile in the
+# same thread, so its scan needs no shuffles (at 128 a warp the tile's rows spread over
+# threads: 200 shuffles in the PTX of an 8 x 128 tile)
+CONFIGS = [dict(chunk=c, block_d=bd, window=w, num_warps=nw, reload=rl)
+           for c, bd, nw in ((4, 256, 1), (8, 256, 1), (4, 512, 2), (8, 512, 2))
+           for w in (8, 32) for rl in (False, True)]
 
 
 def _inputs(B, T, D, dtype, device, seed=0):
@@ -171,6 +182,7 @@ def check(device) -> bool:
     for (B, T, D), cfg in [((1, 1, 1), dict(chunk=4, block_d=16, window=2)),
                            ((2, 37, 19), dict(chunk=4, block_d=16, window=2)),
                            ((3, 16, 40), dict(chunk=4, block_d=32, window=4)),
+                           ((2, 37, 19), dict(chunk=4, block_d=16, window=2, reload=True)),
                            # every program composes all maps down to chunk 0: 18 chunks, windows of
                            # 4 (several windows, a ragged last one, rows before chunk 0 masked)
                            ((2, 37, 19), dict(chunk=2, block_d=8, window=4, walk_all=True)),
