@@ -556,8 +556,8 @@ def scan_two_phase_into(f, i, h0, h, h_last, *, chunk: int | None = None, segmen
     state = h0
     # launched through runtime.launch_tuned / launch: three launches per window, and
     # Triton's autotuner wrapper alone costs tens of µs of host time per launch
-    summary_key = (B, D, chunk, 1 if keep else 0, f.dtype)
-    apply_key = (B, D, chunk, 2 if keep else 0, f.dtype, h.dtype)
+    summary_key = (B, D, chunk, 1 if keep else 0, f.dtype, i.dtype)
+    apply_key = (B, D, chunk, 2 if keep else 0, f.dtype, i.dtype, h.dtype)
     for t0 in range(0, T, segment):
         t1 = min(t0 + segment, T)
         n = runtime.cdiv(t1 - t0, chunk)
@@ -599,13 +599,16 @@ def scan_backward_two_phase_into(f, h0, h, dh, dh_last, df, di, dh0, *, chunk: i
     a, bc, carry = scratch[:3 * B * n * D].view(3, B, n, D)
     g0 = scratch[3 * B * n * D:].view(B, D)           # phase 2's "h_last": g_0 (phase 3 uses its own)
     grid = lambda meta: (runtime.cdiv(D, meta["BLOCK_D"]), n, B)  # noqa: E731
-    runtime.launch_tuned(scan_backward_chunk_summary_kernel, grid, (B, D, chunk, f.dtype, dh.dtype),
-                         f, dh, a, bc, B, T, D, n, CHUNK=chunk)
+    # the tuners' keys (B, D, CHUNK) and the dtypes of the tensors passed
+    summary_key = (B, D, chunk, f.dtype, dh.dtype)
+    apply_key = (B, D, chunk, f.dtype, h0.dtype, h.dtype, dh.dtype, df.dtype, di.dtype, dh0.dtype)
+    runtime.launch_tuned(scan_backward_chunk_summary_kernel, grid, summary_key, f, dh, a, bc, B, T, D, n,
+                         CHUNK=chunk)
     runtime.launch(scan_chunk_carry_kernel, (runtime.cdiv(D, CARRY_BLOCK_D), B),
                    {"CHUNKS_BLOCK": min(64, runtime.next_power_of_2(n)), "BLOCK_D": CARRY_BLOCK_D, "num_warps": 4},
                    a, bc, carry, dh_last, g0, D, n)
-    runtime.launch_tuned(scan_backward_chunk_apply_kernel, grid, (B, D, chunk, f.dtype, h.dtype, dh.dtype, df.dtype),
-                         f, h0, h, dh, carry, df, di, dh0, B, T, D, n, CHUNK=chunk)
+    runtime.launch_tuned(scan_backward_chunk_apply_kernel, grid, apply_key, f, h0, h, dh, carry, df, di, dh0,
+                         B, T, D, n, CHUNK=chunk)
 
 
 RECURRENT_MAX_T = 32        # the rule: T <= this -> recurrent kernel,
