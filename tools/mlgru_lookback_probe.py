@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-import gpulab  # noqa: F401  (first: it fixes Triton's mode)
+import gpulab  # first: it fixes Triton's mode
 import triton
 import triton.language as tl
 from gpulab import mlgru, runtime
@@ -171,10 +171,10 @@ CONFIGS = [dict(chunk=c, block_d=bd, window=w, num_warps=nw, reload=rl)
 
 
 def _inputs(B, T, D, dtype, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    f = torch.sigmoid(torch.randn(B, T, D, generator=g, device=device) * 1.5 + 1.5).to(dtype)
-    i = torch.randn(B, T, D, generator=g, device=device).to(dtype)
-    return f, i, torch.randn(B, D, generator=g, device=device)
+    """The scan spec's inputs (forget gates mostly near 1, h0 given): f, i, h0."""
+    inp = gpulab.get_spec("mlgru_scan").make_inputs(dict(B=B, T=T, D=D), dtype, torch.device(device),
+                                                    torch.Generator(device=device).manual_seed(seed))
+    return inp["f"], inp["i"], inp["h0"]
 
 
 def check(device) -> bool:

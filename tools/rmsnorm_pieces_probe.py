@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-import gpulab  # noqa: F401  (first: it fixes Triton's mode)
+import gpulab  # first: it fixes Triton's mode
 import triton
 import triton.language as tl
 from gpulab import normquant as nq, runtime
@@ -159,11 +159,16 @@ def run_package(x, w, q, scale, num_warps, eps=1e-6):
         num_warps=num_warps)
 
 
+def spec_inputs(n_rows, n_cols, device, seed=0):
+    """The rmsnorm_quant spec's inputs (bf16 rows of different scales, a weight): x, w."""
+    inp = gpulab.get_spec("rmsnorm_quant").make_inputs(dict(rows=n_rows, cols=n_cols), torch.bfloat16,
+                                                       torch.device(device),
+                                                       torch.Generator(device=device).manual_seed(seed))
+    return inp["x"], inp["weight"]
+
+
 def same_bits(shape, device, warps=4, run=None) -> bool:
-    g = torch.Generator(device=device).manual_seed(shape[1])
-    x = (torch.randn(shape, generator=g, device=device) * torch.rand(shape[0], 1, generator=g, device=device) * 3
-         ).to(torch.bfloat16)
-    w = (torch.rand(shape[1], generator=g, device=device) + 0.5).to(torch.bfloat16)
+    x, w = spec_inputs(*shape, device, seed=shape[1])
     q1, q2 = torch.empty(shape, dtype=torch.int8, device=device), torch.empty(shape, dtype=torch.int8, device=device)
     s1, s2 = torch.empty(shape[0], device=device), torch.empty(shape[0], device=device)
     nq.rmsnorm_quant_into(x, w, q1, s1)
@@ -202,8 +207,7 @@ def main(argv=None) -> int:
                                                                    run=lambda *a: run_prefetch(*a, per_sm=2))
     print("checks:", res["checks"], flush=True)
     for n_rows, n_cols in ((4096, 14336), (8192, 8192)):
-        x = torch.randn(n_rows, n_cols, device=device, dtype=torch.bfloat16)
-        w = torch.rand(n_cols, device=device, dtype=torch.bfloat16) + 0.5
+        x, w = spec_inputs(n_rows, n_cols, device)
         q = torch.empty(n_rows, n_cols, dtype=torch.int8, device=device)
         s = torch.empty(n_rows, device=device)
         moved = n_rows * n_cols * 3 + n_cols * 2 + n_rows * 4
