@@ -327,17 +327,24 @@ def test_quantizing_converts_each_element_to_an_integer_once():
 
 def test_even_rows_take_the_unmasked_path_with_the_same_bits(device):
     """Rows exactly BLOCK_N wide load and store without masks (EVEN): the same codes and
-    scales as the masked path, which a row one column shorter still takes."""
+    scales as the masked path with the same launch (compiled, another num_warps sums in
+    another order, so both run with 4), and a row one column shorter still takes the
+    masked one through the public function."""
     g = torch.Generator(device=device).manual_seed(3)
     x = torch.randn(6, 64, generator=g, device=device) * torch.rand(6, 1, generator=g, device=device) * 4
     w = torch.rand(64, generator=g, device=device) + 0.5
-    q, s = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
-    nq.rmsnorm_quant_into(x, w, q, s)                        # EVEN
-    q2, s2 = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
-    nq.rmsnorm_quant_fwd_kernel[(6,)](x, w, q2, s2, x, s2, 6, 64, x.stride(0), q2.stride(0), 0, 1e-6,
-                                      BLOCK_R=1, BLOCK_N=64, FAKE_QUANT=False,
-                                      ONE_REDUCTION=gpulab.mode() == "compiled")   # masked
+
+    def run(even):
+        q, s = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
+        nq.rmsnorm_quant_fwd_kernel[(6,)](x, w, q, s, x, s, 6, 64, x.stride(0), q.stride(0), 0, 1e-6,
+                                          BLOCK_R=1, BLOCK_N=64, FAKE_QUANT=False,
+                                          ONE_REDUCTION=gpulab.mode() == "compiled", EVEN=even, num_warps=4)
+        return q, s
+    (q, s), (q2, s2) = run(True), run(False)
     assert torch.equal(q, q2) and torch.equal(s, s2)
+    q4, s4 = torch.empty(6, 64, dtype=torch.int8, device=device), torch.empty(6, device=device)
+    nq.rmsnorm_quant_into(x, w, q4, s4)                       # the public path, EVEN, tuned warps
+    assert (q4.int() - q.int()).abs().max() <= 1 and torch.allclose(s4, s, rtol=1e-5)
     ref_q, ref_s = nq.rmsnorm_quant_ref(x[:, :63], w[:63])
     q3, s3 = torch.empty(6, 63, dtype=torch.int8, device=device), torch.empty(6, device=device)
     nq.rmsnorm_quant_into(x[:, :63].contiguous(), w[:63].contiguous(), q3, s3)

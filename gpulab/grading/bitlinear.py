@@ -4,6 +4,7 @@ baselines and the specs ``ternary_quantize``, ``pack_ternary``, ``ternary_gemv``
 ``ternary_mm`` and ``ternary_matmul``."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -180,6 +181,25 @@ def _int_mm_unpacked(inp):
     return (acc.float() / (inp["x_scale"][:, None] * inp["w_scale"])).to(torch.bfloat16)
 
 
+# gemlite's 2-bit weight-only kernels are the peer (pip install gpulab[peers]): bf16 x times
+# the same ternary weights stored as codes w + 1 with zero point 1 and one scale per output
+# row; the layer is built once per input dict, outside the timing.
+GEMLITE_INSTALLED = importlib.util.find_spec("gemlite") is not None
+GEMLITE_ROW = "gemlite A16W2 (peer: bf16 x, 2-bit weights)"
+
+
+def gemlite_w2(inp):
+    if "_gemlite" not in inp:
+        from gemlite.helper import A16W2_HQQ_INT
+        w_t = unpack_ternary(inp["w_packed"], inp["x_q"].shape[1])
+        n = w_t.shape[0]
+        scales = (1.0 / inp["w_scale"]).expand(n).reshape(n, 1).to(torch.bfloat16)
+        zeros = torch.ones(n, 1, dtype=torch.bfloat16, device=w_t.device)
+        inp["_gemlite"] = A16W2_HQQ_INT(device=w_t.device, dtype=torch.bfloat16).from_weights(
+            (w_t + 1).to(torch.uint8), scales, zeros)
+    return inp["_gemlite"](inp["x_bf16"])
+
+
 def _bench_with(launcher):
     """Benchmark callable: bf16 output allocated once per input dict, outside the timing
     (the default would take the output dtype from x_q, which is int8)."""
@@ -271,7 +291,8 @@ TERNARY_MATMUL = _matmul_spec(
     # benchmarks lead with the public function as a user calls it (output allocated per call)
     bench_impl=lambda inp: ternary_matmul(inp["x_q"], inp["x_scale"], inp["w_packed"], inp["w_scale"]),
     baselines={"torch bf16 F.linear": _bf16_linear,
-               "ternary_matmul_into (launcher, output preallocated)": _bench_with(ternary_matmul_into)},
+               "ternary_matmul_into (launcher, output preallocated)": _bench_with(ternary_matmul_into),
+               **({GEMLITE_ROW: gemlite_w2} if GEMLITE_INSTALLED else {})},
     notes="gpulab = ternary_matmul as called")
 
 TERNARY_MM = _matmul_spec(

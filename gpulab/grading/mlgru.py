@@ -5,6 +5,8 @@ picks, and of forward + backward through autograd. The references are
 (float64 loops over time)."""
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..harness.checking import Hypothesis, hypotheses_hint, narrowed_hint
@@ -279,10 +281,49 @@ def mlgru_scan_train(f, i, h0, dh, dh_last):
     return _fwd_bwd(mlgru_scan)(f, i, h0, dh, dh_last)
 
 
+# flash-linear-attention's HGRN scan is the peer (pip install gpulab[peers]): the same
+# recurrence with log-space gates, h_t = exp(g_t)·h_{t-1} + x_t. Its rows are added where it
+# is installed; g = log f is computed once per input dict, outside the timing (a model
+# feeding it would produce log-space gates directly).
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None
+FLA_ROW = "flash-linear-attention chunk_hgrn (peer; g = log f given)"
+FLA_TRAIN_ROW = "flash-linear-attention chunk_hgrn (peer; g = log f given; backward without dh_last, dh0)"
+
+
+_LOG_GATES: dict = {}     # the last f and its log (not kept in the input dict: specs call **inp)
+
+
+def _log_gates(inp):
+    if _LOG_GATES.get("f") is not inp["f"]:
+        _LOG_GATES.update(f=inp["f"], g=torch.log(inp["f"]))
+    return _LOG_GATES["g"]
+
+
+def chunk_hgrn_forward(inp):
+    """The peer's forward on the same tensors: h, h_last."""
+    from fla.ops.hgrn import chunk_hgrn
+    return chunk_hgrn(inp["i"], _log_gates(inp), inp["h0"], True)
+
+
+def chunk_hgrn_train(inp):
+    """The peer's forward + backward through autograd, as ``mlgru_scan_train`` runs ours:
+    h, h_last, dg, di, dh0 (dg = df·f: its gradient is for the log-space gate). Its
+    backward does less than ours: it ignores dh_last and returns no dh0 (None)."""
+    from fla.ops.hgrn import chunk_hgrn
+    g = _log_gates(inp).detach().requires_grad_()
+    i = inp["i"].detach().requires_grad_()
+    h0 = inp["h0"].detach().requires_grad_()
+    h, h_last = chunk_hgrn(i, g, h0, True)
+    torch.autograd.backward((h, h_last), (inp["dh"], inp["dh_last"]))
+    return h.detach(), h_last.detach(), g.grad, i.grad, h0.grad
+
+
 _BASELINES = {"torch eager loop": lambda inp: scan_eager_loop(inp["f"], inp["i"], inp["h0"]),
-              "torch log-step scan": lambda inp: scan_torch(inp["f"], inp["i"], inp["h0"])}
+              "torch log-step scan": lambda inp: scan_torch(inp["f"], inp["i"], inp["h0"]),
+              **({FLA_ROW: chunk_hgrn_forward} if FLA_INSTALLED else {})}
 _TRAIN_BASELINES = {"torch eager loop": lambda inp: _fwd_bwd(scan_eager_loop)(**inp),
-                    "torch log-step scan": lambda inp: _fwd_bwd(scan_torch)(**inp)}
+                    "torch log-step scan": lambda inp: _fwd_bwd(scan_torch)(**inp),
+                    **({FLA_TRAIN_ROW: chunk_hgrn_train} if FLA_INSTALLED else {})}
 _COMPILED = ("torch log-step scan",)    # the eager loop: Dynamo would unroll 8192 steps
 
 

@@ -6,6 +6,8 @@ gpulab's int8 poison, -128, is a value absmax quantization never writes, so an
 unwritten ``x_q`` element is always recognised."""
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..harness import memory
@@ -227,6 +229,23 @@ def _launcher_outputs_preallocated():
 
 LAUNCHER_ROW = "rmsnorm_quant_into (launcher, outputs preallocated)"
 
+# Norm-only peers: RMSNorm without the quantization, writing y in x's dtype (2 bytes an element
+# where rmsnorm_quant writes 1, so their GB/s and roofline columns, computed on
+# rmsnorm_quant's bytes, understate them). They show how close a plain row-per-program
+# norm gets to the bandwidth on the same shape. Liger-Kernel: pip install gpulab[peers].
+LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
+LIGER_ROW = "Liger-Kernel RMSNorm (peer, norm only: writes bf16 y)"
+NORM_ONLY_ROW = "torch F.rms_norm (norm only: writes bf16 y)"
+
+
+def liger_rms_norm(inp):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    return LigerRMSNormFunction.apply(inp["x"], inp["weight"], 1e-6, 0.0, "llama", False)
+
+
+def _norm_only(inp):
+    return torch.nn.functional.rms_norm(inp["x"], (inp["x"].shape[-1],), inp["weight"], 1e-6)
+
 
 # -- specs --------------------------------------------------------------------------------
 RMSNORM_QUANT = KernelSpec(
@@ -252,8 +271,9 @@ RMSNORM_QUANT = KernelSpec(
     # benchmarks lead with the public function as a user calls it (outputs allocated per call)
     bench_impl=lambda inp: rmsnorm_quant(inp["x"], inp["weight"]),
     baselines={LAUNCHER_ROW: _launcher_outputs_preallocated(),
-               "torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"])},
-    compile_baselines=("torch",),
+               "torch": lambda inp: rmsnorm_quant_ref(inp["x"], inp["weight"]),
+               NORM_ONLY_ROW: _norm_only, **({LIGER_ROW: liger_rms_norm} if LIGER_INSTALLED else {})},
+    compile_baselines=("torch", NORM_ONLY_ROW),
     bench_dtypes=[torch.bfloat16],
     read_inputs=("x", "weight"),
     hint=RMSNORM_QUANT_HINT,
