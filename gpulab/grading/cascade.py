@@ -15,11 +15,12 @@ from ..cascade import (CascadeDecodeWrapper, cascade_decode_attention, cascade_d
                        merge_state, merge_state_into, merge_states_into, prefix_kv, shared_prefix_into,
                        shared_prefix_reference)
 from ..harness.checking import Hypothesis, hypotheses_hint, narrowed_hint
+from ..harness.bench import cuda_graph_replay
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import paged_decode_attention, paged_decode_reference, to_flashinfer
 from .attention import KEY_TILES, merge_hint
 from .paged import (DECODE_TOLERANCES, FLASHINFER_INSTALLED, GRAPH_ROW, LSE_TOLERANCES, PEER_NOTE,
-                    cuda_graph_replay, decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
+                    decode_outputs, flashinfer_module, make_paged_inputs, make_partials)
 
 
 def make_states(p, dtype, device, gen):

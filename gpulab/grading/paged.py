@@ -16,6 +16,7 @@ import torch
 
 from .. import runtime
 from ..attention_state import merge_states_reference
+from ..harness.bench import cuda_graph_replay
 from ..harness.checking import CheckFailure, Hypothesis, hypotheses_hint, rounding_tolerance
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 from ..paged import (PagedDecodeWrapper, fixed_splits, gather_kv, paged_decode_attention, paged_decode_into,
@@ -343,26 +344,6 @@ SPLIT_DECODE_HINT = hypotheses_hint(
 # =========================================================================================
 # Benchmark rows beyond the baselines: as called, replayed in a CUDA graph, FlashInfer
 # =========================================================================================
-def cuda_graph_replay(make_run):
-    """A benchmark row that replays a CUDA graph: ``make_run(inputs)`` plans and returns a
-    function of no arguments; it runs once (compile, autotune), is captured, and every
-    call replays the capture. A new capture per input dict."""
-    state = {}
-
-    def replay(inp):
-        if state.get("key") != id(inp):
-            state.clear()
-            run = make_run(inp)
-            run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with runtime.cuda_graph_capture(graph):
-                run()
-            state.update(key=id(inp), graph=graph, run=run)
-        state["graph"].replay()
-    return replay
-
-
 def paged_decode_planned(inp):
     """plan() for a benchmark input dict; returns run() with its arguments bound."""
     q, kc = inp["q"], inp["k_cache"]
