@@ -298,6 +298,8 @@ def test_train_and_serve_bench_commands(tmp_path):
     import json
     r = json.loads(out.read_text())
     assert r["continuous"]["requests"] == r["static"]["requests"] == 6
+    # what Triton compiled while serving, with the specialisation that was new (none in the interpreter)
+    assert min(r["continuous"]["kernels_compiled"], 32) == len(r["continuous"]["kernels_compiled_details"])
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 

@@ -88,6 +88,9 @@ def run_requests(engine, requests: list[dict], progress: bool = True, desc: str 
     summary = engine.summary()
     summary["kernels_compiled"] = compiled.count
     summary["kernels_compiled_names"] = sorted(set(compiled.names))
+    # Triton's description of each (launch options, argument types and specialisation):
+    # which argument's class was new, so that the warm-up can be taught to meet it
+    summary["kernels_compiled_details"] = compiled.details[:32]
     return summary
 
 
