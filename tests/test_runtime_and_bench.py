@@ -10,6 +10,7 @@ import torch
 import gpulab
 from gpulab import runtime
 from gpulab.harness import bench
+from helpers import load_tool
 
 
 def _mode_in_subprocess(env):
@@ -389,3 +390,16 @@ def test_direct_launch_can_be_turned_off_from_the_environment():
             env["GPULAB_DIRECT_LAUNCH"] = value
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert out.stdout.strip() == expected, (value, out.stderr[-500:])
+
+
+def test_spec_host_profile_says_what_to_fix_before_it_needs_a_gpu(capsys):
+    """tools/spec_host_profile.py (run on the GPU host) checks its spec names and case
+    indices first, so a typo is named on any machine, and says where it must run."""
+    tool = load_tool("spec_host_profile")
+    assert tool.main(["/tmp/unused", "ternary_matmull"]) == 2
+    assert "no kernel spec named ternary_matmull" in capsys.readouterr().err
+    assert tool.main(["/tmp/unused", "ternary_matmul:3"]) == 2
+    assert "CASE must be 0..2, got '3'" in capsys.readouterr().err
+    if not (torch.cuda.is_available() and runtime.mode() == "compiled"):
+        assert tool.main(["/tmp/unused", "ternary_matmul:1"]) == 2
+        assert "run it on the GPU host" in capsys.readouterr().err

@@ -89,8 +89,20 @@ def main(argv=None) -> int:
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    for name in args.specs:
+        spec_name, _, index = name.partition(":")
+        try:
+            cases = gpulab.get_spec(spec_name).cases.get("bench", [])
+        except KeyError:
+            print(f"no kernel spec named {spec_name} (gpulab bench --list names them)", file=sys.stderr)
+            return 2
+        if not (index or "0").isdigit() or int(index or 0) >= len(cases):
+            print(f"{spec_name} has {len(cases)} benchmark case(s): CASE must be 0..{len(cases) - 1}, got {index!r}",
+                  file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available() or runtime.mode() != "compiled":
+        print("spec_host_profile times calls on a CUDA GPU in compiled mode: run it on the GPU host",
+              file=sys.stderr)
         return 2
     out = {"device": runtime.gpu_name(), "versions": runtime.versions(),
            "rows": [profile(name, args.steps) for name in args.specs]}
