@@ -403,3 +403,12 @@ def test_spec_host_profile_says_what_to_fix_before_it_needs_a_gpu(capsys):
     if not (torch.cuda.is_available() and runtime.mode() == "compiled"):
         assert tool.main(["/tmp/unused", "ternary_matmul:1"]) == 2
         assert "run it on the GPU host" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and runtime.mode() == "compiled"), reason="times a GPU")
+def test_host_and_wall_us_times_queued_calls():
+    x = torch.ones(1 << 20, device="cuda")
+    paced = bench.host_and_wall_us(lambda: gpulab.basics.vector_add(x, x), 20)
+    assert 0 < paced["host_us"] <= paced["wall_us"] + 1.0
+    assert set(paced["allocator"]) == {"num_device_alloc", "num_device_free", "num_alloc_retries",
+                                       "num_sync_all_streams"}

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402  (first: it fixes Triton's mode before triton.language is imported)
 import triton  # noqa: E402
 from gpulab import mlgru, runtime  # noqa: E402
-from gpulab.harness.bench import ceilings, require_gpu, time_graph_ms, time_ms  # noqa: E402
+from gpulab.harness.bench import ceilings, host_and_wall_us, require_gpu, time_graph_ms, time_ms  # noqa: E402
 from gpulab.harness.spec import Case  # noqa: E402
 
 SHAPES = [Case("B16 T8192 D512", dict(B=16, T=8192, D=512)), Case("B4 T32768 D1024", dict(B=4, T=32768, D=1024))]
@@ -194,25 +194,13 @@ def configs_run(out: Path) -> int:
                "bwd apply": mlgru.scan_backward_chunk_apply_kernel}
     res["chosen"] = {name: {str(k): str(v) for k, v in k_.cache.items()} for name, k_ in kernels.items()}
     res["train_us_again"] = round(time_ms(lambda: train.implementation(**inp)) * 1e3, 2)
-    # host or device? 50 steps queued without waiting: the host's time to queue them and the
-    # wall time until the GPU has run them (equal when the host sets the pace); then the
-    # step replayed from a CUDA graph (the GPU's time alone)
-    # (on a CPU, with the launches stubbed, the host path of a step took 142 µs: far below
-    # the kernels' 400-435 µs). Also the caching allocator's calls to cudaMalloc/cudaFree in
-    # those steps: each one waits for the GPU.
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        train.implementation(**inp)
-    queued = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    res["host_us_per_step"] = round(queued / 50 * 1e6, 1)
-    res["wall_us_per_step"] = round((time.perf_counter() - t0) / 50 * 1e6, 1)
-    after = torch.cuda.memory_stats()
-    res["allocator_in_50_steps"] = {k: after.get(k, 0) - before.get(k, 0)
-                                    for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                                              "num_sync_all_streams")}
+    # host or device? 50 steps queued without waiting (host time against wall time, and the
+    # allocator's device calls meanwhile), then the step replayed from a CUDA graph (the
+    # GPU's time alone). On a CPU, with the launches stubbed, the host path of a step took
+    # 142 µs: far below the kernels' 400-435 µs.
+    paced = host_and_wall_us(lambda: train.implementation(**inp), 50)
+    res["host_us_per_step"], res["wall_us_per_step"] = paced["host_us"], paced["wall_us"]
+    res["allocator_in_50_steps"] = paced["allocator"]
     try:
         res["train_graph_us"] = round(time_graph_ms(lambda: train.implementation(**inp)) * 1e3, 2)
     except Exception as e:      # autograd inside a capture may not be allowed here: say why

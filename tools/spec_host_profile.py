@@ -8,7 +8,9 @@ as ``gpulab bench`` calls it, on one of its benchmark cases.
 For each spec:
 1. ``host_us`` / ``wall_us``: STEPS calls queued back to back, the host's time to queue them
    and the wall time until the GPU has run them, per call (equal: the host sets the pace, or
-   a call waits for the GPU), next to the call replayed from a CUDA graph (the GPU alone);
+   a call waits for the GPU) and the caching allocator's device calls meanwhile
+   (``gpulab.harness.bench.host_and_wall_us``), next to the call replayed from a CUDA graph
+   (the GPU alone);
 2. the CUDA driver and runtime calls in those STEPS calls (``torch.profiler``): a
    synchronising one (cudaStreamSynchronize, cudaMemcpy, cudaDeviceSynchronize...) means
    the call waits for the GPU, and then host time and GPU time add up;
@@ -23,7 +25,6 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,15 +48,7 @@ def profile(spec_name: str, steps: int) -> dict:
     case, call = _bench_call(spec, int(index or 0))
     for _ in range(3):                      # compile, tune, warm the allocator
         call()
-    torch.cuda.synchronize()
-    res = {"spec": spec_name, "case": str(case.params)}
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        call()
-    queued = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    res["host_us"] = round(queued / steps * 1e6, 1)
-    res["wall_us"] = round((time.perf_counter() - t0) / steps * 1e6, 1)
+    res = {"spec": spec_name, "case": str(case.params), **bench.host_and_wall_us(call, steps)}
     try:
         res["graph_us"] = round(bench.time_graph_ms(call) * 1e3, 2)
     except Exception as e:                  # not capturable (a host sync inside, autograd...): say why

@@ -108,6 +108,27 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200, batches: int = 
 _FLUSH = None
 
 
+def host_and_wall_us(fn: Callable[[], object], calls: int = 50) -> dict:
+    """Whether the host or the GPU sets the pace of ``fn()``: ``calls`` calls queued back to
+    back. ``host_us``: the host's time to queue one; ``wall_us``: the time per call until the
+    GPU has run them all (equal when the host sets the pace, or when a call waits for the
+    GPU); ``allocator``: the caching allocator's device allocations, frees, retries and
+    all-stream syncs meanwhile (each cudaMalloc or cudaFree waits for the GPU)."""
+    require_gpu()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    after = torch.cuda.memory_stats()
+    return {"host_us": round(queued / calls * 1e6, 1), "wall_us": round(wall / calls * 1e6, 1),
+            "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in
+                          ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}}
+
+
 def cuda_graph_replay(make_run):
     """A benchmark row that replays a CUDA graph: ``make_run(inputs)`` plans and returns a
     function of no arguments; it runs once (compile, autotune), is captured, and every
