@@ -202,6 +202,9 @@ def _append_attention_kernel(
     b = tl.load(work_req_ptr + w)
     tile = tl.load(work_tile_ptr + w)
     has_work = (b >= 0) & (b < num_req) & (tile >= 0)   # surplus items carry b = -1
+    if not has_work:
+        return       # a surplus item owns no rows: nothing to write (a list sized for a CUDA
+                     # graph's worst case has hundreds of them: they must cost next to nothing)
     b = tl.where(has_work, b, 0)
 
     # The request's rows and KV length, clamped so that a bad layout stays in bounds.

@@ -530,3 +530,26 @@ def test_a_narrowed_hint_sees_the_same_part_of_the_output_the_answer_and_the_inp
     got = torch.zeros(5, 3)
     assert first_two("o", got, got, {"q": torch.zeros(5, 4), "pages": torch.zeros(7), "n": 3}) == "cause"
     assert seen == {"got": (2, 3), "expected": (2, 3), "q": (2, 4), "pages": (7,)}
+
+
+def test_row_slack_forgives_a_few_rows_moved_a_little_and_nothing_more():
+    """KernelSpec.row_slack = (share, bound): up to that share of the rows may miss the
+    tolerance by at most ``bound`` (a cascade of int8 flips); more rows, a larger error, a
+    NaN or a case with too few rows still fail."""
+    e = torch.randn(64, 8, dtype=torch.float64)
+    slack = (1 / 32, 1.0)
+
+    def judged(rows, by, n=64):
+        g = e[:n].clone()
+        g[rows] += by
+        return diagnose("x_out", g, e[:n], 1e-3, 1e-3, row_slack=slack)[0]
+
+    assert judged([], 0.0) is None
+    assert judged([5], 0.5) is None and judged([5, 40], 0.9) is None      # 2 of 64 rows
+    assert "8 of 512 elements" in judged([5], 1.5)                          # beyond the bound
+    assert judged([5, 9, 40], 0.5) is not None                              # 3 rows > 64 / 32
+    assert judged([0], 0.5, n=31) is not None                               # no slack under 32 rows
+    g = e.clone()
+    g[5, 0] = float("nan")
+    assert diagnose("x_out", g, e, 1e-3, 1e-3, row_slack=slack)[0] is not None
+    assert diagnose("x_out", e[:, 0] + 0.5, e[:, 0], 1e-3, 1e-3, row_slack=slack)[0] is not None   # 1-D: none

@@ -485,6 +485,18 @@ def test_warm_up_meets_every_alignment_of_the_append_kernels_arrays(model, monke
     assert seen <= warm, f"served steps met alignments {seen - warm} that the warm-up never ran"
 
 
+def test_warm_up_meets_both_row_classes_of_the_norm_tuner(model, monkeypatch):
+    """rmsnorm_quant's tuner keys on whether a launch's rows fill its row blocks (EVEN:
+    a power of two does, an odd count does not): the warm-up runs both at its largest
+    size, or a served prefill of an odd number of rows autotunes while serving (the static
+    baseline did, three configurations, on the H200 on 2026-12-04)."""
+    runner = ModelRunner(model, 64, 4, max_num_seqs=8, attention="torch", linear="torch", cuda_graphs=False)
+    rows = []
+    monkeypatch.setattr(runner, "forward", lambda plan: rows.append(plan.input_ids.shape[0]))
+    runner.warm_up(40)
+    assert 40 in rows and any(n % 2 and n > 20 for n in rows), rows
+
+
 def test_warm_up_runs_every_prefill_size_and_changes_no_output(model, expected):
     """The start-up warm-up (compiled mode: so that autotuning happens before the first
     request) runs prefills of 1, 2, 4, ... tokens and a mixed step; afterwards the engine

@@ -157,7 +157,8 @@ def test_engine_greedy_output_under_piecewise_emulation_equals_reference(model):
                "0123456789abcdef0123456789abcdef"]
     max_tokens = [7, 6, 5, 6]
     want = [reference_generate(model, encode_prompt(p), n) for p, n in zip(prompts, max_tokens)]
-    llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
+    llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                                  full_graphs=False))     # (on a GPU these small steps would be full graphs')
     assert llm.runner.piecewise is None or ON_GPU          # nothing captured on a CPU by itself
     assert llm.runner.capture_piecewise(24, emulate=True) and llm.runner.piecewise.buckets == [16, 24]
     calls = []                                             # (rows, decode rows) of each piecewise step
@@ -226,7 +227,7 @@ def test_engine_with_captured_piecewise_graphs_serves_what_the_eager_engine_does
     outs = {}
     for on in (False, True):
         llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
-                                      piecewise_graphs=on))
+                                      piecewise_graphs=on, full_graphs=False))   # (small steps: full graphs')
         assert (llm.runner.piecewise is not None) == on
         if on:
             calls = []
@@ -251,7 +252,7 @@ def test_engine_with_split_kv_serves_what_it_does_without(kv_split):
     outs = {}
     for split in (False, kv_split):
         llm = LLM(model, EngineConfig(num_blocks=160, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
-                                      kv_split=split))
+                                      kv_split=split, full_graphs=False))   # (full graphs always split)
         plans = []
         plan = llm.runner.plan
         llm.runner.plan = lambda items, feed=None: plans.append(plan(items, feed)) or plans[-1]
@@ -305,3 +306,147 @@ def test_append_work_list_built_once_per_step_gives_the_kernels_result(monkeypat
     elsewhere = (work[0], *(t.to("meta") for t in work[1:3]), None)
     with pytest.raises(ValueError, match="one device.*work_req on meta"):
         batch_attention.append_attention(q, kc, vc, indptr, table, lens, out=out, work=elsewhere)
+
+
+# -- whole-step graphs for small steps (gpulab.engine.full_graphs) ---------------------------------
+def full_and_eager(runner, items):
+    """(plan, eager logits, whole-step logits, K/V before, after eager, after the whole step)
+    of one step: the same items planned without and with the runner's full graphs."""
+    full, runner.full_graphs = runner.full_graphs, None
+    plan = runner.plan(items)
+    runner.full_graphs = full
+    before = (runner.k_cache.clone(), runner.v_cache.clone())
+    want = runner.forward(plan)
+    after_eager = (runner.k_cache.clone(), runner.v_cache.clone())
+    runner.k_cache.copy_(before[0])
+    runner.v_cache.copy_(before[1])
+    full_plan = runner.plan(items)
+    got = full.replay(full_plan)
+    assert full_plan.sample_seqs == plan.sample_seqs
+    return full_plan, want, got, before, after_eager, (runner.k_cache, runner.v_cache)
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_full_graph_steps_give_the_eager_logits(attention):
+    """Decodes beside prompt chunks (with and without history) as one padded step of append
+    rows: the eager step's logits and K/V up to float32 rounding (the graph's matmuls run
+    on the bucket's rows, the logits on every padded sample row), nothing written outside
+    the step's slots and the scratch page; a step after a bigger one (stale padded rows) too."""
+    torch.manual_seed(4321)
+    model = TernaryTransformer(TINY).pack().to(gpulab.device())
+    bm = BlockManager(128, BS)
+    runner = ModelRunner(model, 128, BS, max_num_seqs=8, attention=attention, linear="torch", cuda_graphs=False)
+    assert runner.capture_full(MAX_TOKENS, emulate=True)
+    full = runner.full_graphs
+    assert full.buckets == [16, 32, 64] and full.num_splits >= 1
+    tol = dict(rtol=1e-5, atol=1e-5)
+    seq_id = 100
+    for total in (2, 16, 17, MAX_TOKENS, 5):
+        nd = min(3, total - 2)                       # a chunk of one token would be a decode row
+        decodes = decoding(bm, runner, [5, 9, 13][:nd], first_id=seq_id)
+        rest = total - nd
+        chunks = [prompt(bm, runner, seq_id + 10, rest + 6, computed=6)] if rest < 4 else \
+            [prompt(bm, runner, seq_id + 10, rest // 2 + 6, computed=6), prompt(bm, runner, seq_id + 11, rest - rest // 2)]
+        items = [(s, 1) for s in decodes] + [(s, s.num_tokens - s.num_computed_tokens) for s in chunks]
+        plan, want, got, before, eager_kv, full_kv = full_and_eager(runner, items)
+        assert plan.full_bucket == full.bucket(total, len(items)) >= total and plan.num_decode == 0
+        n_req = len(items)
+        assert full.views[plan.full_bucket]["indptr"][n_req:].tolist() == [total] * (full.max_requests + 1 - n_req)
+        assert got.shape == want.shape == (len(plan.sample_seqs), model.cfg.vocab_size)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"logits differ at {total} tokens: {m}")
+        for name, b, e, p in zip("KV", before, eager_kv, full_kv):
+            torch.testing.assert_close(p[:, :-1], e[:, :-1], **tol, msg=f"{name} cache differs at {total} tokens")
+            assert written_slots(b, p) <= step_slots(runner, plan), f"{name} written outside the step at {total}"
+        for s in decodes + chunks:
+            bm.free_sequence(s)
+        seq_id += 20
+
+
+def test_steps_too_big_for_a_full_graph_take_the_other_paths(model):
+    """More rows than the largest bucket, more requests than a full graph holds, a decode
+    only step, or a cascade decode: no full graph."""
+    bm = BlockManager(256, BS)
+    runner = ModelRunner(model, 256, BS, max_num_seqs=32, attention="torch", linear="torch", cuda_graphs=False)
+    runner.capture_full(32, emulate=True)
+    full = runner.full_graphs
+    assert full.buckets == [16, 32] and full.bucket(33, 1) == 0 and full.bucket(20, 17) == 0
+    assert full.bucket(20, 16) == 32 and full.bucket(0, 0) == 0
+    big = prompt(bm, runner, 1, 40)
+    assert runner.plan([(big, 40)]).full_bucket == 0
+    many = decoding(bm, runner, [5] * 17, first_id=10)
+    chunk = prompt(bm, runner, 2, 3)
+    assert runner.plan([(s, 1) for s in many] + [(chunk, 3)]).full_bucket == 0
+    assert runner.plan([(s, 1) for s in many[:4]] + [(chunk, 3)]).full_bucket == 16
+    assert runner.plan([(s, 1) for s in many[:4]]).full_bucket == 0        # decode only
+
+
+def test_engine_greedy_output_under_full_graph_emulation_equals_reference(model):
+    """The engine with its small steps in (emulated) whole-step graphs: the reference
+    decoder's tokens, chunked prefill beside decodes, every step with a prompt chunk
+    through the full graphs, no page left in use."""
+    prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?",
+               "0123456789abcdef0123456789abcdef"]
+    max_tokens = [7, 6, 5, 6]
+    want = [reference_generate(model, encode_prompt(p), n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24))
+    assert llm.runner.full_graphs is None or ON_GPU             # nothing captured on a CPU by itself
+    assert llm.runner.capture_full(24, emulate=True) and llm.runner.full_graphs.buckets == [16, 24]
+    calls = []
+    replay = llm.runner.full_graphs.replay
+    llm.runner.full_graphs.replay = lambda plan: calls.append(plan.input_ids.shape[0]) or replay(plan)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    assert_tokens_match(model, prompts, [o.token_ids for o in outs], want)
+    assert calls[:5] == [24, 24, 24, 24, 15], calls
+    assert llm.idle()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_full_graphs_match_eager_on_the_gpu(dtype):
+    """Real whole-step graphs (the append kernel's work list and KV split built inside
+    them) against the eager step on the same items: the same logits and K/V up to rounding,
+    nothing written elsewhere; the engine with them serves the eager engine's tokens."""
+    torch.manual_seed(0)
+    model = prepare_for_serving(TernaryTransformer(TINY), "cuda", dtype)
+    bm = BlockManager(96, BS)
+    runner = ModelRunner(model, 96, BS, max_num_seqs=8)
+    runner.warm_up(MAX_TOKENS)
+    assert runner.capture_full(MAX_TOKENS) and runner.full_graphs.cuda
+    full = runner.full_graphs
+    assert all(step.graph is not None for step in full.steps.values())
+    # the tiny model's context holds 4·BLOCK_N positions twice in float32, not in bfloat16
+    assert (full.num_splits > 1) == (dtype == torch.float32), full.num_splits
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    seq_id = 100
+    for total in (3, 16, 17, 40, MAX_TOKENS):
+        nd = min(3, total - 2)
+        decodes = decoding(bm, runner, [5, 9, 13][:nd], first_id=seq_id)
+        chunk = prompt(bm, runner, seq_id + 10, 50 + total - nd, computed=50)     # 50 tokens of history
+        items = [(s, 1) for s in decodes] + [(chunk, total - nd)]
+        plan, want, got, before, eager_kv, full_kv = full_and_eager(runner, items)
+        assert plan.full_bucket
+        torch.testing.assert_close(got, want, **tol)
+        for b, e, p in zip(before, eager_kv, full_kv):
+            torch.testing.assert_close(p[:, :-1], e[:, :-1], **tol)
+            assert written_slots(b, p) <= step_slots(runner, plan)
+        for s in decodes + [chunk]:
+            bm.free_sequence(s)
+        seq_id += 20
+
+
+@needs_gpu
+def test_engine_with_full_graphs_serves_what_it_does_without():
+    torch.manual_seed(1234)
+    model = TernaryTransformer(TINY).pack().to("cuda")
+    prompts = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day?",
+               "0123456789abcdef0123456789abcdef0123456789"]
+    outs = {}
+    for on in (False, True):
+        llm = LLM(model, EngineConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                                      full_graphs=on))
+        assert (llm.runner.full_graphs is not None) == on
+        outs[on] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+        assert llm.idle()
+        if on:
+            assert any(st.graph and st.prefill_tokens for st in llm.metrics.steps), "no full-graph step"
+    assert_tokens_match(model, prompts, outs[True], outs[False], near_tie=NEAR_TIE[torch.float32])

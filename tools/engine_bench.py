@@ -1,7 +1,7 @@
 """The serving engine's H200 measurements (issue 14's targets), for the lead's GPU runs.
 
-    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise] [--kv-split]
-                                                  [--parts 1,2,3,4]
+    PYTHONPATH=. python3 tools/engine_bench.py OUTDIR [--quick] [--model SPEC] [--no-piecewise] [--no-full-graphs]
+                                                  [--kv-split] [--parts 1,2,3,4]
 
 Writes OUTDIR/engine_bench.json (every number below, with the GPU, versions and
 configurations), OUTDIR/engine_throughput.png and OUTDIR/engine_ttft.png.
@@ -19,7 +19,9 @@ checkpoint. ``--quick`` shrinks every workload (a smoke test, minutes less).
 ``--kv-split`` runs parts 1 and 2 with ``EngineConfig(kv_split=True)`` (split-KV append
 attention where a step's tiles leave SMs idle; opt-in). ``--no-piecewise`` runs parts 1 and 2 with ``EngineConfig(piecewise_graphs=False)``: steps
 that carry a prompt chunk run eagerly instead of replaying piecewise CUDA graphs (the
-engine's default since 2026-12-01).
+engine's default since 2026-12-01). ``--no-full-graphs`` runs them with
+``EngineConfig(full_graphs=False)``: small steps with prompt chunks take the piecewise graphs
+too, instead of one graph of the whole step (the default since 2026-12-04).
 """
 from __future__ import annotations
 
@@ -105,7 +107,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-piecewise", action="store_true",
                     help="steps with prompt chunks run eagerly (EngineConfig(piecewise_graphs=False))")
     ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True) in parts 1 and 2")
+    ap.add_argument("--no-full-graphs", action="store_true",
+                    help="EngineConfig(full_graphs=False) in parts 1 and 2 (small prompt steps piecewise)")
     ap.add_argument("--parts", default="1,2,3,4", help="which of the four parts to run (default: all)")
+    ap.add_argument("--ttft-order", default="on,off",
+                    help="part 2's runs, prefix caching on and off, in this order (off,on: the slower first)")
     a = ap.parse_args(argv)
     parts = {int(p) for p in a.parts.split(",")}
     a.piecewise = not a.no_piecewise
@@ -117,7 +123,8 @@ def main(argv=None) -> int:
     model = build_model(a.model)
     sizes = model_sizes(model)
     res = {"gpu": runtime.gpu_name(), "versions": runtime.versions(), "date": time.strftime("%Y-%m-%d"),
-           "model_spec": a.model, "piecewise_graphs": a.piecewise, "kv_split": a.kv_split, "parts": sorted(parts),
+           "model_spec": a.model, "piecewise_graphs": a.piecewise, "full_graphs": not a.no_full_graphs,
+           "kv_split": a.kv_split, "parts": sorted(parts),
            "model": asdict(model.cfg), "sizes": sizes}
     print(gpulab.env_report(), "\n", res["model"], sizes, flush=True)
 
@@ -145,7 +152,7 @@ def throughput(a, model, res, out):
     w = Workload(requests=64 if q else 400, rate=math.inf, prompt_len=(32, 512), output_len=(16, 512),
                  shared=0.0, system_len=0, seed=0)
     cfg = EngineConfig(num_blocks=1024 if q else 4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
-                       piecewise_graphs=a.piecewise, kv_split=a.kv_split)
+                       piecewise_graphs=a.piecewise, full_graphs=not a.no_full_graphs, kv_split=a.kv_split)
     r = compare(model, cfg, w, static=True)
     print(format_comparison(r), flush=True)
     plot_comparison(r, out / "engine_throughput.png")
@@ -158,16 +165,18 @@ def ttft(a, model, res, out):
     q = a.quick
     w = Workload(requests=32 if q else 128, rate=4.0, prompt_len=(16, 64), output_len=(16, 64),
                  shared=1.0, system_len=2048, seed=1)
-    res["ttft"] = {}
-    for caching in (True, False):
+    res["ttft"] = {"order": a.ttft_order}
+    for caching in [c == "on" for c in a.ttft_order.split(",")]:
         cfg = EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
-                           prefix_caching=caching, piecewise_graphs=a.piecewise, kv_split=a.kv_split)
+                           prefix_caching=caching, piecewise_graphs=a.piecewise, full_graphs=not a.no_full_graphs,
+                           kv_split=a.kv_split)
         r = compare(model, cfg, w, static=False)
         print(format_comparison(r), flush=True)
         res["ttft"]["on" if caching else "off"] = r["continuous"]
         if caching:
             plot_comparison(r, out / "engine_ttft.png")
-    res["ttft"]["p50_ratio"] = res["ttft"]["off"]["ttft_s_p50"] / res["ttft"]["on"]["ttft_s_p50"]
+    if "on" in res["ttft"] and "off" in res["ttft"]:
+        res["ttft"]["p50_ratio"] = res["ttft"]["off"]["ttft_s_p50"] / res["ttft"]["on"]["ttft_s_p50"]
 
 
 def decode_step_b64(model, res):

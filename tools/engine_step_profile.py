@@ -1,7 +1,8 @@
 """Where the time of a step that carries a prompt goes (GPU only; issue 14's TTFT).
 
     PYTHONPATH=. python3 tools/engine_step_profile.py [--model SPEC] [--reps 8] [--json OUT.json]
-                                                      [--no-piecewise] [--kv-split] [--cached-only] [--gap S]
+                                                      [--no-piecewise] [--no-full-graphs] [--kv-split]
+                                                      [--cached-only] [--gap S]
 
 The engine bench's TTFT workload sends prompts of a shared 2048-token system prompt and a
 16-64-token question. With prefix caching a new request's prompt step computes only its
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-piecewise", action="store_true")
     ap.add_argument("--kv-split", action="store_true", help="EngineConfig(kv_split=True)")
+    ap.add_argument("--no-full-graphs", action="store_true",
+                    help="EngineConfig(full_graphs=False): small prompt steps take the piecewise graphs")
     ap.add_argument("--gap", type=float, default=0.0,
                     help="seconds idle before each timed prompt (the TTFT workload's requests come "
                          "0.25 s apart on average: do idle clocks slow the step?)")
@@ -136,12 +139,14 @@ def main(argv=None) -> int:
     model = build_model(a.model)
     system = [BOS] + [(7 * j) % 250 + 3 for j in range(2047)]
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
-           "piecewise_graphs": not a.no_piecewise, "kv_split": a.kv_split, "gap_s": a.gap}
+           "piecewise_graphs": not a.no_piecewise, "full_graphs": not a.no_full_graphs, "kv_split": a.kv_split,
+           "gap_s": a.gap}
     print(gpulab.env_report(), flush=True)
     for caching in (True,) if a.cached_only else (True, False):
         llm = LLM(model, EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128,
                                       max_num_batched_tokens=2048, prefix_caching=caching,
-                                      piecewise_graphs=not a.no_piecewise, kv_split=a.kv_split))
+                                      piecewise_graphs=not a.no_piecewise, full_graphs=not a.no_full_graphs,
+                                      kv_split=a.kv_split))
         llm.generate([system + [9] * 8], SamplingParams(max_tokens=1, stop_at_eos=False))  # fills the cache
         name = "prompt_cached_prefix" if caching else "prompt_no_cache"
         # a 40-token question after the system prompt, a different one each request

@@ -106,6 +106,9 @@ class EngineConfig:
     piecewise_graphs: bool = True       # with cuda_graphs: steps with prompt chunks replay graphs
                                         # between their attention calls (see .piecewise); on the
                                         # H200 1.76x static batching's throughput, 1.28x without
+    full_graphs: bool = True            # with cuda_graphs: small steps with prompt chunks (up to
+                                        # 128 rows of 16 requests) replay one graph of the whole
+                                        # forward, attention included (see .full_graphs)
     warm_up: bool = True                # compiled mode only: compile and autotune every step
                                         # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";
@@ -173,6 +176,8 @@ class LLM:
             self.runner.warm_up(config.max_num_batched_tokens)
         if config.piecewise_graphs:          # after the warm-up: no autotuning inside a capture
             self.runner.capture_piecewise(config.max_num_batched_tokens)
+        if config.full_graphs:
+            self.runner.capture_full(config.max_num_batched_tokens)
         self.metrics = EngineMetrics(config.num_blocks)
         self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
         self.pending_forks: set[str] = set()            # requests with n > 1 not forked yet
@@ -365,7 +370,7 @@ class LLM:
         bm = self.block_manager
         self.metrics.record(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph, plan.prefix is not None, [s.seq_id for s, _ in items],
+            len(batch.preempted), plan.use_graph or bool(plan.full_bucket), plan.prefix is not None, [s.seq_id for s, _ in items],
             [1] * len(items) if not n_prefill else [n for _, n in items], prefill,
             [s.seq_id for s in batch.preempted]))
         return [self._maybe_close(rid, now) for rid in touched]

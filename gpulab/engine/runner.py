@@ -52,6 +52,8 @@ from .batch_attention import (append_attention, append_attention_reference, deco
                               plan_append_attention, shared_prefix_pages)
 from .graph_capture import capture, tokens_from_device
 from .model import TernaryTransformer
+from .full_graphs import MAX_TOKENS as FULL_MAX_TOKENS
+from .full_graphs import FullStepGraphs, full_input_fields
 from .piecewise import PiecewiseGraphs
 from .sequence import SamplingParams, Sequence
 
@@ -78,6 +80,8 @@ class StepPlan:
     feed: torch.Tensor | None = None  # long [T]: row r's input id is the runner's kept token
                                       # feed[r] where >= 0 (see ModelRunner.keep_tokens)
     feed_all: bool = False            # every row is fed
+    full_bucket: int = 0              # the whole-step graph whose static inputs hold this plan
+                                      # (.full_graphs: a small step with prompt chunks)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -205,6 +209,7 @@ class ModelRunner:
         self.graphs_possible = (cuda_graphs and runtime.mode() == "compiled" and self.device.type == "cuda"
                                 and self.attention == "triton" and decode_hook is None)
         self.piecewise: PiecewiseGraphs | None = None          # see capture_piecewise
+        self.full_graphs: FullStepGraphs | None = None         # see capture_full
         self.kept = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)   # see keep_tokens
         if self.graphs_possible:
             self.capture_graphs()
@@ -253,7 +258,19 @@ class ModelRunner:
                 prefix = (tables[0][:k], k * bs)
         fed_rows = [feed.get(s, -1) for s in dec] if feed else None
         use_graph = na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
-        if use_graph:
+        full = 0 if use_graph or not na or prefix is not None or self.full_graphs is None \
+            else self.full_graphs.bucket(num_rows, nd + na)
+        if full:                                       # all rows as append rows, the bucket's layout
+            host = HostBuffer(full_input_fields(full, self.full_graphs.max_requests, self.max_blocks, nd + na),
+                              self.pin)
+            a = host.arrays
+            a["rows"][:, num_rows:] = 0
+            a["rows"][2, num_rows:] = self.scratch_slot
+            a["rows"][3, num_rows:] = -1
+            a["sample"][len(rows):] = 0
+            a["lens"][nd + na:] = 0
+            table = a["table"]
+        elif use_graph:
             b = self.bucket_of[nd]
             host = HostBuffer(graph_input_fields(b, self.max_blocks, nd), self.pin)
             a = host.arrays
@@ -287,8 +304,15 @@ class ModelRunner:
             first = np.cumsum(n_a) - n_a               # each chunk's first row among the append rows
             pos[nd:] = np.repeat(np.array(a_starts, dtype=np.int64) - first, n_a) + np.arange(num_rows - nd)
             row_of = np.concatenate([np.arange(nd), np.repeat(np.arange(nd, nd + na), n_a)])
-            np.cumsum(n_a, out=a["indptr"][1:])
-            lens[nd:] = np.array(a_starts, dtype=np.int64) + n_a
+            indptr = a["indptr"]
+            if full:                                   # decodes are requests of one row; unused ones own none
+                indptr[:nd + 1] = np.arange(nd + 1)
+                np.cumsum(n_a, out=indptr[nd + 1:nd + na + 1])
+                indptr[nd + 1:nd + na + 1] += nd
+                indptr[nd + na + 1:] = num_rows
+            else:
+                np.cumsum(n_a, out=indptr[1:])
+            lens[nd:nd + na] = np.array(a_starts, dtype=np.int64) + n_a
         else:
             row_of = np.arange(nd)
         r[2, :num_rows] = table[row_of, pos // bs] * bs + pos % bs
@@ -300,6 +324,16 @@ class ModelRunner:
             dt[:, :w - k] = table[:nd, k:w]
             dt[:, w - k:] = 0
             lens[:nd] -= k * bs
+        if full:
+            host.send_into(self.full_graphs.inputs[full])
+            v = self.full_graphs.views[full]
+            # every row an append row (a decode is a request of one): no decode rows
+            plan = StepPlan(v["rows"][0][:num_rows], v["rows"][1][:num_rows], v["rows"][2][:num_rows], 0,
+                            v["table"][:0], v["lens"][:0], None, v["indptr"], v["table"], v["lens"],
+                            v["sample"][:len(rows)], sample_seqs, full_bucket=full)
+            if fed_any:
+                plan.feed = v["rows"][3][:num_rows]
+            return plan
         if use_graph:
             host.send_into(self.graph_inputs[b])
             plan = self.graph_plan(b, nd, len(rows), sample_all, sample_seqs)
@@ -434,6 +468,8 @@ class ModelRunner:
             self.feed_tokens(plan)
         if plan.use_graph:
             return self.replay(plan), plan.sample_seqs, plan
+        if plan.full_bucket:
+            return self.full_graphs.replay(plan), plan.sample_seqs, plan
         if self.piecewise is not None and self.piecewise.fits(plan):
             return self.piecewise.run(plan), plan.sample_seqs, plan
         return self.forward(plan), plan.sample_seqs, plan
@@ -458,6 +494,10 @@ class ModelRunner:
         with torch.no_grad():
             for n in sizes:
                 self.forward(self.plan([prefill(n)]))
+            if limit > 2:     # an odd row count too: rmsnorm_quant's tuner keys on whether rows
+                self.forward(self.plan([prefill(limit - 1)]))   # fill its blocks (EVEN); served
+                # steps of many rows take either (the static baseline autotuned three configs
+                # while serving without this, H200 2026-12-04)
             if limit > 1:     # a decode row next to a prefill chunk: the eager decode path
                 decode_row = prefill(min(limit, bs) + 1, computed=min(limit, bs))
                 self.forward(self.plan([decode_row, prefill(limit - 1)]))
@@ -504,6 +544,16 @@ class ModelRunner:
         if splits and (emulate or self.graphs_possible):
             self.piecewise = PiecewiseGraphs(self, max_tokens, cuda=not emulate)
         return self.piecewise is not None
+
+    def capture_full(self, max_tokens: int, emulate: bool = False) -> bool:
+        """Whole-step CUDA graphs for small steps with prompt chunks (:mod:`.full_graphs`),
+        of up to ``max_tokens`` rows (at most :data:`.full_graphs.MAX_TOKENS`). Call it after
+        :meth:`warm_up`. Captured where the decode graphs are; ``emulate`` builds the same
+        buffers and calls the forward at each replay (tests on a CPU). Returns whether
+        small steps now take this path."""
+        if max_tokens >= 1 and (emulate or self.graphs_possible):
+            self.full_graphs = FullStepGraphs(self, min(max_tokens, FULL_MAX_TOKENS), cuda=not emulate)
+        return self.full_graphs is not None
 
     def allocate_graph_inputs(self) -> None:
         """Each bucket's static input buffer (padded rows: scratch slot, length 0) and its

@@ -841,8 +841,9 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
 
     for k, exp in expected.items():
         custom = (lambda k=k, exp=exp: spec_hint(k, exp)) if spec.hint else None
-        msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k),
-                            unread=_unread_inputs(spec, inputs, k, got[k]), custom_hint=custom,
+        msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k), row_slack=spec.row_slack,
+                            unread=_unread_inputs(spec, inputs, k, got[k], exp, *spec.tolerance(dtype, k)),
+                            custom_hint=custom,
                             axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k),
                             poisoned=spec.outputs is not None, hints=hints)
         if msg:
@@ -909,12 +910,26 @@ def _variant_note(spec, variant) -> str:
     return "; ".join(parts)
 
 
-def _unread_inputs(spec, inputs, out_name, got) -> Callable[[], list[str]]:
+def _unread_inputs(spec, inputs, out_name, got, expected=None, atol: float = 0.0, rtol: float = 0.0
+                   ) -> Callable[[], list[str]]:
     """Lazily: what reproduces the (wrong) output: ["x", ...] for inputs whose zeroing
-    does, or one sentence for two inputs swapped or one read in place of the other."""
+    does, or one sentence for two inputs swapped or one read in place of the other.
+
+    "Reproduces" within the check's own tolerance for the output (``atol``, ``rtol``) at
+    least: a compiled kernel that never loads h still rounds differently from the float64
+    reference (a quantized kernel flips an int8 code here and there), which the check
+    allows for. An alteration that gives the right answer (within the same tolerance)
+    explains no wrong output and is never named."""
+    atol, rtol = max(atol, 1e-3), max(rtol, 1e-2)
+
+    def close(a, b) -> bool:
+        return a.shape == b.shape and bool(torch.allclose(
+            a.double().nan_to_num(), b.double().nan_to_num(), atol=atol, rtol=rtol))
+
     def same(alt) -> bool:
-        return got.shape == alt.shape and bool(torch.allclose(
-            got.double().nan_to_num(), alt.double().nan_to_num(), atol=1e-3, rtol=1e-2))
+        if isinstance(expected, torch.Tensor) and close(alt, expected.to(alt.device)):
+            return False
+        return close(got.to(alt.device), alt)
 
     def find():
         names = []
@@ -1081,11 +1096,13 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
              custom_hint: Callable[[], str | None] | None = None,
              axes: tuple[str, ...] | None = None,
              reads_outside: Callable[[], bool | str] | None = None,
-             poisoned: bool = True, hints: bool = True) -> tuple[str | None, float]:
+             poisoned: bool = True, hints: bool = True,
+             row_slack: tuple[float, float] | None = None) -> tuple[str | None, float]:
     """Compare one output with its reference. Returns (message or None, max abs error).
     ``poisoned``: the output was allocated by the check and filled with poison (False for
     results a function returns, where no element can be "never written"); ``hints=False``:
-    the message without a hint (none of the probes a hint may run)."""
+    the message without a hint (none of the probes a hint may run); ``row_slack``: the
+    spec's (:attr:`~gpulab.harness.spec.KernelSpec.row_slack`)."""
     if not isinstance(got, torch.Tensor):
         return f"  `{name}` should be a tensor, got {type(got).__name__}.", float("inf")
     if tuple(got.shape) != tuple(exp.shape):
@@ -1101,6 +1118,12 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
     diff = (g - e).abs()
     finite = torch.isfinite(diff)
     max_err = float(diff[finite].max()) if finite.any() else 0.0
+    if row_slack is not None and g.dim() >= 2 and not bool(close.all()):
+        share, bound = row_slack
+        rows_off = ~close.flatten(1).all(1)
+        near = (close | ((diff <= bound) & finite & ~unwritten)).flatten(1).all(1)
+        if int(rows_off.sum()) <= int(g.shape[0] * share) and bool(near[rows_off].all()):
+            close[rows_off] = True          # a few rows a cascade of int8 flips moved a little
     if bool(close.all()):
         return None, max_err
     bad = ~close
