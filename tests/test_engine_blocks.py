@@ -200,3 +200,26 @@ def test_admission_leaves_pages_for_the_running_sequences_to_grow(reserve, admit
     batch = sch.schedule()
     assert len(batch.items) == admitted
     assert len(bm.free) == 10 - 2 * admitted
+
+
+def test_each_full_page_is_hashed_once_however_often_it_is_looked_up(monkeypatch):
+    """A 2K-token prompt has 128 full pages: looking them up (match_prefix, again at every
+    step the request waits) and registering them (commit_full_blocks) hash each one once,
+    and the keys are those of hashing from scratch."""
+    from gpulab.engine import block_manager
+    calls = []
+    monkeypatch.setattr(block_manager, "chain_hash", lambda p, t: calls.append(1) or chain_hash(p, t))
+    bm = BlockManager(16, 2)
+    s = seq([1, 2, 3, 4, 5, 6, 7])                    # 3 full pages before the last token
+    assert bm.match_prefix(s) == [] and len(calls) == 1           # the first page misses: stop
+    assert bm.match_prefix(s) == [] and len(calls) == 1           # waited a step: no new hash
+    bm.allocate(s, [], 7)
+    s.num_computed_tokens = 7
+    bm.commit_full_blocks(s)
+    assert len(calls) == 3                                        # the other two, once
+    keys = [chain_hash(None, (1, 2))]
+    keys += [chain_hash(keys[-1], (3, 4)), chain_hash(chain_hash(keys[-1], (3, 4)), (5, 6))]
+    assert s.block_hashes == keys and [bm.blocks[b].hash for b in s.block_table[:3]] == keys
+    hit = seq([1, 2, 3, 4, 5, 6, 9])
+    assert bm.match_prefix(hit) == s.block_table[:3] and bm.match_prefix(hit) == s.block_table[:3]
+    assert len(calls) == 6 and hit.block_hashes == keys           # its own pages, once each

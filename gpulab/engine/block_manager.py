@@ -86,12 +86,15 @@ class BlockManager:
         logits give the next token), so at most ``(num_tokens - 1) // block_size`` pages."""
         if not self.prefix_caching:
             return []
-        hits, h = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            h = chain_hash(h, tokens)
-            bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(tokens):
+        # A full page's tokens never change, so its key is computed once and kept in
+        # seq.block_hashes, where commit_full_blocks finds it (a 2K-token prompt has 128).
+        hits, keys, bs = [], seq.block_hashes, self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if i == len(keys):
+                keys.append(chain_hash(keys[-1] if keys else None, tokens))
+            bid = self.cached.get(keys[i])
+            if bid is None or self.blocks[bid].token_ids != tokens:
                 break
             hits.append(bid)
         return hits

@@ -80,7 +80,7 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose K and V are in the cache
     num_cached_tokens: int = 0            # of those, found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full, computed pages
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full pages
     num_registered_blocks: int = 0        # leading pages of block_table already in the prefix cache
     finish_reason: str | None = None      # "eos", "length" (max_tokens or context), "abort"
     first_token_time: float | None = None
