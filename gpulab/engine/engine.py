@@ -368,9 +368,10 @@ class LLM:
             if first_tokens:
                 touched += [rid for rid in dict.fromkeys(first) if rid not in touched]
         bm = self.block_manager
+        graph = plan.use_graph or bool(plan.full_bucket)        # a decode graph or a whole-step one
         self.metrics.record(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
-            len(batch.preempted), plan.use_graph or bool(plan.full_bucket), plan.prefix is not None, [s.seq_id for s, _ in items],
+            len(batch.preempted), graph, plan.prefix is not None, [s.seq_id for s, _ in items],
             [1] * len(items) if not n_prefill else [n for _, n in items], prefill,
             [s.seq_id for s in batch.preempted]))
         return [self._maybe_close(rid, now) for rid in touched]

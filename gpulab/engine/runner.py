@@ -29,6 +29,11 @@ launching each kernel of each layer.
 chunks replays, per token-count bucket, graphs of the model's work *between* its
 attention calls and runs only attention eagerly (:meth:`ModelRunner.capture_piecewise`).
 
+**Whole-step CUDA graphs** (:mod:`.full_graphs`, compiled mode only): a *small* step with
+prompt chunks (up to 128 rows of 16 requests) replays one graph of its whole forward,
+every row an append row, attention's work list built inside the graph
+(:meth:`ModelRunner.capture_full`); the plan writes such a step into the bucket's inputs.
+
 **Host cost.** At batch 256 the forward of a decode step is a few milliseconds, so the
 host's share matters: the plan writes all of a step's index arrays with NumPy into one
 host buffer (pinned on a GPU) and sends it with a single non-blocking copy; a graph
@@ -50,10 +55,10 @@ from .. import runtime
 from ..paged import PagedDecodeWrapper
 from .batch_attention import (append_attention, append_attention_reference, decode_attention,
                               plan_append_attention, shared_prefix_pages)
-from .graph_capture import capture, tokens_from_device
-from .model import TernaryTransformer
 from .full_graphs import MAX_TOKENS as FULL_MAX_TOKENS
 from .full_graphs import FullStepGraphs, full_input_fields
+from .graph_capture import capture, tokens_from_device
+from .model import TernaryTransformer
 from .piecewise import PiecewiseGraphs
 from .sequence import SamplingParams, Sequence
 
