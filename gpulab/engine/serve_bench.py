@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-piecewise-graphs", action="store_true",
                     help="steps with prompt chunks run eagerly (only decode steps replay graphs)")
+    ap.add_argument("--no-full-graphs", action="store_true",
+                    help="small steps with prompt chunks take the piecewise graphs, not one graph of the whole step")
     ap.add_argument("--no-static", action="store_true", help="skip the static-batching baseline")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="save the plots here (png)")
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     config = EngineConfig(num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.budget, prefix_caching=not a.no_prefix_caching,
                           cascade=a.cascade, cuda_graphs=not a.no_cuda_graphs,
-                          piecewise_graphs=not a.no_piecewise_graphs)
+                          piecewise_graphs=not a.no_piecewise_graphs, full_graphs=not a.no_full_graphs)
     if runtime.mode() != "compiled":
         torch.set_num_threads(1)   # small ops: threads only wait on each other (and on neighbours)
     model = build_model(a.model)
