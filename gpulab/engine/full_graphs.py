@@ -26,8 +26,9 @@ whole forward can be captured, attention included, once the step is written as d
 A step of at most ``max_tokens`` rows (128) from at most ``max_requests`` requests (16)
 then replays one graph for the smallest bucket that holds it (16, 32, 64, 128 rows), and
 the host's cost of the step is the plan and one replay (the cached-prompt step above:
-2.34 ms back to back on the H200, 2026-12-04). Bigger steps take the piecewise graphs. Padded rows are as in :mod:`.piecewise`: stale but valid tokens, K and V written
-to the scratch page, no request owns them, their outputs are ignored.
+2.34 ms back to back on the H200, 2026-12-04). Bigger steps take the piecewise graphs.
+Padded rows are as in :mod:`.piecewise`: stale but valid tokens, K and V written to the
+scratch page, no request owns them, their outputs are ignored.
 
 Without CUDA graphs (``cuda=False``) every replay calls the captured function: the same
 static buffers and layout, run eagerly, checkable on a CPU.

@@ -265,24 +265,18 @@ class ModelRunner:
         use_graph = na == 0 and prefix is None and 0 < nd <= self.max_num_seqs and bool(self.graphs)
         full = 0 if use_graph or not na or prefix is not None or self.full_graphs is None \
             else self.full_graphs.bucket(num_rows, nd + na)
-        if full:                                       # all rows as append rows, the bucket's layout
-            host = HostBuffer(full_input_fields(full, self.full_graphs.max_requests, self.max_blocks, nd + na),
-                              self.pin)
+        if full or use_graph:                          # a graph's bucket layout, its padding set
+            if full:                                   # all rows as append rows
+                fields = full_input_fields(full, self.full_graphs.max_requests, self.max_blocks, nd + na)
+            else:
+                b = self.bucket_of[nd]
+                fields = graph_input_fields(b, self.max_blocks, nd)
+            host = HostBuffer(fields, self.pin)
             a = host.arrays
             a["rows"][:, num_rows:] = 0
-            a["rows"][2, num_rows:] = self.scratch_slot
+            a["rows"][2, num_rows:] = self.scratch_slot   # padded rows write to the scratch page
             a["rows"][3, num_rows:] = -1
-            a["sample"][len(rows):] = 0
-            a["lens"][nd + na:] = 0
-            table = a["table"]
-        elif use_graph:
-            b = self.bucket_of[nd]
-            host = HostBuffer(graph_input_fields(b, self.max_blocks, nd), self.pin)
-            a = host.arrays
-            a["rows"][:, nd:] = 0
-            a["rows"][2, nd:] = self.scratch_slot      # padded rows write to the scratch page
-            a["rows"][3, nd:] = -1
-            a["lens"][nd:] = 0
+            a["lens"][nd + na:] = 0                    # padded rows / requests: no history
             a["sample"][len(rows):] = 0
             table = a["table"]
         else:
