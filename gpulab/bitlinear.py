@@ -439,22 +439,28 @@ def ternary_bytes_as_int8(b, i: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def ternary_mm_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
+def ternary_mm_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N, K, Q, Q_SPLIT,
                             stride_xm, stride_wn, stride_ym,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            USE_ASM: tl.constexpr, DOT_INT8: tl.constexpr):
+                            USE_ASM: tl.constexpr, DOT_INT8: tl.constexpr, PARTIAL: tl.constexpr):
     """A few rows (2 to 64: a decode batch, a prompt's last chunk, a speculative verify)
     on the byte layout: tile [BLOCK_M, BLOCK_N] of y, as in :func:`ternary_mm_kernel`, but
     with the weights unpacked four per instruction group (:func:`ternary_bytes_as_int8`):
-    at these sizes the unpacking, not the bytes or the tensor cores, is what takes the time."""
+    at these sizes the unpacking, not the bytes or the tensor cores, is what takes the time.
+
+    Split-K (grid axis 2) as in :func:`ternary_mm_kernel`: where a matrix has few output
+    tiles (N = 2048 is 64 tiles of 32 columns on 132 SMs), its packed columns are split so
+    that every SM gets work; with PARTIAL the exact int32 sums go to part[s, m, n]."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rm < M
     n_mask = rn < N
+    q_lo = tl.program_id(2) * Q_SPLIT
+    q_hi = tl.minimum(q_lo + Q_SPLIT, Q)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if DOT_INT8 else tl.float32)
-    for j0 in range(0, Q, BLOCK_Q):
+    for j0 in range(q_lo, q_hi, BLOCK_Q):
         j = j0 + tl.arange(0, BLOCK_Q)
-        j_mask = j < Q
+        j_mask = j < q_hi
         # No `other`: a masked weight meets x = 0 (j past Q) or lands in a column that is not
         # stored (n past N), so its value never matters; with other=0x55 the compiler split
         # every loaded word into bytes to select it (SASS main loop 1242 -> 847 instructions,
@@ -470,7 +476,11 @@ def ternary_mm_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, Q,
                 acc = tl.dot(xa, wi, acc, out_dtype=tl.int32)
             else:
                 acc = tl.dot(xa.to(tl.float16), wi.to(tl.float16), acc, out_dtype=tl.float32)
-    store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
+    if PARTIAL:
+        tl.store(part_ptr + (tl.program_id(2) * M + rm)[:, None].to(tl.int64) * N + rn[None, :],
+                 acc.to(tl.int32), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        store_scaled(y_ptr, acc, xs_ptr, ws_ptr, rm, rn, m_mask, n_mask, stride_ym)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -767,26 +777,52 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
 SMALL_MM_MAX_M = 64
 
 
-def small_mm_config(m: int, n: int) -> dict:
-    """The tile of :func:`ternary_mm_small_into` for m rows and n outputs: the fastest of
-    the H200 sweep (tools/small_m_probe.py): up to 16 rows one 16-row tile, 64 columns
-    wide when that still makes about one program per SM (else 32, twice the programs);
-    above 16 rows 64-row tiles 32 columns wide. Interpreted: few large programs."""
+def small_mm_config(m: int, n: int, k: int = 0) -> dict:
+    """The tile (and split of K) of :func:`ternary_mm_small_into` for m rows, n outputs and
+    k inputs, from two H200 sweeps (tools/small_m_probe.py at K = N = 8192, 2026-12-03;
+    tools/few_rows_split_probe.py on the engine model's layers, 2026-12-04):
+
+    * rows: one tile of 16, 32 or 64 rows (a 64-row tile for 32 rows unpacks as many
+      weights for half the work: 14.3 against 8.0 µs at N = 11264, K = 2048);
+    * columns: 32 (64 for 32-row tiles; 64 for up to 16 rows when K is long and there are
+      about as many tiles as SMs), 16 where 32-column tiles of 64 rows would leave half
+      of the SMs idle;
+    * split-K in four where the tiles would leave half of the SMs idle and K is long
+      (down-projection 2048 x 5632: 14.0 -> 9.1 µs at 64 rows);
+    * two pipeline stages for 64-row tiles when there are more tiles than SMs (three
+      programs then fit in an SM's shared memory, not two: 14.9 -> 10.9 µs at N = 11264).
+
+    Interpreted: few large programs."""
     if runtime.interpreting():
         return {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 1}
     cc = runtime.compute_capability()
     small_smem = cc is not None and cc < (8, 0)           # sm_75: 64 KiB of shared memory
+    sms, q = runtime.num_sms(), runtime.cdiv(k, 4)
     if m <= 16:
-        wide = runtime.cdiv(n, 64) * 10 >= 9 * runtime.num_sms()
-        return {"BLOCK_M": 16, "BLOCK_N": 64 if wide else 32, "BLOCK_Q": 256, "num_warps": 4,
-                "num_stages": 2 if small_smem else 4 if wide else 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 2 if small_smem else 3}
+        wide = k >= 4096 and runtime.cdiv(n, 64) * 10 >= 9 * sms
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 64 if wide else 32, "BLOCK_Q": 256, "num_warps": 4,
+               "num_stages": 4 if wide else 3}
+    elif m <= 32:
+        cfg = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 3}
+    else:
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 3}
+    tiles = runtime.cdiv(n, cfg["BLOCK_N"]) * runtime.cdiv(m, cfg["BLOCK_M"])
+    if 2 * tiles <= sms and q >= 1024:
+        cfg.update(SPLIT_K=4, BLOCK_Q=128)
+    elif 2 * tiles <= sms and cfg["BLOCK_M"] == 64:
+        cfg["BLOCK_N"] = 16
+    elif cfg["BLOCK_M"] == 64 and tiles > sms:
+        cfg["num_stages"] = 2
+    if small_smem:
+        cfg["num_stages"] = 2
+    return cfg
 
 
 def ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, y, config=None, asm=None):
     """Launcher for a few rows on the byte layout (check calling convention): grid
-    (N tiles, M tiles) of :func:`ternary_mm_small_kernel`. config: any keys of
-    :func:`small_mm_config` (default: its choice); asm: unpack four weights per
+    (N tiles, M tiles, K splits) of :func:`ternary_mm_small_kernel`, then the reduce when K
+    is split. config: any keys of :func:`small_mm_config` (default: its choice; SPLIT_K: K
+    in that many parts, whole BLOCK_Q steps each); asm: unpack four weights per
     instruction group in inline PTX (default on the compiled path) or byte by byte
     (the portable twin; always in the interpreter, which cannot run PTX)."""
     m, k = x_q.shape
@@ -797,11 +833,20 @@ def ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, y, config=None, asm=N
         asm = False
     else:
         asm = True if asm is None else bool(asm)
-    cfg = small_mm_config(m, n)
+    cfg = small_mm_config(m, n, k)
     cfg.update(config or {})
-    grid = (runtime.cdiv(n, cfg["BLOCK_N"]), runtime.cdiv(m, cfg["BLOCK_M"]))
-    runtime.launch(ternary_mm_small_kernel, grid, cfg, x_q, x_scale, w_packed, w_scale, y, m, n, k, q,
-                   x_q.stride(0), w_packed.stride(0), y.stride(0), USE_ASM=asm, DOT_INT8=_int8_dot())
+    split_k = cfg.pop("SPLIT_K", 1)
+    # whole BLOCK_Q steps per split, none empty
+    q_split = runtime.cdiv(runtime.cdiv(q, split_k), cfg["BLOCK_Q"]) * cfg["BLOCK_Q"]
+    split = runtime.cdiv(q, q_split)
+    part = torch.empty((split, m, n), dtype=torch.int32, device=y.device) if split > 1 else y
+    grid = (runtime.cdiv(n, cfg["BLOCK_N"]), runtime.cdiv(m, cfg["BLOCK_M"]), split)
+    runtime.launch(ternary_mm_small_kernel, grid, cfg, x_q, x_scale, w_packed, w_scale, y, part, m, n, k, q, q_split,
+                   x_q.stride(0), w_packed.stride(0), y.stride(0), USE_ASM=asm, DOT_INT8=_int8_dot(),
+                   PARTIAL=split > 1)
+    if split > 1:
+        split_k_reduce_kernel[(m, runtime.cdiv(n, SPLIT_REDUCE_BLOCK))](
+            part, x_scale, w_scale, y, m, n, split, y.stride(0), BLOCK=SPLIT_REDUCE_BLOCK, num_warps=4)
 
 
 UNPACK_BLOCK_N, UNPACK_BLOCK_Q = 32, 128

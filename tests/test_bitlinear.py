@@ -96,6 +96,34 @@ def test_few_rows_unpacking_in_ptx_equals_its_portable_twin(m, k, n):
     assert torch.equal(ys[0], ys[1])
 
 
+@pytest.mark.parametrize("m, k, n, split_k", [(5, 1030, 70, 2), (37, 2100, 33, 3)])
+def test_few_rows_split_k_gives_the_bits_of_one_pass(m, k, n, split_k):
+    """Split-K (int32 partial sums, then the reduce) against one pass: exact integers, so
+    the same bits; the last split is shorter than the others."""
+    x_q, x_scale, w_t, w_scale = _x16_problem(m, k, n, seed=m * k)
+    w_packed = bl.pack_ternary(w_t)
+    ys = [torch.full((m, n), float("nan"), device=x_q.device) for _ in range(2)]
+    bl.ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, ys[0], config={"BLOCK_Q": 128})
+    bl.ternary_mm_small_into(x_q, x_scale, w_packed, w_scale, ys[1], config={"BLOCK_Q": 128, "SPLIT_K": split_k})
+    assert torch.equal(ys[0], ys[1])
+    torch.testing.assert_close(ys[1].double(), bl.ternary_matmul_ref(x_q, x_scale, w_t, w_scale),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_few_rows_tile_follows_the_h200_sweeps(monkeypatch):
+    """small_mm_config on an H200 (132 SMs, sm_90): the K = N = 8192 tile of the first
+    sweep kept; 32-row tiles for 17-32 rows; K split where few tiles meet a long K."""
+    monkeypatch.setattr(bl.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(bl.runtime, "num_sms", lambda: 132)
+    monkeypatch.setattr(bl.runtime, "compute_capability", lambda: (9, 0))
+    assert bl.small_mm_config(16, 8192, 8192) == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256,
+                                                  "num_warps": 4, "num_stages": 4}
+    assert bl.small_mm_config(32, 11264, 2048)["BLOCK_M"] == 32
+    assert bl.small_mm_config(64, 2048, 5632)["SPLIT_K"] == 4
+    assert "SPLIT_K" not in bl.small_mm_config(64, 2048, 2048)          # short K: narrower tiles instead
+    assert bl.small_mm_config(64, 11264, 2048)["num_stages"] == 2
+
+
 def test_dispatcher_sends_two_to_64_rows_to_the_few_rows_kernel(device, monkeypatch):
     calls = []
     monkeypatch.setattr(bl, "ternary_mm_small_into", lambda *a: calls.append(a[0].shape[0]))

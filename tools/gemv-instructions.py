@@ -181,14 +181,15 @@ def _small_variants():
         name=f"few rows {'PTX' if asm else 'portable'} 16x{cfg['BLOCK_N']}x{cfg['BLOCK_Q']} w4 s4",
         kernel=bl.ternary_mm_small_kernel,
         signature={"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "y_ptr": "*bf16",
-                   "M": "i32", "N": "i32", "K": "i32", "Q": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                   "part_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "Q": "i32", "Q_SPLIT": "i32",
+                   "stride_xm": "i32", "stride_wn": "i32",
                    "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_Q": "constexpr",
-                   "USE_ASM": "constexpr", "DOT_INT8": "constexpr"},
+                   "USE_ASM": "constexpr", "DOT_INT8": "constexpr", "PARTIAL": "constexpr"},
         constexprs={"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_Q": cfg["BLOCK_Q"],
-                    "USE_ASM": asm, "DOT_INT8": True},
+                    "USE_ASM": asm, "DOT_INT8": True, "PARTIAL": False},
         options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
-        divisible=("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "N", "K", "Q", "stride_xm", "stride_wn",
-                   "stride_ym"),
+        divisible=("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "part_ptr", "N", "K", "Q", "Q_SPLIT",
+                   "stride_xm", "stride_wn", "stride_ym"),
         weights_per_iter=cfg["BLOCK_N"] * cfg["BLOCK_Q"] * 4, threads=32 * cfg["num_warps"])
         for asm in (True, False)]
 

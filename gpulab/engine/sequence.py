@@ -120,13 +120,16 @@ def validate_request(prompt, params, vocab_size: int, max_model_len: int) -> lis
         if not prompt:
             raise RequestError("the prompt is empty: give at least one character (or token)")
         ids = encode_prompt(prompt)
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    # the checks over every token run in C (set, map, min, max): a 2K-token prompt is
+    # checked in microseconds, where a Python loop took a few hundred (a request's TTFT)
+    elif isinstance(prompt, (list, tuple)) and all(issubclass(t, int) and not issubclass(t, bool)
+                                                   for t in set(map(type, prompt))):
         ids = list(prompt)
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise RequestError(f"prompt token {bad} is outside the vocabulary [0, {vocab_size})")
     else:
         raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
     if not isinstance(params, SamplingParams):
