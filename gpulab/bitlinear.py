@@ -789,8 +789,10 @@ def small_mm_config(m: int, n: int, k: int = 0) -> dict:
       of the SMs idle;
     * split-K in four where the tiles would leave half of the SMs idle and K is long
       (down-projection 2048 x 5632: 14.0 -> 9.1 µs at 64 rows);
-    * two pipeline stages for 64-row tiles when there are more tiles than SMs (three
-      programs then fit in an SM's shared memory, not two: 14.9 -> 10.9 µs at N = 11264).
+    * two pipeline stages for 64-row tiles when more than two tiles fall to an SM (three
+      programs then fit in an SM's shared memory, not two, so all run in one wave: 14.9 ->
+      10.9 µs at N = 11264; at K = N = 8192, two tiles an SM, three stages stay: 24-29 µs,
+      30.9 µs with two).
 
     Interpreted: few large programs."""
     if runtime.interpreting():
@@ -811,7 +813,7 @@ def small_mm_config(m: int, n: int, k: int = 0) -> dict:
         cfg.update(SPLIT_K=4, BLOCK_Q=128)
     elif 2 * tiles <= sms and cfg["BLOCK_M"] == 64:
         cfg["BLOCK_N"] = 16
-    elif cfg["BLOCK_M"] == 64 and tiles > sms:
+    elif cfg["BLOCK_M"] == 64 and tiles > 2 * sms:
         cfg["num_stages"] = 2
     if small_smem:
         cfg["num_stages"] = 2

@@ -121,7 +121,8 @@ def test_few_rows_tile_follows_the_h200_sweeps(monkeypatch):
     assert bl.small_mm_config(32, 11264, 2048)["BLOCK_M"] == 32
     assert bl.small_mm_config(64, 2048, 5632)["SPLIT_K"] == 4
     assert "SPLIT_K" not in bl.small_mm_config(64, 2048, 2048)          # short K: narrower tiles instead
-    assert bl.small_mm_config(64, 11264, 2048)["num_stages"] == 2
+    assert bl.small_mm_config(64, 11264, 2048)["num_stages"] == 2            # 352 tiles: one wave of three an SM
+    assert bl.small_mm_config(64, 8192, 8192)["num_stages"] == 3             # 256 tiles: two an SM fit
 
 
 def test_dispatcher_sends_two_to_64_rows_to_the_few_rows_kernel(device, monkeypatch):
