@@ -461,8 +461,8 @@ def ternary_mm_small_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, M, N,
     for j0 in range(q_lo, q_hi, BLOCK_Q):
         j = j0 + tl.arange(0, BLOCK_Q)
         j_mask = j < q_hi
-        # No `other`: a masked weight meets x = 0 (j past Q) or lands in a column that is not
-        # stored (n past N), so its value never matters; with other=0x55 the compiler split
+        # No `other`: a masked weight meets x = 0 (j past its split) or lands in a column that
+        # is not stored (n past N), so its value never matters; with other=0x55 the compiler split
         # every loaded word into bytes to select it (SASS main loop 1242 -> 847 instructions,
         # 18.7 -> 16.9 µs at M = 16, K = N = 8192 on the H200: tools/few_rows_variants.py).
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + j[:, None],
@@ -777,7 +777,7 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
 SMALL_MM_MAX_M = 64
 
 
-def small_mm_config(m: int, n: int, k: int = 0) -> dict:
+def small_mm_config(m: int, n: int, k: int) -> dict:
     """The tile (and split of K) of :func:`ternary_mm_small_into` for m rows, n outputs and
     k inputs, from two H200 sweeps (tools/small_m_probe.py at K = N = 8192, 2026-12-03;
     tools/few_rows_split_probe.py on the engine model's layers, 2026-12-04):

@@ -121,7 +121,9 @@ def launch(variant, x, xs, wp, ws, y):
     no_other, codes = VARIANTS[variant]
     m, k = x.shape
     n, q = wp.shape
-    cfg = bl.small_mm_config(m, n)            # the package's tile for these sizes (TILE at M = 16)
+    cfg = bl.small_mm_config(m, n, k)            # the package's tile for these sizes (TILE at M = 16)
+    if cfg.pop("SPLIT_K", 1) != 1:
+        raise ValueError(f"the package splits K at M={m}, N={n}, K={k}; these variants run one pass only")
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     probe_small_kernel[grid](x, xs, wp, ws, y, m, n, k, q, x.stride(0), wp.stride(0), y.stride(0),
                              NO_OTHER=no_other, CODES=codes, **cfg)

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         y = torch.empty_like(want)
         if m <= bl.SMALL_MM_MAX_M:
             row(shape, "small launcher, default config",
-                bench.time_ms(lambda: bl.ternary_mm_small_into(x, xs, wp, ws, y)) * 1e3, bl.small_mm_config(m, n))
+                bench.time_ms(lambda: bl.ternary_mm_small_into(x, xs, wp, ws, y)) * 1e3, bl.small_mm_config(m, n, k))
             assert torch.equal(y, want)
         fastest = None
         for c in [c for cfg in best for c in with_m(cfg, m)]:
