@@ -778,28 +778,33 @@ SMALL_MM_MAX_M = 64
 
 
 def small_mm_config(m: int, n: int, k: int) -> dict:
+    """The tile (and split of K) of :func:`ternary_mm_small_into` on this machine
+    (:func:`small_mm_tile` for its GPU; interpreted: few large programs)."""
+    if runtime.interpreting():
+        return {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 1}
+    return small_mm_tile(m, n, k, runtime.num_sms(), runtime.compute_capability())
+
+
+def small_mm_tile(m: int, n: int, k: int, num_sms: int, capability: tuple[int, int] | None) -> dict:
     """The tile (and split of K) of :func:`ternary_mm_small_into` for m rows, n outputs and
-    k inputs, from two H200 sweeps (tools/small_m_probe.py at K = N = 8192, 2026-12-03;
-    tools/few_rows_split_probe.py on the engine model's layers, 2026-12-04):
+    k inputs on a GPU of ``num_sms`` SMs and compute capability ``capability``, read off two
+    H200 sweeps (tools/small_m_probe.py at K = N = 8192, 2026-12-03; tools/few_rows_split_probe.py
+    on the engine model's layers, 2026-12-04):
 
     * rows: one tile of 16, 32 or 64 rows (a 64-row tile for 32 rows unpacks as many
       weights for half the work: 14.3 against 8.0 µs at N = 11264, K = 2048);
     * columns: 32 (64 for 32-row tiles; 64 for up to 16 rows when K is long and there are
-      about as many tiles as SMs), 16 where 32-column tiles of 64 rows would leave half
-      of the SMs idle;
+      about as many tiles as SMs), 16 for 32- and 64-row tiles where the wider ones would
+      leave half of the SMs idle and 16-column ones still fit in one wave (O-projection
+      2048 x 2048 at 32 rows: 6.1 -> 5.5 µs);
     * split-K in four where the tiles would leave half of the SMs idle and K is long
       (down-projection 2048 x 5632: 14.0 -> 9.1 µs at 64 rows);
     * two pipeline stages for 64-row tiles when more than two tiles fall to an SM (three
       programs then fit in an SM's shared memory, not two, so all run in one wave: 14.9 ->
       10.9 µs at N = 11264; at K = N = 8192, two tiles an SM, three stages stay: 24-29 µs,
-      30.9 µs with two).
-
-    Interpreted: few large programs."""
-    if runtime.interpreting():
-        return {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 1}
-    cc = runtime.compute_capability()
-    small_smem = cc is not None and cc < (8, 0)           # sm_75: 64 KiB of shared memory
-    sms, q = runtime.num_sms(), runtime.cdiv(k, 4)
+      30.9 µs with two)."""
+    small_smem = capability is not None and capability < (8, 0)      # sm_75: 64 KiB of shared memory
+    sms, q = num_sms, runtime.cdiv(k, 4)                             # q: packed bytes per weight row
     if m <= 16:
         wide = k >= 4096 and runtime.cdiv(n, 64) * 10 >= 9 * sms
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64 if wide else 32, "BLOCK_Q": 256, "num_warps": 4,
@@ -811,7 +816,7 @@ def small_mm_config(m: int, n: int, k: int) -> dict:
     tiles = runtime.cdiv(n, cfg["BLOCK_N"]) * runtime.cdiv(m, cfg["BLOCK_M"])
     if 2 * tiles <= sms and q >= 1024:
         cfg.update(SPLIT_K=4, BLOCK_Q=128)
-    elif 2 * tiles <= sms and cfg["BLOCK_M"] == 64:
+    elif 2 * tiles <= sms and cfg["BLOCK_M"] >= 32 and runtime.cdiv(n, 16) * runtime.cdiv(m, cfg["BLOCK_M"]) <= sms:
         cfg["BLOCK_N"] = 16
     elif cfg["BLOCK_M"] == 64 and tiles > 2 * sms:
         cfg["num_stages"] = 2

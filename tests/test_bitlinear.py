@@ -1,5 +1,8 @@
 """Ternary weights: quantization, exact 2-bit packing, the int8 × ternary kernels, the
 BitLinear layer in both modes, input validation, and checks that reject wrong kernels."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -110,19 +113,37 @@ def test_few_rows_split_k_gives_the_bits_of_one_pass(m, k, n, split_k):
                                atol=1e-4, rtol=1e-5)
 
 
-def test_few_rows_tile_follows_the_h200_sweeps(monkeypatch):
-    """small_mm_config on an H200 (132 SMs, sm_90): the K = N = 8192 tile of the first
+def test_few_rows_tile_follows_the_h200_sweeps():
+    """small_mm_tile on an H200 (132 SMs, sm_90): the K = N = 8192 tile of the first
     sweep kept; 32-row tiles for 17-32 rows; K split where few tiles meet a long K."""
-    monkeypatch.setattr(bl.runtime, "interpreting", lambda: False)
-    monkeypatch.setattr(bl.runtime, "num_sms", lambda: 132)
-    monkeypatch.setattr(bl.runtime, "compute_capability", lambda: (9, 0))
-    assert bl.small_mm_config(16, 8192, 8192) == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256,
-                                                  "num_warps": 4, "num_stages": 4}
-    assert bl.small_mm_config(32, 11264, 2048)["BLOCK_M"] == 32
-    assert bl.small_mm_config(64, 2048, 5632)["SPLIT_K"] == 4
-    assert "SPLIT_K" not in bl.small_mm_config(64, 2048, 2048)          # short K: narrower tiles instead
-    assert bl.small_mm_config(64, 11264, 2048)["num_stages"] == 2            # 352 tiles: one wave of three an SM
-    assert bl.small_mm_config(64, 8192, 8192)["num_stages"] == 3             # 256 tiles: two an SM fit
+    def h200(m, n, k):
+        return bl.small_mm_tile(m, n, k, 132, (9, 0))
+    assert h200(16, 8192, 8192) == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_Q": 256, "num_warps": 4, "num_stages": 4}
+    assert h200(32, 11264, 2048)["BLOCK_M"] == 32
+    assert h200(64, 2048, 5632)["SPLIT_K"] == 4
+    assert "SPLIT_K" not in h200(64, 2048, 2048)                     # short K: narrower tiles instead
+    assert h200(64, 11264, 2048)["num_stages"] == 2                  # 352 tiles: one wave of three an SM
+    assert h200(64, 8192, 8192)["num_stages"] == 3                   # 256 tiles: two an SM fit
+    assert bl.small_mm_tile(64, 11264, 2048, 40, (7, 5))["num_stages"] == 2      # a T4: 64 KiB of shared memory
+
+
+def test_few_rows_tiles_shipped_sweep_agrees_with_the_rule():
+    """The sweep saved with the package (H200, the engine model's layers): for every
+    (M, layer) the tile the rule picks was measured, bit-equal, and within 5% of the best."""
+    saved = json.loads((Path(bl.__file__).parent / "results" / "bitlinear" / "few_rows_split_probe.json").read_text())
+    key = ("BLOCK_M", "BLOCK_N", "BLOCK_Q", "num_stages")
+    timed = {}
+    for r in saved["rows"]:
+        if r["impl"] == "small" and r["us"] == r["us"]:
+            c = r["config"]
+            timed[(r["m"], r["n"], r["k"], *(c[x] for x in key), c.get("SPLIT_K", 1))] = r["us"]
+    shapes = {(r["m"], r["n"], r["k"]) for r in saved["rows"]}
+    assert len(shapes) == 12
+    for m, n, k in shapes:
+        pick = bl.small_mm_tile(m, n, k, 132, (9, 0))
+        us = timed[(m, n, k, *(pick[x] for x in key), pick.get("SPLIT_K", 1))]
+        best = min(v for (mm, nn, kk, *_), v in timed.items() if (mm, nn, kk) == (m, n, k))
+        assert us <= 1.05 * best, (m, n, k, pick, us, best)
 
 
 def test_dispatcher_sends_two_to_64_rows_to_the_few_rows_kernel(device, monkeypatch):
