@@ -1,4 +1,6 @@
 """The serving engine against the reference decoder: same tokens under every schedule."""
+import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -298,7 +300,6 @@ def test_train_and_serve_bench_commands(tmp_path):
     assert serve_bench.main(["--model", "tiny", "--requests", "6", "--prompt-len", "4:12", "--output-len", "2:6",
                              "--system-len", "16", "--num-blocks", "24", "--quiet", "--json", str(out),
                              "--plot", str(tmp_path / "bench.png")]) == 0
-    import json
     r = json.loads(out.read_text())
     assert r["continuous"]["requests"] == r["static"]["requests"] == 6
     # what Triton compiled while serving, with the specialisation that was new (none in the interpreter)
@@ -324,7 +325,6 @@ def test_timeline_records_every_step(model, overlap):
 def test_host_overhead_tool_times_a_decode_step_without_the_forward(capsys, tmp_path):
     """tools/engine_host_overhead.py (the host's share of an engine step, phase by phase,
     and the static baseline's step) runs on a CPU."""
-    import json
     import runpy
     tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "engine_host_overhead.py"))
     threads = torch.get_num_threads()
@@ -570,3 +570,21 @@ def test_kept_metrics_stay_bounded_and_keep_what_is_running(model, overlap):
     assert llm.idle()
     with pytest.raises(ValueError, match="keep_last needs a number of records >= 1"):
         llm.metrics.keep_last(0)
+
+
+def test_engine_bench_rehearses_repeated_ttft_pairs(tmp_path):
+    """tools/engine_bench.py --rehearse --parts 2 --ttft-repeats 2: the GPU script's TTFT
+    part on a tiny model; the JSON keeps every pair and reports the median one."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "engine_bench.py"
+    spec = importlib.util.spec_from_file_location("engine_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.median_pair([3.0, 1.0, 2.0]) == 2 and bench.median_pair([4.0, 1.0]) == 1
+    with pytest.raises(SystemExit):
+        bench.main([str(tmp_path), "--rehearse"])                    # all four parts: refused
+    assert bench.main([str(tmp_path), "--rehearse", "--parts", "2", "--ttft-repeats", "2",
+                       "--ttft-order", "off,on"]) == 0
+    t = json.loads((tmp_path / "engine_bench.json").read_text())["ttft"]
+    assert len(t["pairs"]) == 2 and t["p50_ratio"] in [p["p50_ratio"] for p in t["pairs"]]
+    assert t["on"]["prefix_hit_rate"] > 0 and not t["off"]["prefix_hit_rate"]
+    assert (tmp_path / "engine_ttft.png").exists()
