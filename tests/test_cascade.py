@@ -177,6 +177,22 @@ def test_merge_check_rejects(kind, expect):
     assert expect in msg, msg
 
 
+def test_merge_diagnosis_of_exponentials_without_the_max_is_not_base_2():
+    """The no-max mistake, on a seed where no LSE overflows and one underflows (float32
+    e^-101 keeps a few digits): an LSE off by 0.03 at -101 was once diagnosed as base 2,
+    whose relative tolerance grew with the LSE. Now the mistake's own recomputation names it,
+    and the base-2 mistake keeps its diagnosis."""
+    empty = [c for c in CG.MERGE_STATE.cases["cpu"] if c.params.get("both_empty")]
+    msg = rejects("merge_state", _merge_mutant("no_max"), dtypes=[torch.float32], cases=empty, seed=1703997960)
+    assert "without subtracting M" in msg and "base 2" not in msg, msg
+
+    def lse_in_base_2(o_a, lse_a, o_b, lse_b, o, lse):       # FlashInfer's convention, o right
+        _merge_mutant("right")(o_a, lse_a, o_b, lse_b, o, lse)
+        lse.mul_(1 / math.log(2))
+    msg = rejects("merge_state", lse_in_base_2, dtypes=[torch.float32], cases=empty, seed=1703997960)
+    assert "base 2" in msg, msg
+
+
 def _prefix_mutant(kind):
     def fn(q, k_cache, v_cache, prefix_pages, prefix_len, o, lse):
         pages = prefix_pages

@@ -98,7 +98,8 @@ def make_merge_inputs(p, dtype, device, gen):
 
 
 def merge_hint(output, got, expected, inputs):
-    """Diagnoses of a two-state merge: plain average, base-2 LSE (gpulab's is natural log)."""
+    """Diagnoses of a two-state merge: plain average, base-2 LSE (gpulab's is natural log),
+    exponentials taken without subtracting the max first."""
     g = got.detach().double().cpu()
     la, lb = inputs["lse_a"].double().cpu(), inputs["lse_b"].double().cpu()
     if output == "o":
@@ -115,14 +116,29 @@ def merge_hint(output, got, expected, inputs):
         return None
     m = torch.maximum(la, lb)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = expected.detach().double().cpu()
+    atol = rounding_tolerance(got.dtype, 1e-3, 1e-3)[0]
+
+    def explains(alt) -> bool:
+        """got is wrong somewhere and the mistake ``alt`` gives got's value at every wrong
+        element: compared as lse − M, so that an LSE of −100 does not widen the tolerance."""
+        if g.shape != alt.shape:
+            return False
+        gr, ar, er = ((t - m).nan_to_num(nan=-7e29, posinf=1e30, neginf=-1e30) for t in (g, alt, e))
+        wrong = (gr - er).abs() > atol
+        return bool(wrong.any()) and bool(((gr - ar).abs() <= atol)[wrong].all())
+
     total = torch.exp(la - m) + torch.exp(lb - m)
     mixed = torch.where(total > 0, m + torch.log2(torch.where(total > 0, total, 1.0)), -math.inf)
-    base2 = expected.detach().double().cpu() * LOG2E
-    for alt in (mixed, base2):
-        if g.shape == alt.shape and torch.allclose(g.nan_to_num(neginf=-1e30), alt.nan_to_num(neginf=-1e30),
-                                                   *rounding_tolerance(got.dtype, 1e-3, 1e-3)):
-            return ("the LSE is in base 2 (log2 somewhere): gpulab's LSE is the natural log, "
-                    "lse = M + ln(w_a + w_b); FlashInfer's base-2 LSE is lse · log2(e), i.e. lse / ln 2.")
+    if explains(mixed) or explains(e * LOG2E):
+        return ("the LSE is in base 2 (log2 somewhere): gpulab's LSE is the natural log, "
+                "lse = M + ln(w_a + w_b); FlashInfer's base-2 LSE is lse · log2(e), i.e. lse / ln 2.")
+    # e^lse taken without subtracting M first, in the LSE's float32
+    la32, lb32 = inputs["lse_a"].float().cpu(), inputs["lse_b"].float().cpu()
+    if explains(torch.log(torch.exp(la32) + torch.exp(lb32)).double()):
+        return ("e^lse is taken without subtracting M = max(lse_a, lse_b) first: in float32 it overflows "
+                "to inf above lse ≈ 88 (then inf/inf = NaN in o) and keeps only a few digits below ≈ −87. "
+                "Use lse = M + ln(e^(lse_a − M) + e^(lse_b − M)).")
     return None
 
 
