@@ -204,19 +204,21 @@ def ttft(a, model, res, out):
             print(format_comparison(r), flush=True)
             pair["on" if caching else "off"] = r
         pairs.append(pair)
-    if not all("on" in p and "off" in p for p in pairs):      # one setting only: its last run
-        for k, r in pairs[-1].items():
-            res["ttft"][k] = r["continuous"]
-        return
-    ratios = [p["off"]["continuous"]["ttft_s_p50"] / p["on"]["continuous"]["ttft_s_p50"] for p in pairs]
-    mid = pairs[median_pair(ratios)]
-    res["ttft"].update(on=mid["on"]["continuous"], off=mid["off"]["continuous"], p50_ratio=ratios[pairs.index(mid)],
-                       pairs=[{"off_ttft_s_p50": p["off"]["continuous"]["ttft_s_p50"],
-                               "on_ttft_s_p50": p["on"]["continuous"]["ttft_s_p50"], "p50_ratio": x}
-                              for p, x in zip(pairs, ratios)])
-    print("TTFT p50 ratios, off / on: " + ", ".join(f"{x:.2f}x" for x in ratios)
-          + f"; the median pair's: {res['ttft']['p50_ratio']:.2f}x", flush=True)
-    plot_comparison(mid["on"], out / "engine_ttft.png")
+    if all("on" in p and "off" in p for p in pairs):
+        ratios = [p["off"]["continuous"]["ttft_s_p50"] / p["on"]["continuous"]["ttft_s_p50"] for p in pairs]
+        i = median_pair(ratios)
+        res["ttft"]["p50_ratio"] = ratios[i]
+        res["ttft"]["pairs"] = [{"off_ttft_s_p50": p["off"]["continuous"]["ttft_s_p50"],
+                                 "on_ttft_s_p50": p["on"]["continuous"]["ttft_s_p50"], "p50_ratio": x}
+                                for p, x in zip(pairs, ratios)]
+        print("TTFT p50 ratios, off / on: " + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f"; the median pair's: {ratios[i]:.2f}x", flush=True)
+    else:                                  # one setting only: its last run
+        i = len(pairs) - 1
+    for k, r in pairs[i].items():
+        res["ttft"][k] = r["continuous"]
+    if "on" in pairs[i]:
+        plot_comparison(pairs[i]["on"], out / "engine_ttft.png")
 
 
 def decode_step_b64(model, res):
