@@ -770,11 +770,14 @@ def ternary_mm_into(x_q, x_scale, w_packed, w_scale, y, split_k=1, config=None):
 # A few rows (2..SMALL_MM_MAX_M): ternary_mm_small_kernel. On the H200 (tools/small_m_probe.py,
 # 2026-12-03, as launched) it took 18.2 µs at M = 16, K = N = 8192 against 31.0 µs for
 # ternary_mm_kernel's best tile (the same tile with the portable unpacking: 49 µs), and
-# 28-29 µs against 58 µs at M = 40 and 64; from M = 128 on it lost, so larger M stays there.
+# 28-29 µs against 58 µs at M = 40 and 64. With 32-row tiles it lost from M = 128 on; with
+# 64- and 128-row tiles (tools/few_rows_split_probe.py --ms 128,256, 2026-12-04) it won at
+# 128 and 256 rows on every layer of the engine bench's model (a layer's four matmuls 42-48
+# against 71 µs at 128 rows, 57-71 against 75 µs at 256), so up to 256 rows go there.
 # (Its loop streams the weight bytes through shared memory with cp.async, as the other tiled
 # kernels do; static counts of the compiled loop, sm_90: 2.4 instructions per weight, 6.6 with
 # the portable unpacking, 5.9 in ternary_mm_kernel.)
-SMALL_MM_MAX_M = 64
+SMALL_MM_MAX_M = 256
 
 
 def small_mm_config(m: int, n: int, k: int) -> dict:
@@ -802,7 +805,8 @@ def small_mm_tile(m: int, n: int, k: int, num_sms: int, capability: tuple[int, i
     * two pipeline stages for 64-row tiles when more than two tiles fall to an SM (three
       programs then fit in an SM's shared memory, not two, so all run in one wave: 14.9 ->
       10.9 µs at N = 11264; at K = N = 8192, two tiles an SM, three stages stay: 24-29 µs,
-      30.9 µs with two)."""
+      30.9 µs with two);
+    * past 64 rows (a continuous batch's decode): :func:`many_rows_tile`."""
     small_smem = capability is not None and capability < (8, 0)      # sm_75: 64 KiB of shared memory
     sms, q = num_sms, runtime.cdiv(k, 4)                             # q: packed bytes per weight row
     if m <= 16:
@@ -811,8 +815,13 @@ def small_mm_tile(m: int, n: int, k: int, num_sms: int, capability: tuple[int, i
                "num_stages": 4 if wide else 3}
     elif m <= 32:
         cfg = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 3}
-    else:
+    elif m <= 64:
         cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 3}
+    else:
+        cfg = many_rows_tile(m, n, q, sms)
+        if small_smem:
+            cfg.update(BLOCK_M=64, num_stages=2)
+        return cfg
     tiles = runtime.cdiv(n, cfg["BLOCK_N"]) * runtime.cdiv(m, cfg["BLOCK_M"])
     if 2 * tiles <= sms and q >= 1024:
         cfg.update(SPLIT_K=4, BLOCK_Q=128)
@@ -822,6 +831,50 @@ def small_mm_tile(m: int, n: int, k: int, num_sms: int, capability: tuple[int, i
         cfg["num_stages"] = 2
     if small_smem:
         cfg["num_stages"] = 2
+    return cfg
+
+
+# A layer whose packed weights take this many bytes is "large" for many_rows_tile: a
+# 14336 x 4096 layer (14.7 MB) is; the engine bench's gate-up projection (5.8 MB) is not.
+LARGE_LAYER_BYTES = 8 << 20
+
+
+def many_rows_tile(m: int, n: int, q: int, num_sms: int) -> dict:
+    """The tile of :func:`small_mm_tile` for 65 to 256 rows (q: packed bytes per weight
+    row), read off H200 sweeps at 128 and 256 rows (tools/few_rows_split_probe.py --ms
+    128,256, 2026-12-04; µs below at 128 rows unless said):
+
+    * a large layer (:data:`LARGE_LAYER_BYTES`): 128-row tiles, so each weight is read
+      from memory once for all the rows, 64 columns on a short K step (8192 x 8192: 31.7
+      µs, 55.7 with the 64 x 32 tile); K split in two when those tiles fit in one wave,
+      on a deeper K step when they leave half the SMs idle (4096 x 14336: 33.9 µs);
+    * a smaller one (the engine bench's layers): 64 x 32 tiles, as for 33-64 rows; 64
+      columns where those tiles would be more than two an SM, on a short K step and,
+      from 193 rows, with 128 rows and two stages where even those would be (gate-up 11264
+      x 2048: 19.1 -> 15.3 µs; at 256 rows 34.2 -> 21.5 µs), else two stages (3072 x 2048
+      at 256 rows: 10.5 µs); K split in two where the tiles fit in one wave and K is
+      long (down-projection 2048 x 5632: 14.1 -> 12.3 µs)."""
+    sms = num_sms
+    if n * q >= LARGE_LAYER_BYTES:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_Q": 64, "num_warps": 4, "num_stages": 3}
+        tiles = runtime.cdiv(n, 64) * runtime.cdiv(m, 128)
+        if tiles <= sms:
+            cfg["SPLIT_K"] = 2
+            if 2 * tiles <= sms:
+                cfg["BLOCK_Q"] = 128
+        return cfg
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_Q": 128, "num_warps": 4, "num_stages": 3}
+    tiles = runtime.cdiv(n, 32) * runtime.cdiv(m, 64)
+    if tiles > 2 * sms:
+        cfg["BLOCK_N"] = 64
+        if runtime.cdiv(n, 64) * runtime.cdiv(m, 64) > 2 * sms:
+            cfg["BLOCK_Q"] = 64
+            if m > 192:
+                cfg.update(BLOCK_M=128, num_stages=2)
+        else:
+            cfg["num_stages"] = 2
+    elif tiles <= sms and q >= 1024:
+        cfg["SPLIT_K"] = 2
     return cfg
 
 

@@ -125,28 +125,39 @@ def test_few_rows_tile_follows_the_h200_sweeps():
     assert h200(64, 11264, 2048)["num_stages"] == 2                  # 352 tiles: one wave of three an SM
     assert h200(64, 8192, 8192)["num_stages"] == 3                   # 256 tiles: two an SM fit
     assert bl.small_mm_tile(64, 11264, 2048, 40, (7, 5))["num_stages"] == 2      # a T4: 64 KiB of shared memory
+    # past 64 rows: a large layer in 128-row tiles (each weight read once), K split while few
+    assert h200(128, 8192, 8192) == {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_Q": 64, "num_warps": 4,
+                                     "num_stages": 3, "SPLIT_K": 2}
+    assert "SPLIT_K" not in h200(128, 14336, 4096)                   # 224 tiles: more than a wave
+    assert h200(128, 11264, 2048)["BLOCK_M"] == 64                   # a 5.8 MB layer is not large
+    assert h200(128, 2048, 5632)["SPLIT_K"] == 2
+    assert h200(256, 11264, 2048)["BLOCK_M"] == 128
+    t4 = bl.small_mm_tile(256, 8192, 8192, 40, (7, 5))
+    assert t4["BLOCK_M"] == 64 and t4["num_stages"] == 2
 
 
-def test_few_rows_tiles_shipped_sweep_agrees_with_the_rule():
-    """The sweep saved with the package (H200, the engine model's layers): for every
-    (M, layer) the tile the rule picks was measured, bit-equal, and within 5% of the best."""
-    saved = json.loads((Path(bl.__file__).parent / "results" / "bitlinear" / "few_rows_split_probe.json").read_text())
+@pytest.mark.parametrize("sweep, shapes", [("few_rows_split_probe.json", 12), ("many_rows_probe.json", 16)])
+def test_few_rows_tiles_shipped_sweep_agrees_with_the_rule(sweep, shapes):
+    """The sweeps saved with the package (H200; 16 to 64 rows on the engine model's layers,
+    128 and 256 rows on those and on larger ones): for every (M, layer) the tile the rule
+    picks was measured, bit-equal, and within 5% of the best."""
+    saved = json.loads((Path(bl.__file__).parent / "results" / "bitlinear" / sweep).read_text())
     key = ("BLOCK_M", "BLOCK_N", "BLOCK_Q", "num_stages")
     timed = {}
     for r in saved["rows"]:
         if r["impl"] == "small" and r["us"] == r["us"]:
             c = r["config"]
             timed[(r["m"], r["n"], r["k"], *(c[x] for x in key), c.get("SPLIT_K", 1))] = r["us"]
-    shapes = {(r["m"], r["n"], r["k"]) for r in saved["rows"]}
-    assert len(shapes) == 12
-    for m, n, k in shapes:
+    measured = {(r["m"], r["n"], r["k"]) for r in saved["rows"]}
+    assert len(measured) == shapes
+    for m, n, k in measured:
         pick = bl.small_mm_tile(m, n, k, 132, (9, 0))
         us = timed[(m, n, k, *(pick[x] for x in key), pick.get("SPLIT_K", 1))]
         best = min(v for (mm, nn, kk, *_), v in timed.items() if (mm, nn, kk) == (m, n, k))
         assert us <= 1.05 * best, (m, n, k, pick, us, best)
 
 
-def test_dispatcher_sends_two_to_64_rows_to_the_few_rows_kernel(device, monkeypatch):
+def test_dispatcher_sends_two_to_256_rows_to_the_few_rows_kernel(device, monkeypatch):
     calls = []
     monkeypatch.setattr(bl, "ternary_mm_small_into", lambda *a: calls.append(a[0].shape[0]))
     monkeypatch.setattr(bl, "ternary_mm_into", lambda *a: calls.append(-a[0].shape[0]))

@@ -3,7 +3,7 @@ model shapes, tiles and split-K swept (GPU only; issue 14's TTFT: a cached promp
 runs its matmuls at 16, 32 or 64 rows, the whole-step graph's token buckets).
 
 usage (repository root, on the H200):
-    PYTHONPATH=$PWD python tools/few_rows_split_probe.py OUTDIR [--budget S]
+    PYTHONPATH=$PWD python tools/few_rows_split_probe.py OUTDIR [--budget S] [--ms 64,32,16] [--shapes 3072x2048,...]
 
 For each (N, K) of the engine bench's layers (QKV 3072x2048, O 2048x2048, gate-up
 11264x2048, down 2048x5632) and M = 64, 32, 16: every tile of the sweep with SPLIT_K 1, 2,
@@ -34,7 +34,7 @@ MS = (64, 32, 16)          # the most common bucket of the TTFT workload first
 
 
 def tiles(m: int) -> list[dict]:
-    bms = (16,) if m <= 16 else (32, 64) if m <= 32 else (64,)
+    bms = (16,) if m <= 16 else (32, 64) if m <= 32 else (64,) if m <= 64 else (64, 128)
     out = []
     for bm, bn, bq, st in itertools.product(bms, (16, 32, 64), (64, 128, 256), (2, 3)):
         if bq == 256 and bm > 16:
@@ -69,7 +69,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--budget", type=float, default=400.0, help="stop sweeping after this many seconds")
+    ap.add_argument("--ms", default=",".join(map(str, MS)),
+                    help="row counts, comma-separated (past SMALL_MM_MAX_M the package's own dispatch is a row too)")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="N x K of each layer, comma-separated (default: the engine bench's four)")
     a = ap.parse_args(argv)
+    ms = tuple(int(v) for v in a.ms.split(","))
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -81,7 +87,7 @@ def main(argv=None) -> int:
         (out / "few_rows_split_probe.json").write_text(json.dumps(res, indent=1))
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for m, (n, k) in itertools.product(MS, SHAPES):
+    for m, (n, k) in itertools.product(ms, shapes):
         w = torch.randint(-1, 2, (n, k), device="cuda", generator=g, dtype=torch.int8)
         wp = bl.pack_ternary(w)
         copies = max(2, min(64, int(160e6 // wp.numel())))
@@ -102,8 +108,13 @@ def main(argv=None) -> int:
         xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row("F.linear bf16", graph_us(lambda c: F.linear(xb, wb[c]), len(wb)))
         del wb
+        if m > bl.SMALL_MM_MAX_M:
+            row("package (ternary_matmul_into)",
+                graph_us(lambda c: bl.ternary_matmul_into(x, xs, wps[c], ws, y), copies))
+            row("ternary_mm_kernel (autotuned)",
+                graph_us(lambda c: bl.ternary_mm_into(x, xs, wps[c], ws, y), copies))
         row("unpack + int8 GEMM", graph_us(lambda c: bl.ternary_mm_unpacked_into(x, xs, wps[c], ws, y), copies))
-        for cfg, split in itertools.product(tiles(m), (1, 2, 4, 8)):
+        for cfg, split in itertools.product(tiles(m), (1, 2, 4, 8) if m <= 64 else (1, 2)):
             if time.time() - start > a.budget:
                 break
             c = {**cfg, "SPLIT_K": split}

@@ -303,15 +303,18 @@ TERNARY_MM = _matmul_spec(
      "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 4096)]})
 
 TERNARY_MM_SMALL = _matmul_spec(
-    "ternary_mm_small", "int8 × 2-bit ternary matmul for a few rows (2 to 64), four weights unpacked per "
+    "ternary_mm_small", "int8 × 2-bit ternary matmul for a few rows (2 to 256), four weights unpacked per "
     "instruction group", ternary_mm_small_into,
     {"cpu": [Case("2 rows", dict(m=2, k=13, n=9)), Case("K not /4, two row tiles", dict(m=37, k=301, n=70)),
-             Case("three K steps", dict(m=16, k=1030, n=65))],
+             Case("three K steps", dict(m=16, k=1030, n=65)), Case("three 64-row tiles", dict(m=130, k=33, n=20))],
      "gpu": [Case("2 rows", dict(m=2, k=13, n=9)), Case("16 rows", dict(m=16, k=8191, n=1000)),
              Case("40 rows", dict(m=40, k=2048, n=3072)), Case("64 rows, ragged", dict(m=64, k=4099, n=3001)),
              Case("40 rows, K split in four", dict(m=40, k=5632, n=2048)),
-             Case("24 rows, K split, ragged", dict(m=24, k=5001, n=1000))],
-     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 64)]},
+             Case("24 rows, K split, ragged", dict(m=24, k=5001, n=1000)),
+             Case("96 rows, K split in two", dict(m=96, k=5632, n=2048)),
+             Case("200 rows, large layer: 128-row tiles, K split", dict(m=200, k=8191, n=4100)),
+             Case("256 rows, wide: 128-row tiles", dict(m=256, k=2048, n=11264))],
+     "bench": [Case(f"M={m} K=N=8192", dict(m=m, k=8192, n=8192)) for m in (16, 64, 128)]},
     baselines={"torch bf16 F.linear": _bf16_linear, "ternary_mm (unpacks per tile)": _bench_with(ternary_mm_into)})
 
 TERNARY_MM_UNPACKED = _matmul_spec(
