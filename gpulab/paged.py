@@ -897,7 +897,8 @@ class PagedDecodeWrapper:
 
     def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-             dtype: torch.dtype, scale: float | None = None, num_splits: int | None = None) -> None:
+             dtype: torch.dtype, scale: float | None = None, num_splits: int | None = None,
+             check_layout: bool = True) -> None:
         """Validate the batch layout, choose the partitioning, allocate the buffers.
 
         Parameters
@@ -909,13 +910,21 @@ class PagedDecodeWrapper:
         dtype : the dtype of q and the caches (float32, float16 or bfloat16).
         scale : softmax scale (default head_dim ** -0.5). num_splits : forced partitions per
             sequence (default: planned from the batch and the number of SMs).
+        check_layout : read the layout's values and check them (every length within the
+            block table's capacity, every used entry a page of the pool), and report the
+            faults kernels recorded since the last check (:func:`raise_recorded_faults`).
+            Both read device data: a host sync. A caller that builds the layout on the
+            host from its own page pool, and plans every step, passes False (the serving
+            engine: a sync per step would stall its pipeline) and reads the fault flag
+            where it waits anyway; the kernels stay inside the cache either way.
         """
         require_block_table(block_table, seq_lens)
         require_plan_shapes(num_qo_heads, num_kv_heads, head_dim, page_size, num_pages, dtype, scale)
         require_num_splits(num_splits)
         device = block_table.device
-        raise_recorded_faults(device)
-        require_paged_layout(block_table, seq_lens, page_size, num_pages)
+        if check_layout:
+            raise_recorded_faults(device)
+            require_paged_layout(block_table, seq_lens, page_size, num_pages)
         B, width = block_table.shape
         splits, part = decode_partitioning(B, num_kv_heads, width * page_size, num_splits)
         keep_or_allocate(self._buffers, plan_buffer_shapes(B, num_qo_heads, head_dim, splits, dtype), device)

@@ -450,6 +450,35 @@ def test_warm_up_plants_no_layout_fault(model, monkeypatch, budget, block_size, 
     paged.raise_recorded_faults(runner.device)             # raises LayoutFault if a kernel met one
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_mixed_steps_plan_reads_no_layout_back_and_faults_still_surface(model, monkeypatch, overlap):
+    """A step with decode rows beside a prompt chunk plans its decode rows without reading
+    the layout back (on a GPU that waits for the step before: the H200 lost ~2 ms a mixed
+    step to it, 2026-12-04); a fault a kernel records still stops the engine, at the
+    step's tokens (the overlapped step: at the copy of the flag beside them)."""
+    from gpulab import paged
+    checks = []
+    monkeypatch.setattr(paged, "require_paged_layout", lambda *a: checks.append("layout"))
+    # full_graphs off: on a GPU a step this small would replay a whole-step graph instead
+    llm = LLM(model, EngineConfig(overlap=overlap, block_size=4, attention="triton", max_num_batched_tokens=64,
+                                  full_graphs=False))
+    llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8))
+    for _ in range(3):
+        llm.step()
+    planned = []
+    wrapper_plan = llm.runner.decode_wrapper.plan
+    monkeypatch.setattr(llm.runner.decode_wrapper, "plan", lambda *a, **k: planned.append(k) or wrapper_plan(*a, **k))
+    llm.add_request(PROMPTS[2], SamplingParams(max_tokens=3))
+    llm.step()                                      # the decode row and the new prompt: a mixed step
+    assert planned and planned[-1]["check_layout"] is False
+    assert not checks, "the mixed step read its decode layout back"
+    paged.fault_flag(llm.runner.device)[0:1].fill_(paged.FAULT_PAGE)    # as a kernel records one
+    with pytest.raises(paged.LayoutFault, match="not a page of the cache"):
+        for _ in range(3):
+            llm.step()
+    assert int(paged.fault_flag(llm.runner.device)[0]) == 0, "reported once, then cleared"
+
+
 def _append_alignment(plan, runner) -> tuple:
     """What the append kernel is specialised on that can change from step to step: whether
     each of its index arrays, and q and o (after the decode rows), start 16-byte aligned.

@@ -398,6 +398,23 @@ def test_bad_layout_without_validation_stays_in_the_cache_and_is_reported():
         _planned({**inp, "block_table": bad})
 
 
+def test_plan_without_the_layout_check_reads_nothing_back_and_the_fault_waits_for_a_check():
+    """check_layout=False (the engine, which builds the layout from its own pages): plan()
+    neither checks the layout nor reports recorded faults; the run stays in the cache and
+    records the bad page, and the next plan that checks reports it."""
+    inp = _inputs([5, 20, 9], page=4)
+    bad = inp["block_table"].clone()
+    bad[1, 2] = inp["k_cache"].shape[0] + 3
+    paged.fault_flag(DEV)[0:1].fill_(paged.FAULT_SEQ_LEN)             # an earlier kernel's fault
+    w = paged.PagedDecodeWrapper()
+    w.plan(bad, inp["seq_lens"], 4, 2, 16, 4, inp["k_cache"].shape[0], torch.float32, check_layout=False)
+    o = w.run(inp["q"], inp["k_cache"], inp["v_cache"])
+    assert torch.isfinite(o).all()
+    assert paged.fault_flag(DEV).tolist() == [paged.FAULT_SEQ_LEN | paged.FAULT_PAGE, 1]
+    with pytest.raises(paged.LayoutFault, match="length.*not a page|not a page.*length"):
+        w.plan(inp["block_table"], inp["seq_lens"], 4, 2, 16, 4, inp["k_cache"].shape[0], torch.float32)
+
+
 def test_debug_switch_turns_validation_on(monkeypatch):
     inp = _inputs([5, 20], page=4)
     bad = inp["block_table"].clone()

@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import runtime
+from ..paged import fault_flag, raise_recorded_faults
 from .block_manager import BlockManager
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
 from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
@@ -62,32 +63,46 @@ def drop_placeholders(seq: Sequence) -> None:
 
 @dataclass
 class InFlight:
-    """A launched step whose sampled tokens are still on their way to the host."""
+    """A launched step whose sampled tokens are still on their way to the host, with the
+    device's fault flag as it stood after the step (:func:`gpulab.paged.fault_flag`: a
+    kernel that met a bad page or length records it there; the runner's plans do not read
+    the layout back, which would wait for the step before)."""
     batch: ScheduledBatch
     prefill: list[bool]
     plan: StepPlan
     seqs: list[Sequence]                  # the sampled sequences, one token each
     host: torch.Tensor                    # their tokens, landing here (pinned on a GPU)
-    ready: object                         # a CUDA event recorded after the copy (None on a CPU)
+    ready: object                         # a CUDA event recorded after the copies (None on a CPU)
     t0: float
     index: dict = field(default_factory=dict)    # sequence -> its token's index (the next feed)
     at: dict = field(default_factory=dict)       # sequence -> where its token goes in token_ids
+    faults: torch.Tensor | None = None           # the fault flag's copy (a GPU's; None on a CPU)
 
     @classmethod
     def launch(cls, batch, prefill, plan, seqs, tokens: torch.Tensor, t0: float) -> "InFlight":
-        """Start the device -> host copy of ``tokens`` now, in stream order after the step."""
+        """Start the device -> host copies of ``tokens`` and of the fault flag now, in
+        stream order after the step."""
+        faults = None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            faults = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            faults.copy_(fault_flag(tokens.device), non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         else:
             host, ready = tokens.clone(), None
-        return cls(batch, prefill, plan, seqs, host, ready, t0, {s: i for i, s in enumerate(seqs)})
+        return cls(batch, prefill, plan, seqs, host, ready, t0, {s: i for i, s in enumerate(seqs)}, faults=faults)
 
     def tokens(self) -> list[int]:
+        """The step's tokens (waits for this step's copies only, not the steps after it);
+        raises :class:`gpulab.paged.LayoutFault` if a kernel recorded a fault by then."""
         if self.ready is not None:
-            self.ready.synchronize()          # this step's copy only, not the steps after it
+            self.ready.synchronize()
+            if self.faults[0]:
+                raise_recorded_faults(self.plan.input_ids.device)
+        else:
+            raise_recorded_faults(self.host.device)
         return self.host.tolist()
 
 
@@ -319,6 +334,7 @@ class LLM:
         """One new token for each sequence whose row of ``logits`` is ready to sample."""
         seqs, rows = self._fork_completions(seqs)
         tokens = sample(logits[rows] if rows is not None else logits, seqs)
+        raise_recorded_faults(logits.device)     # after sample's copy: the step is done
         return {seq: [tok] for seq, tok in zip(seqs, tokens)}
 
     def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,

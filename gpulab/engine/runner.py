@@ -371,14 +371,18 @@ class ModelRunner:
                         use_graph=True, graph_bucket=b, sample_all=sample_all)
 
     def plan_decode(self, plan: StepPlan) -> None:
-        """FlashInfer's plan/run for an eager step's decode rows: the layout is checked
-        and the split-KV partitioning chosen here, once, and each layer's run() only
-        launches kernels (no host sync per layer)."""
+        """FlashInfer's plan/run for an eager step's decode rows: the split-KV partitioning
+        is chosen here, once, and each layer's run() only launches kernels. The layout is
+        not read back: it was built here on the host from the block manager's pages, and
+        reading it on the device would wait for the step before (the engine reads the
+        fault flag with each step's tokens instead, :class:`~.engine.InFlight`); with
+        ``GPULAB_DEBUG=1`` (:func:`gpulab.runtime.debug_checks`) it is, every step."""
         cfg = self.cfg
         self.decode_wrapper.plan(plan.decode_table, plan.decode_lens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                  self.block_size, self.k_cache.shape[1], self.dtype,
                                  # the interpreter pays per program: one partition per sequence
-                                 num_splits=1 if runtime.interpreting() else None)
+                                 num_splits=1 if runtime.interpreting() else None,
+                                 check_layout=runtime.debug_checks())
         plan.decode_planned = True
 
     # -- run --------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch
 from .. import runtime
 from ..bitlinear import BitLinear
 from ..model import MatMulFreeLM, encode, load_corpus, train
+from ..paged import fault_flag, raise_recorded_faults
 from .block_manager import BlockManager
 from .engine import LLM, PLACEHOLDER      # drafts still on the device are placeholders too
 from .model import TernaryTransformer, attention_with_history, packed_bitlinear_reference
@@ -564,7 +565,10 @@ class SpeculativeLLM(LLM):
         for seq in sampled:
             a, b = spans[seq]
             parts += [probabilities(logits[a:b], seq.params).double().flatten(), drafts[seq][1].double().flatten()]
+        parts.append(fault_flag(logits.device).to(parts[0].dtype))   # a kernel's recorded faults, last
         flat = torch.cat(parts).cpu()                     # the verification's one device -> host copy
+        if flat[-2]:
+            raise_recorded_faults(logits.device)
         best_ids = flat[:best.numel()].long().tolist()
         at, out = best.numel(), {}
         if self.pending is not None:
