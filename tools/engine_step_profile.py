@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 tools/engine_step_profile.py [--model SPEC] [--reps 8] [--json OUT.json]
                                                       [--no-piecewise] [--no-full-graphs] [--kv-split]
                                                       [--cached-only] [--gap S]
+                                                      [--decode-batches 64,128] [--mixed [--trace T.json]]
 
 The engine bench's TTFT workload sends prompts of a shared 2048-token system prompt and a
 16-64-token question. With prefix caching a new request's prompt step computes only its
@@ -37,7 +38,7 @@ from gpulab import runtime  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
 from gpulab.engine.model import BOS  # noqa: E402
 from gpulab.engine.sequence import SamplingParams  # noqa: E402
-from gpulab.engine.serve_bench import build_model  # noqa: E402
+from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
 from gpulab.harness.profiler import kernel_times  # noqa: E402
 
 BIG = "random:2048,16,16,4,128,5632,4096"
@@ -118,6 +119,50 @@ def decode_case(llm: LLM, reps: int) -> dict:
     return {"step_ms_median": round(statistics.median(times) * 1e3, 3), **kernel_table(prof)}
 
 
+def batch_decode_case(model, batch: int, ctx: int, reps: int) -> dict:
+    """A decode step of ``batch`` requests, each ``ctx`` tokens in (the engine bench's
+    decode rows; continuous batching's steps hold about 120 such rows)."""
+    llm = decoding_engine(model, batch, ctx, max_tokens=reps + 16)
+    for _ in range(2):
+        llm.step()
+    times = [timed_step(llm) for _ in range(reps)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.step()
+        torch.cuda.synchronize()
+    return {"batch": batch, "ctx": ctx, "step_ms_median": round(statistics.median(times) * 1e3, 3), **kernel_table(prof)}
+
+
+def mixed_case(model, batch: int, ctx: int, prompts: int, prompt_len: int, reps: int, trace: str | None = None) -> dict:
+    """A continuous-batching step: ``batch`` requests decoding (``ctx`` tokens in) and
+    ``prompts`` new prompts of ``prompt_len`` tokens in the same step (the engine bench's
+    throughput workload spends about half its time in such steps). Median of ``reps``
+    such steps, then one profiled."""
+    llm = decoding_engine(model, batch, ctx, max_tokens=4 * reps + 32, max_num_seqs=batch + prompts)
+    times, prof = [], None
+    for r in range(reps + 1):
+        for i in range(prompts):
+            llm.add_request([BOS] + [(r * 31 + i * 7 + j) % 250 + 3 for j in range(prompt_len - 1)],
+                            SamplingParams(max_tokens=1, stop_at_eos=False))
+        if r < reps:
+            times.append(timed_step(llm))
+        else:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.step()
+                torch.cuda.synchronize()
+        llm.step()                                  # the prompts' requests finish: a decode step
+    if trace:                                       # one more such step, host and device, with stacks
+        for i in range(prompts):
+            llm.add_request([BOS] + [(i * 13 + j) % 250 + 3 for j in range(prompt_len - 1)],
+                            SamplingParams(max_tokens=1, stop_at_eos=False))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as tprof:
+            llm.step()
+            torch.cuda.synchronize()
+        tprof.export_chrome_trace(trace)
+    return {"batch": batch, "ctx": ctx, "prompts": prompts, "prompt_len": prompt_len,
+            "step_ms_median": round(statistics.median(times) * 1e3, 3), **kernel_table(prof, top=30)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=BIG)
@@ -132,6 +177,11 @@ def main(argv=None) -> int:
                          "0.25 s apart on average: do idle clocks slow the step?)")
     ap.add_argument("--cached-only", action="store_true",
                     help="only the prompt after a cached system prompt and the decode step (not the uncached prompt)")
+    ap.add_argument("--decode-batches", default="",
+                    help="comma-separated batch sizes: profile a decode step of each (context 512) and stop")
+    ap.add_argument("--mixed", action="store_true",
+                    help="profile a step of 120 decodes (context 512) and 7 new 272-token prompts, and stop")
+    ap.add_argument("--trace", default=None, help="with --mixed: a Chrome trace (host and device) of one more such step")
     a = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         print("engine_step_profile needs a CUDA GPU (compiled mode)")
@@ -142,6 +192,17 @@ def main(argv=None) -> int:
            "piecewise_graphs": not a.no_piecewise, "full_graphs": not a.no_full_graphs, "kv_split": a.kv_split,
            "gap_s": a.gap}
     print(gpulab.env_report(), flush=True)
+    if a.mixed:
+        res["mixed"] = mixed_case(model, 120, 512, 7, 272, a.reps, a.trace)
+        print("mixed", json.dumps(res["mixed"], indent=1), flush=True)
+    if a.decode_batches:
+        for batch in (int(b) for b in a.decode_batches.split(",")):
+            res[f"decode_b{batch}"] = batch_decode_case(model, batch, 512, a.reps)
+            print(f"decode_b{batch}", json.dumps(res[f"decode_b{batch}"], indent=1), flush=True)
+    if a.mixed or a.decode_batches:
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return 0
     for caching in (True,) if a.cached_only else (True, False):
         llm = LLM(model, EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=128,
                                       max_num_batched_tokens=2048, prefix_caching=caching,
