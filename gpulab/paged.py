@@ -864,7 +864,7 @@ class PagedDecodeWrapper:
     appends a token or gives a sequence a new page in place), provided every length stays
     in [0, width × page_size] and every used entry is a page of the pool (otherwise the
     kernel stays inside the cache, its output is wrong, and it records a fault that the
-    next plan reports); and the contents of q, k_cache and v_cache (eagerly, any tensors
+    next checking plan reports: see ``check_layout``); and the contents of q, k_cache and v_cache (eagerly, any tensors
     of the planned shapes; in a graph, the captured ones). **What needs a new plan**: the batch size, the block table's
     width, the numbers of heads, the head dim, the page size, the pool size, the dtype,
     ``scale``, ``num_splits``, or other ``block_table`` / ``seq_lens`` tensors (the plan keeps
