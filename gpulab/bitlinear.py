@@ -1188,6 +1188,19 @@ class BitLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
+    @property
+    def takes_quantized_input(self) -> bool:
+        """Packed, on gpulab's own kernels, without a bias: a caller that normalised and
+        quantized this layer's input itself (a fused kernel of :mod:`gpulab.fused_norms`,
+        with this layer's ``norm_weight`` and ``eps``) may call :meth:`forward_quantized`."""
+        return self.packed and self.kernels is None and self.bias is None
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The packed forward after its norm: x_q int8 [..., in_features] and x_scale
+        float32 [...], this layer's RMSNorm + int8 quantization of an input, -> [...,
+        out_features] in ``out_dtype`` (see :attr:`takes_quantized_input`)."""
+        return ternary_matmul(x_q, x_scale, self.w_packed, self.w_scale.float(), out_dtype=out_dtype)
+
     def _run_kernels(self, x):
         """The packed forward through ``self.kernels``' launchers (rows flattened)."""
         k, n = self.in_features, self.out_features

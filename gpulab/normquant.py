@@ -89,7 +89,7 @@ def round_half_away_int(v):
 
 
 @triton.jit
-def _sum_and_max(s0, m0, s1, m1):
+def sum_and_max(s0, m0, s1, m1):
     return s0 + s1, tl.maximum(m0, m1)
 
 
@@ -126,7 +126,7 @@ def rmsnorm_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, yhat_ptr, rstd_ptr,
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     xw = x * w[None, :]
     if ONE_REDUCTION:                                                     # masked lanes give 0
-        sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, _sum_and_max)
+        sum_sq, max_xw = tl.reduce((x * x, tl.abs(xw)), 1, sum_and_max)
     else:
         sum_sq, max_xw = tl.sum(x * x, axis=1), tl.max(tl.abs(xw), axis=1)
     rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)

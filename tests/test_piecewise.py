@@ -353,6 +353,7 @@ def test_full_graph_steps_give_the_eager_logits(attention):
         assert plan.full_bucket == full.bucket(total, len(items)) >= total and plan.num_decode == 0
         n_req = len(items)
         assert full.views[plan.full_bucket]["indptr"][n_req:].tolist() == [total] * (full.max_requests + 1 - n_req)
+        assert full.requests[plan.full_bucket] == full.max_requests
         assert got.shape == want.shape == (len(plan.sample_seqs), model.cfg.vocab_size)
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"logits differ at {total} tokens: {m}")
         for name, b, e, p in zip("KV", before, eager_kv, full_kv):
@@ -361,6 +362,31 @@ def test_full_graph_steps_give_the_eager_logits(attention):
         for s in decodes + chunks:
             bm.free_sequence(s)
         seq_id += 20
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_a_step_of_many_requests_takes_a_big_bucket(attention):
+    """Buckets above SMALL_TOKENS rows hold as many requests as the runner runs: 20
+    decodes beside a prompt chunk (21 requests, more than a small bucket's 16) replay the
+    256-row graph, with the eager step's logits and K/V, nothing written elsewhere."""
+    torch.manual_seed(99)
+    model = TernaryTransformer(TINY).pack().to(gpulab.device())
+    bm = BlockManager(160, BS)
+    runner = ModelRunner(model, 160, BS, max_num_seqs=24, attention=attention, linear="torch", cuda_graphs=False)
+    assert runner.capture_full(256, emulate=True)
+    full = runner.full_graphs
+    assert full.buckets == [16, 32, 64, 128, 256]
+    assert [full.requests[t] for t in full.buckets] == [16, 16, 16, 16, 24]
+    assert full.bucket(30, 21) == 256 and full.bucket(30, 16) == 32 and full.bucket(30, 25) == 0
+    decodes = decoding(bm, runner, [3 + 2 * i for i in range(20)], first_id=10)
+    chunk = prompt(bm, runner, 50, 10 + 9, computed=9)
+    items = [(s, 1) for s in decodes] + [(chunk, 10)]
+    plan, want, got, before, eager_kv, full_kv = full_and_eager(runner, items)
+    assert plan.full_bucket == 256
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for b, e, p in zip(before, eager_kv, full_kv):
+        torch.testing.assert_close(p[:, :-1], e[:, :-1], rtol=1e-5, atol=1e-5)
+        assert written_slots(b, p) <= step_slots(runner, plan)
 
 
 def test_steps_too_big_for_a_full_graph_take_the_other_paths(model):
@@ -433,6 +459,33 @@ def test_captured_full_graphs_match_eager_on_the_gpu(dtype):
         for s in decodes + [chunk]:
             bm.free_sequence(s)
         seq_id += 20
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_big_bucket_matches_eager_on_the_gpu(dtype):
+    """A real 256-row whole-step graph (no history split): 20 decodes and a prompt chunk
+    over 50 tokens of history give the eager step's logits and K/V up to rounding."""
+    torch.manual_seed(1)
+    model = prepare_for_serving(TernaryTransformer(TINY), "cuda", dtype)
+    bm = BlockManager(400, BS)
+    runner = ModelRunner(model, 400, BS, max_num_seqs=24)
+    runner.warm_up(256)
+    assert runner.capture_full(256) and runner.full_graphs.requests[256] == 24
+    decodes = decoding(bm, runner, [5 + 3 * i for i in range(20)], first_id=10)
+    chunk = prompt(bm, runner, 50, 50 + 40, computed=50)
+    items = [(s, 1) for s in decodes] + [(chunk, 40)]
+    plan, want, got, before, eager_kv, full_kv = full_and_eager(runner, items)
+    assert plan.full_bucket == 256
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:       # 256 rows and 60 take other matmul tiles: a bf16 rounding flips an int8 code here and there
+        off = ~torch.isclose(got, want, rtol=2e-2, atol=2e-2)
+        assert off.float().mean() < 0.005 and (got - want).abs().max() < 0.1, (int(off.sum()), (got - want).abs().max())
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for b, e, p in zip(before, eager_kv, full_kv):
+        torch.testing.assert_close(p[:, :-1], e[:, :-1], **tol)
+        assert written_slots(b, p) <= step_slots(runner, plan)
 
 
 @needs_gpu

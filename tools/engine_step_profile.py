@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
-from gpulab.engine.model import BOS  # noqa: E402
+from gpulab.engine.model import BOS, TransformerBlock  # noqa: E402
 from gpulab.engine.sequence import SamplingParams  # noqa: E402
 from gpulab.engine.serve_bench import build_model, decoding_engine  # noqa: E402
 from gpulab.harness.profiler import kernel_times  # noqa: E402
@@ -182,7 +182,11 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed", action="store_true",
                     help="profile a step of 120 decodes (context 512) and 7 new 272-token prompts, and stop")
     ap.add_argument("--trace", default=None, help="with --mixed: a Chrome trace (host and device) of one more such step")
+    ap.add_argument("--unfused", action="store_true",
+                    help="TransformerBlock.fused_norms = False: the residual add and SiLU·mul as separate "
+                         "kernels again (the comparison for gpulab/fused_norms.py)")
     a = ap.parse_args(argv)
+    TransformerBlock.fused_norms = not a.unfused
     if runtime.mode() != "compiled":
         print("engine_step_profile needs a CUDA GPU (compiled mode)")
         return 2
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
     system = [BOS] + [(7 * j) % 250 + 3 for j in range(2047)]
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": runtime.gpu_name(), "versions": runtime.versions(), "model": a.model,
            "piecewise_graphs": not a.no_piecewise, "full_graphs": not a.no_full_graphs, "kv_split": a.kv_split,
-           "gap_s": a.gap}
+           "gap_s": a.gap, "fused_norms": not a.unfused}
     print(gpulab.env_report(), flush=True)
     if a.mixed:
         res["mixed"] = mixed_case(model, 120, 512, 7, 272, a.reps, a.trace)

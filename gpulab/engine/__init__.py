@@ -11,7 +11,7 @@
 * :mod:`.engine`         the step loop: ``LLM.generate`` and ``add_request``/``step``;
 * :mod:`.graph_capture`  capture once, replay often: what every CUDA graph here is built from;
 * :mod:`.piecewise`      steps with prompt chunks, replayed between attention calls;
-* :mod:`.full_graphs`    small steps with prompt chunks, one graph of the whole step;
+* :mod:`.full_graphs`    steps with prompt chunks, one graph of the whole step;
 * :mod:`.static`         the static-batching baseline;
 * :mod:`.serve_bench`    ``gpulab serve-bench``: a generated workload, continuous vs static;
 * :mod:`.timeline`       what the scheduler ran at every step and where the pages went;

@@ -121,9 +121,10 @@ class EngineConfig:
     piecewise_graphs: bool = True       # with cuda_graphs: steps with prompt chunks replay graphs
                                         # between their attention calls (see .piecewise); on the
                                         # H200 1.76x static batching's throughput, 1.28x without
-    full_graphs: bool = True            # with cuda_graphs: small steps with prompt chunks (up to
-                                        # 128 rows of 16 requests) replay one graph of the whole
-                                        # forward, attention included (see .full_graphs)
+    full_graphs: bool = True            # with cuda_graphs: steps with prompt chunks (up to 128
+                                        # rows of 16 requests, or 2048 rows of any) replay one
+                                        # graph of the whole forward, attention included (see
+                                        # .full_graphs); bigger steps take the piecewise graphs
     warm_up: bool = True                # compiled mode only: compile and autotune every step
                                         # shape at start-up, not in the first requests
     linear: str = "auto"                # "triton" (gpulab's BitLinear kernels) or "torch";

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..bitlinear import BitLinear, unpack_ternary
+from ..fused_norms import add_rmsnorm_quant_into, silu_mul_rmsnorm_quant_into
 from ..model import load_corpus
 from ..normquant import rmsnorm_quant_ref
 from ..rope import rope_qk_into, rope_reference as apply_rope      # apply_rope: RoPE in PyTorch ops
@@ -116,6 +117,10 @@ def run_bitlinear(layer: BitLinear, x: torch.Tensor, reference: bool = False) ->
 
 
 class TransformerBlock(nn.Module):
+    # False: a packed block runs the unfused ops after attention too (for comparisons:
+    # tools/engine_step_profile.py --unfused)
+    fused_norms: bool = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -157,11 +162,37 @@ class TransformerBlock(nn.Module):
 
     def post_attention(self, x, o, reference: bool = False):
         """The block's work after attention (row by row too): the output projection of
-        o [..., Hq, D] added to the residual x, then the MLP and its residual."""
+        o [..., Hq, D] added to the residual x, then the MLP and its residual.
+
+        Packed on gpulab's kernels, the residual add and SiLU·mul are fused into the norms
+        of the projections that read them (:mod:`gpulab.fused_norms`): three kernels fewer
+        a layer, and the MLP's hidden activations never written."""
+        if (not reference and self.fused_norms and self.gate_up.takes_quantized_input
+                and self.down_proj.takes_quantized_input):
+            return self.post_attention_fused(x, o)
         lin = lambda m, t: run_bitlinear(m, t, reference)  # noqa: E731
         x = x + lin(self.o_proj, o.flatten(-2))
         gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
         return x + lin(self.down_proj, F.silu(gate) * up)
+
+    def post_attention_fused(self, x, o):
+        """post_attention's arithmetic with the add and SiLU·mul inside the norm kernels:
+        x + o_proj(o) and its quantization for gate_up in one kernel, SiLU(gate) ⊙ up and
+        its quantization for down_proj in another (their launchers: the shapes are the
+        model's own, and a decode step's host time counts)."""
+        gu, dn = self.gate_up, self.down_proj
+        attn = self.o_proj(o.flatten(-2))
+        x2, attn2 = x.reshape(-1, x.shape[-1]), attn.view(-1, attn.shape[-1])
+        rows, dev = x2.shape[0], x.device
+        s = torch.empty(x2.shape, dtype=x.dtype, device=dev)
+        s_q = torch.empty(x2.shape, dtype=torch.int8, device=dev)
+        s_scale = torch.empty(rows, dtype=torch.float32, device=dev)
+        add_rmsnorm_quant_into(x2, attn2, gu.norm_weight, s, s_q, s_scale, gu.eps)
+        gate_up = gu.forward_quantized(s_q, s_scale, x.dtype)
+        h_q = torch.empty((rows, dn.in_features), dtype=torch.int8, device=dev)
+        h_scale = torch.empty(rows, dtype=torch.float32, device=dev)
+        silu_mul_rmsnorm_quant_into(gate_up, dn.norm_weight, h_q, h_scale, dn.eps)
+        return (s + dn.forward_quantized(h_q, h_scale, x.dtype)).view(x.shape)
 
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

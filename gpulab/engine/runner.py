@@ -29,10 +29,11 @@ launching each kernel of each layer.
 chunks replays, per token-count bucket, graphs of the model's work *between* its
 attention calls and runs only attention eagerly (:meth:`ModelRunner.capture_piecewise`).
 
-**Whole-step CUDA graphs** (:mod:`.full_graphs`, compiled mode only): a *small* step with
-prompt chunks (up to 128 rows of 16 requests) replays one graph of its whole forward,
-every row an append row, attention's work list built inside the graph
-(:meth:`ModelRunner.capture_full`); the plan writes such a step into the bucket's inputs.
+**Whole-step CUDA graphs** (:mod:`.full_graphs`, compiled mode only): a step with prompt
+chunks (up to 128 rows of 16 requests, or up to 2048 rows of any number of requests)
+replays one graph of its whole forward, every row an append row, attention's work list
+built inside the graph (:meth:`ModelRunner.capture_full`); the plan writes such a step
+into the bucket's inputs. Bigger steps take the piecewise graphs.
 
 **Host cost.** At batch 256 the forward of a decode step is a few milliseconds, so the
 host's share matters: the plan writes all of a step's index arrays with NumPy into one
@@ -86,7 +87,7 @@ class StepPlan:
                                       # feed[r] where >= 0 (see ModelRunner.keep_tokens)
     feed_all: bool = False            # every row is fed
     full_bucket: int = 0              # the whole-step graph whose static inputs hold this plan
-                                      # (.full_graphs: a small step with prompt chunks)
+                                      # (.full_graphs: a step with prompt chunks)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -267,7 +268,7 @@ class ModelRunner:
             else self.full_graphs.bucket(num_rows, nd + na)
         if full or use_graph:                          # a graph's bucket layout, its padding set
             if full:                                   # all rows as append rows
-                fields = full_input_fields(full, self.full_graphs.max_requests, self.max_blocks, nd + na)
+                fields = full_input_fields(full, self.full_graphs.requests[full], self.max_blocks, nd + na)
             else:
                 b = self.bucket_of[nd]
                 fields = graph_input_fields(b, self.max_blocks, nd)
@@ -549,11 +550,11 @@ class ModelRunner:
         return self.piecewise is not None
 
     def capture_full(self, max_tokens: int, emulate: bool = False) -> bool:
-        """Whole-step CUDA graphs for small steps with prompt chunks (:mod:`.full_graphs`),
-        of up to ``max_tokens`` rows (at most :data:`.full_graphs.MAX_TOKENS`). Call it after
+        """Whole-step CUDA graphs for steps with prompt chunks (:mod:`.full_graphs`), of up
+        to ``max_tokens`` rows (at most :data:`.full_graphs.MAX_TOKENS`). Call it after
         :meth:`warm_up`. Captured where the decode graphs are; ``emulate`` builds the same
         buffers and calls the forward at each replay (tests on a CPU). Returns whether
-        small steps now take this path."""
+        such steps now take this path."""
         if max_tokens >= 1 and (emulate or self.graphs_possible):
             self.full_graphs = FullStepGraphs(self, min(max_tokens, FULL_MAX_TOKENS), cuda=not emulate)
         return self.full_graphs is not None

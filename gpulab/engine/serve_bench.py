@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-piecewise-graphs", action="store_true",
                     help="steps with prompt chunks run eagerly (only decode steps replay graphs)")
     ap.add_argument("--no-full-graphs", action="store_true",
-                    help="small steps with prompt chunks take the piecewise graphs, not one graph of the whole step")
+                    help="steps with prompt chunks take the piecewise graphs, not one graph of the whole step")
     ap.add_argument("--no-static", action="store_true", help="skip the static-batching baseline")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="save the plots here (png)")

@@ -7,7 +7,7 @@ A new technique adds its module here: that is its one registry line.
 import importlib
 
 TECHNIQUES = ("basics", "normquant", "bitlinear", "mlgru", "attention", "paged", "cascade",
-              "prefill", "engine", "speculative", "lab", "parallel", "block_step", "rope")
+              "prefill", "engine", "speculative", "lab", "parallel", "block_step", "rope", "fused_norms")
 
 for _name in TECHNIQUES:
     importlib.import_module(f"{__name__}.{_name}")
