@@ -159,9 +159,8 @@ def silu_mul_rmsnorm_quant_into(gate_up, weight, h_q, scale, eps: float = 1e-6):
     n_rows, n_cols = h_q.shape
     if n_rows == 0:
         return
-    cfg = tile_config(n_rows, 2 * n_cols)            # two loads a column
-    block_r = max(1, cfg["BLOCK_R"])
-    block_n = runtime.next_power_of_2(max(1, n_cols))
+    cfg = tile_config(n_rows, 2 * n_cols)            # two loads a column: rows of 2H count
+    block_r, block_n = cfg["BLOCK_R"], runtime.next_power_of_2(max(1, n_cols))
     runtime.launch(silu_mul_rmsnorm_quant_kernel, (runtime.cdiv(n_rows, block_r),),
                    {"num_warps": cfg["num_warps"]},
                    gate_up, weight, h_q, scale, n_rows, n_cols, gate_up.stride(0), h_q.stride(0), eps,
