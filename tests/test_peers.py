@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import gpulab
+from gpulab.fused_norms import silu_mul_rmsnorm_quant
 from gpulab.grading import bitlinear as gb
+from gpulab.grading import fused_norms as gf
 from gpulab.grading import mlgru as gm
 from gpulab.grading import normquant as gn
 from gpulab.mlgru import scan_reference
@@ -66,3 +68,22 @@ def test_gemlite_row_multiplies_by_the_same_ternary_weights(m):
     y = gb.gemlite_w2(inp).float()
     assert y.shape == ref.shape
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not (CUDA and gf.FLASHINFER_INSTALLED), reason="FlashInfer and a CUDA GPU")
+def test_flashinfer_rows_compute_the_fused_norms_inputs():
+    """FlashInfer's add + RMSNorm normalises x + residual (and leaves the sum in its copy of
+    x); its SiLU·mul followed by rmsnorm_quant gives the fused kernel's codes up to one."""
+    inp = _inputs("add_rmsnorm_quant", dict(rows=64, cols=2048), torch.bfloat16, "cuda")
+    run = gf.flashinfer_fused_add_rmsnorm()
+    run(inp)
+    state = run.state
+    s = inp["x"].float() + inp["residual"].float()
+    torch.testing.assert_close(state["stream"].float(), s, rtol=1e-2, atol=1e-2)
+    y = F.rms_norm(s, (2048,), inp["weight"].float(), gf.EPS)
+    torch.testing.assert_close(state["attn"].float(), y, rtol=2e-2, atol=2e-2)
+    inp = _inputs("silu_mul_rmsnorm_quant", dict(rows=64, hidden=5632), torch.bfloat16, "cuda")
+    q, scale = gf.flashinfer_silu_mul(inp)
+    want_q, want_scale = silu_mul_rmsnorm_quant(inp["gate_up"], inp["weight"], gf.EPS)
+    assert (q.int() - want_q.int()).abs().max() <= 1
+    torch.testing.assert_close(scale, want_scale, rtol=1e-2, atol=0)

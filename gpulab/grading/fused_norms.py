@@ -12,6 +12,9 @@ not PyTorch's), which moves an element's y·scale by up to 127·2⁻⁷ ≈ 1.0 
 rounding-mode mistakes are caught by the float32 cases."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 from ..fused_norms import (add_rmsnorm_quant, add_rmsnorm_quant_into, add_rmsnorm_quant_ref,
@@ -163,6 +166,33 @@ def unfused_silu_mul(inp):
     return rmsnorm_quant(torch.nn.functional.silu(gate) * up, inp["weight"], EPS)
 
 
+# Peer rows: FlashInfer's residual add + RMSNorm (writes bf16 y, no quantization: 2 bytes an
+# element where gpulab writes 1) and its SiLU·mul followed by gpulab's rmsnorm_quant. Only
+# where FlashInfer is installed (pip install gpulab[peers]; on the GPU host ../shared/gpu/peers.sh).
+FLASHINFER_INSTALLED = importlib.util.find_spec("flashinfer") is not None
+FLASHINFER_ADD_ROW = "FlashInfer fused_add_rmsnorm (peer, norm only: writes bf16 y, in place)"
+FLASHINFER_SILU_ROW = "FlashInfer silu_and_mul + gpulab rmsnorm_quant (peer)"
+
+
+def flashinfer_fused_add_rmsnorm():
+    """FlashInfer's in-place add + RMSNorm on copies made once per input dict (it overwrites
+    both of its inputs: residual += input, input = rmsnorm(residual))."""
+    state = {}
+
+    def run(inp):
+        if state.get("key") != id(inp):
+            state.update(key=id(inp), attn=inp["residual"].clone(), stream=inp["x"].clone())
+        importlib.import_module("flashinfer").norm.fused_add_rmsnorm(state["attn"], state["stream"],
+                                                                     inp["weight"], EPS)
+    run.state = state          # the copies: after a call, "stream" holds the sum, "attn" its norm
+    return run
+
+
+def flashinfer_silu_mul(inp):
+    h = importlib.import_module("flashinfer").activation.silu_and_mul(inp["gate_up"])
+    return rmsnorm_quant(h, inp["weight"], EPS)
+
+
 # -- specs ----------------------------------------------------------------------------------
 ADD_RMSNORM_QUANT = KernelSpec(
     name="add_rmsnorm_quant",
@@ -183,7 +213,8 @@ ADD_RMSNORM_QUANT = KernelSpec(
     bench_impl=lambda inp: add_rmsnorm_quant(inp["x"], inp["residual"], inp["weight"], EPS),
     baselines={"unfused: torch add + gpulab rmsnorm_quant": unfused_add,
                "torch (add_rmsnorm_quant_ref)": lambda inp: add_rmsnorm_quant_ref(inp["x"], inp["residual"],
-                                                                                inp["weight"], EPS)},
+                                                                                inp["weight"], EPS),
+               **({FLASHINFER_ADD_ROW: flashinfer_fused_add_rmsnorm()} if FLASHINFER_INSTALLED else {})},
     compile_baselines=("torch (add_rmsnorm_quant_ref)",),
     graph_timing=True,
     bench_dtypes=[torch.bfloat16],
@@ -211,7 +242,8 @@ SILU_MUL_RMSNORM_QUANT = KernelSpec(
     bench_impl=lambda inp: silu_mul_rmsnorm_quant(inp["gate_up"], inp["weight"], EPS),
     baselines={"unfused: torch F.silu(gate) * up + gpulab rmsnorm_quant": unfused_silu_mul,
                "torch (silu_mul_rmsnorm_quant_ref)": lambda inp: silu_mul_rmsnorm_quant_ref(inp["gate_up"],
-                                                                                          inp["weight"], EPS)},
+                                                                                          inp["weight"], EPS),
+               **({FLASHINFER_SILU_ROW: flashinfer_silu_mul} if FLASHINFER_INSTALLED else {})},
     compile_baselines=("torch (silu_mul_rmsnorm_quant_ref)",),
     graph_timing=True,
     bench_dtypes=[torch.bfloat16],
