@@ -395,19 +395,20 @@ def _decode_partition_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, limit_ptr, num_splits, num_heads,
+def _split_reduce_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, rows_ptr, rows_last, num_splits, num_heads,
                          stride_pb, stride_ph, stride_ps,
                          stride_lpb, stride_lph, stride_lps,
                          stride_ob, stride_oh, stride_lb, stride_lh, head_dim,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr):
     """One program per (sequence, query head): merge num_splits partial states. With
-    HAS_LIMIT, rows from the int32 at limit_ptr on are left alone (a count on the device)."""
+    HAS_ROWS, only rows from rows_ptr[0] up to rows_ptr[rows_last] (int32 on the device:
+    a qo_indptr) are written; the others are left alone."""
     row = tl.program_id(0)
     b = row // num_heads
     h = row % num_heads
     live = True
-    if HAS_LIMIT:
-        live = b < tl.load(limit_ptr)
+    if HAS_ROWS:
+        live = (b >= tl.load(rows_ptr)) & (b < tl.load(rows_ptr + rows_last))
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = (s < num_splits) & live
@@ -608,19 +609,19 @@ def decode_partials_into(q, k_cache, v_cache, block_table, seq_lens, o_part, lse
         GROUP=hq // hkv, BLOCK_G=block_g, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
 
 
-def split_reduce_into(o_part, lse_part, o, lse, row_limit=None):
-    """Merge o_part [B, H, S, D], lse_part [B, H, S] into o [B, H, D], lse [B, H]; only
-    rows below ``row_limit`` (a one-element int32 tensor on the device, read there) when
-    given: the rest of o and lse stay as they are."""
+def split_reduce_into(o_part, lse_part, o, lse, rows=None):
+    """Merge o_part [B, H, S, D], lse_part [B, H, S] into o [B, H, D], lse [B, H]; when
+    ``rows`` (an int32 qo_indptr on the device, read there) is given, only rows from
+    rows[0] up to rows[-1]: the rest of o and lse stay as they are."""
     B, h, s, d = o_part.shape
     if B * h == 0:
         return
     runtime.launch(
         _split_reduce_kernel, (B * h,), {"num_warps": 4},
-        o_part, lse_part, o, lse, row_limit if row_limit is not None else lse, s, h,
+        o_part, lse_part, o, lse, rows if rows is not None else lse, 0 if rows is None else rows.shape[0] - 1, s, h,
         *o_part.stride()[:3], *lse_part.stride()[:3], *o.stride()[:2], *lse.stride()[:2], d,
         BLOCK_S=runtime.next_power_of_2(max(1, s)), BLOCK_D=runtime.next_power_of_2(d),
-        HAS_LIMIT=row_limit is not None)
+        HAS_ROWS=rows is not None)
 
 
 def decode_partitioning(batch: int, kv_heads: int, capacity: int, num_splits: int | None = None):

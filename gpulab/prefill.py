@@ -489,11 +489,11 @@ def launch_append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_len
         UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         PAGE_FAULT=FAULT_PAGE, LEN_FAULT=FAULT_SEQ_LEN)
     if split is not None:
-        # Only the rows requests own (below qo_indptr[B], read on the device): the others
-        # keep what o held. Without an lse to return, part 0's slice takes it (the merge
-        # reads a row's parts before it writes that row's lse).
-        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0],
-                          row_limit=qo_indptr[qo_indptr.shape[0] - 1:])
+        # Only the rows requests own (qo_indptr[0] up to qo_indptr[B], read on the device):
+        # the others keep what o held (padding, or rows another kernel wrote). Without an lse
+        # to return, part 0's slice takes it (the merge reads a row's parts before it writes
+        # that row's lse).
+        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0], rows=qo_indptr)
 
 
 def append_attention_into(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, causal, sm_scale, o, lse,

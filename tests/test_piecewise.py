@@ -383,6 +383,11 @@ def test_a_step_of_many_requests_takes_a_big_bucket(attention):
     items = [(s, 1) for s in decodes] + [(chunk, 10)]
     plan, want, got, before, eager_kv, full_kv = full_and_eager(runner, items)
     assert plan.full_bucket == 256
+    # on gpulab's kernels the decodes take the paged decode kernel, the chunk the append kernel
+    assert (plan.full_decode_lens is not None) == (attention == "triton")
+    if attention == "triton":
+        assert plan.full_decode_lens[:21].tolist() == [s.num_tokens for s in decodes] + [0]
+        assert plan.full_append_indptr[:22].tolist() == [20] * 21 + [30]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for b, e, p in zip(before, eager_kv, full_kv):
         torch.testing.assert_close(p[:, :-1], e[:, :-1], rtol=1e-5, atol=1e-5)

@@ -480,6 +480,24 @@ def test_split_kv_equals_one_part_for_any_number_of_parts():
         assert (o[n:] == 5.0).all() and (lse[n:] == 5.0).all()       # padding rows untouched
 
 
+def test_split_kv_leaves_rows_before_the_first_request_alone():
+    """A qo_indptr that starts past row 0 (the engine's big whole-step graphs give the rows
+    before it to the paged decode kernel): with split-KV, the merge writes only the rows the
+    requests own, so rows before qo_indptr[0] keep what another kernel wrote there."""
+    inp = _inputs([5, 17], [7, 20], page=4, hq=4, hkv=2, d=16, pad=2)
+    ref = prefill.append_attention_reference(**inp)
+    lay, skip = _layout(inp), 3
+    q = torch.cat([torch.randn(skip, *inp["q"].shape[1:], device=DEV), inp["q"]])
+    lay["qo_indptr"] = lay["qo_indptr"] + skip
+    o, lse = torch.full_like(q, 5.0), torch.full(q.shape[:2], 5.0, device=DEV)
+    prefill.append_attention_into(q, inp["k_cache"], inp["v_cache"], **lay, causal=True, sm_scale=None,
+                                  o=o, lse=lse, num_splits=3)
+    n = int(lay["qo_indptr"][-1])
+    assert (o[:skip] == 5.0).all() and (lse[:skip] == 5.0).all()
+    assert (o[n:] == 5.0).all() and (lse[n:] == 5.0).all()
+    _assert_matches(o[skip:n], lse[skip:n], {k: v[:n - skip] for k, v in ref.items()}, torch.float32)
+
+
 def test_split_workspace_shorter_than_q_is_never_overrun():
     """A layout that claims more rows than the split's workspace holds (a bad qo_indptr,
     or a workspace planned for fewer rows): the kernel and the merge stay inside the
@@ -521,8 +539,7 @@ def test_kv_split_plan_fills_idle_sms_only(monkeypatch):
 
 SPLIT_MUTANTS = {
     "parts_overlap": [("    hi = tl.minimum(hi, lo + part_len)\n", "")],
-    "no_merge": [("        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0],\n"
-                  "                          row_limit=qo_indptr[qo_indptr.shape[0] - 1:])",
+    "no_merge": [("        split_reduce_into(o_part, lse_part, o, lse if lse is not None else lse_part[:, :, 0], rows=qo_indptr)",
                   "        n = int(qo_indptr[-1])\n"
                   "        o[:n].copy_(o_part[:n, :, 0])\n"
                   "        lse[:n].copy_(lse_part[:n, :, 0])")],

@@ -79,7 +79,11 @@ def append_attention(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scal
                                 o, None, fault_flag(q.device), True, scale, tiles, split)
         return o
     o = append_attention_reference(q, k_cache, v_cache, qo_indptr, block_tables, kv_lens, scale)
-    return o if out is None else out.copy_(o)
+    if out is None:
+        return o
+    lo, hi = int(qo_indptr[0]), int(qo_indptr[-1])    # as the kernel: only the requests' rows
+    out[lo:hi] = o[lo:hi]
+    return out
 
 
 def plan_append_attention(qo_indptr: torch.Tensor, total_q: int, dtype: torch.dtype, n_heads: int,

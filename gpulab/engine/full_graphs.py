@@ -69,7 +69,8 @@ def full_input_fields(bucket: int, max_requests: int, max_blocks: int, table_row
     only its first n rows."""
     rows = max_requests if table_rows is None else table_rows
     return [("rows", np.int64, (4, bucket)), ("sample", np.int64, (bucket,)), ("lens", np.int32, (max_requests,)),
-            ("indptr", np.int32, (max_requests + 1,)), ("table", np.int32, (rows, max_blocks))]
+            ("indptr", np.int32, (max_requests + 1,)), ("dec_lens", np.int32, (max_requests,)),
+            ("app_indptr", np.int32, (max_requests + 1,)), ("table", np.int32, (rows, max_blocks))]
 
 
 class FullStepGraphs:
@@ -111,6 +112,8 @@ class FullStepGraphs:
             self.inputs[t], self.views[t] = buf, v
             self.plans[t] = StepPlan(v["rows"][0], v["rows"][1], v["rows"][2], 0, v["table"][:0], v["lens"][:0],
                                      None, v["indptr"], v["table"], v["lens"], v["sample"], [])
+            if self.splits_decodes(t):
+                self.plans[t].full_decode_lens, self.plans[t].full_append_indptr = v["dec_lens"], v["app_indptr"]
             step = CapturedStep(functools.partial(self.forward, t), cuda, pool)
             pool = step.pool or pool
             self.steps[t] = step
@@ -123,10 +126,20 @@ class FullStepGraphs:
         r, c = self.runner, self.runner.cfg
         plan = self.plans[t]
         if r.attention == "triton" and runtime.mode() == "compiled":
+            indptr = plan.append_indptr if plan.full_append_indptr is None else plan.full_append_indptr
             plan.append_work = plan_append_attention(
-                plan.append_indptr, t, r.dtype, c.n_heads, c.n_kv_heads, c.head_dim,
+                indptr, t, r.dtype, c.n_heads, c.n_kv_heads, c.head_dim,
                 capacity=self.capacity, num_splits=self.num_splits if t <= SMALL_TOKENS else None)
         return r.forward(plan)
+
+    def splits_decodes(self, t: int) -> bool:
+        """Whether bucket ``t``'s graph runs its one-token requests through the paged decode
+        kernel (rows 0 .. R-1, the requests' decode lengths, 0 for the others) and only the
+        prompt chunks through the append kernel: big buckets on gpulab's attention kernels.
+        In the append kernel a one-token request takes a whole tile of BLOCK_M // group
+        query tokens (32 in bf16 on the H200), so ~120 decode rows of a mixed step cost it
+        1928 µs over 16 layers, against 719 µs in the decode kernel (2026-12-04, fifth run)."""
+        return t > SMALL_TOKENS and self.runner.attention == "triton"
 
     def bucket(self, num_rows: int, num_requests: int) -> int:
         """The smallest bucket that holds a step of that many rows and requests, or 0: too big."""

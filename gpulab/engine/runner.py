@@ -88,6 +88,10 @@ class StepPlan:
     feed_all: bool = False            # every row is fed
     full_bucket: int = 0              # the whole-step graph whose static inputs hold this plan
                                       # (.full_graphs: a step with prompt chunks)
+    full_decode_lens: torch.Tensor | None = None    # int32 [R]: a big whole-step graph's decode
+                                      # kernel lengths (0 for requests that are not decodes)
+    full_append_indptr: torch.Tensor | None = None  # int32 [R + 1]: its append kernel's requests
+                                      # (the decodes own no rows there)
 
 
 # The host buffer of a step: (name, NumPy dtype, shape) per field, in this order
@@ -310,6 +314,11 @@ class ModelRunner:
                 np.cumsum(n_a, out=indptr[nd + 1:nd + na + 1])
                 indptr[nd + 1:nd + na + 1] += nd
                 indptr[nd + na + 1:] = num_rows
+                a["app_indptr"][:] = indptr            # for the decode kernel beside it: no decode
+                a["app_indptr"][:nd + 1] = nd          # owns rows in the append kernel
+                dec_lens = a["dec_lens"]
+                dec_lens[:] = 0
+                dec_lens[:nd] = lens[:nd]
             else:
                 np.cumsum(n_a, out=indptr[1:])
             lens[nd:nd + na] = np.array(a_starts, dtype=np.int64) + n_a
@@ -331,6 +340,8 @@ class ModelRunner:
             plan = StepPlan(v["rows"][0][:num_rows], v["rows"][1][:num_rows], v["rows"][2][:num_rows], 0,
                             v["table"][:0], v["lens"][:0], None, v["indptr"], v["table"], v["lens"],
                             v["sample"][:len(rows)], sample_seqs, full_bucket=full)
+            if self.full_graphs.splits_decodes(full):
+                plan.full_decode_lens, plan.full_append_indptr = v["dec_lens"], v["app_indptr"]
             if fed_any:
                 plan.feed = v["rows"][3][:num_rows]
             return plan
@@ -420,6 +431,13 @@ class ModelRunner:
                 o = append_attention_reference(q, kc, vc, indptr, torch.cat([plan.decode_table, plan.append_table]),
                                                torch.cat([plan.decode_lens, plan.append_lens]))
             return o if out is None else out.copy_(o)
+        if plan.full_decode_lens is not None:      # a big whole-step graph: decodes, then chunks
+            r = min(plan.full_decode_lens.shape[0], q.shape[0])
+            o = torch.empty_like(q) if out is None else out
+            o[:r] = decode_attention(q[:r], kc, vc, plan.append_table[:r], plan.full_decode_lens[:r])
+            append_attention(q, kc, vc, plan.full_append_indptr, plan.append_table, plan.append_lens, out=o,
+                             work=plan.append_work)       # overwrites the chunk rows among 0 .. r-1
+            return o
         if plan.decode_planned:      # the plan's buffer (or out), consumed before the next layer
             dec = self.decode_wrapper.run(q[:nd], kc, vc, out=None if out is None else out[:nd])
         else:
