@@ -67,11 +67,11 @@ class BlockStepWeights:
 
     @property
     def d_model(self) -> int:
-        return self.norms.shape[1]
+        return self.norms.shape[-1]
 
     @property
     def hidden(self) -> int:
-        return self.down_norm.shape[0]
+        return self.down_norm.shape[-1]
 
 
 def fits(d_model: int, hidden: int) -> bool:
@@ -135,20 +135,10 @@ def _bitlinear(z, norm_ptr, scale_ptr, w_ptr, eps, K: tl.constexpr, N: tl.conste
 
 
 @triton.jit
-def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
-                      norm_ptr, down_norm_ptr, scale_ptr,
-                      wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                      eps_norm, eps_bit,
-                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of x [B, D] and h [B, D] (contiguous) one
-    block step forward, into x_out (x's dtype) and h_out (float32)."""
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
+                eps_norm, eps_bit, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32."""
     d = tl.arange(0, D)
-    mask = (rows < B)[:, None]
-    offs = rows[:, None].to(tl.int64) * D + d[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
     # token mixer: the MLGRU's gates from one normalised input, then the recurrence
     u = _rms_rows(x, tl.load(norm_ptr + d), eps_norm, D)
     f = tl.sigmoid(_bitlinear(u, norm_ptr + D, scale_ptr, wf_ptr, eps_bit, D, D))
@@ -179,7 +169,25 @@ def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
         v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
         acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
     x += acc / (s_down[:, None] * tl.load(scale_ptr + 5))
+    return x, h
 
+
+@triton.jit
+def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
+                      norm_ptr, down_norm_ptr, scale_ptr,
+                      wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
+                      eps_norm, eps_bit,
+                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of x [B, D] and h [B, D] (contiguous) one
+    block step forward, into x_out (x's dtype) and h_out (float32)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    d = tl.arange(0, D)
+    mask = (rows < B)[:, None]
+    offs = rows[:, None].to(tl.int64) * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x, h = _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr,
+                       wdown_ptr, eps_norm, eps_bit, D, H, BLOCK_B)
     tl.store(x_out_ptr + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
     tl.store(h_out_ptr + offs, h, mask=mask)
 
@@ -209,3 +217,180 @@ def block_step(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
     x_out, h_out = torch.empty_like(x), torch.empty_like(h)
     block_step_into(x, h, w, x_out, h_out)
     return x_out, h_out
+
+
+# -- k greedy draft tokens of the whole model in one kernel ---------------------------------
+# With each block's step one kernel, a greedy draft token still costs the embedding, two
+# block kernels, the final norm, the head and an argmax: about eight launches, 0.28 ms for
+# four drafts on the H200 even from a CUDA graph (2026-12-03, third run), longer than the
+# target's verify pass. Here a program runs k + 1 steps of the whole model for its rows,
+# feeding each step's argmax to the next; the states go to memory after every step (the
+# drafter keeps them to rewind to the last accepted token) and are read back from there.
+
+@dataclass(frozen=True)
+class RolloutWeights:
+    """A MatMul-free LM as :func:`draft_rollout` reads it
+    (:meth:`gpulab.model.MatMulFreeLM.rollout_weights`).
+
+    embed: [V, D] and head: [V, D] in the model's dtype; norm: float32 [D], the final
+    RMSNorm's weight, eps its epsilon; blocks: the L blocks' :class:`BlockStepWeights`
+    stacked (norms [L, 7, D], w_f [L, D, D], ...; :func:`stack_blocks`)."""
+    embed: torch.Tensor
+    norm: torch.Tensor
+    head: torch.Tensor
+    blocks: BlockStepWeights
+    eps: float
+
+    @property
+    def n_layers(self) -> int:
+        return self.blocks.norms.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.shape[0]
+
+
+def stack_blocks(blocks: list[BlockStepWeights]) -> BlockStepWeights:
+    """The blocks' weights stacked along a new first axis (one pointer per kind of weight)."""
+    if len({(b.eps_norm, b.eps_bit) for b in blocks}) != 1:
+        raise ValueError("the blocks' epsilons differ: draft_rollout takes one pair for all")
+    names = ("norms", "down_norm", "scales", "w_f", "w_c", "w_g", "w_o", "w_gate", "w_down")
+    return BlockStepWeights(*(torch.stack([getattr(b, n) for b in blocks]).contiguous() for n in names),
+                            eps_norm=blocks[0].eps_norm, eps_bit=blocks[0].eps_bit)
+
+
+def rollout_fits(d_model: int, hidden: int, vocab_size: int) -> bool:
+    """Sizes the rollout kernel takes: the block kernel's, and a vocabulary of a power of
+    two up to 1024 (the head's logits are one tile)."""
+    return fits(d_model, hidden) and 16 <= vocab_size <= 1024 and vocab_size & (vocab_size - 1) == 0
+
+
+def layer_weights(blocks: BlockStepWeights, i: int) -> BlockStepWeights:
+    """Layer i's weights out of :func:`stack_blocks`' stack."""
+    return BlockStepWeights(*(getattr(blocks, n)[i] for n in ("norms", "down_norm", "scales", "w_f", "w_c",
+                                                               "w_g", "w_o", "w_gate", "w_down")),
+                            eps_norm=blocks.eps_norm, eps_bit=blocks.eps_bit)
+
+
+@torch.no_grad()
+def draft_rollout_ref(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):
+    """k greedy tokens in float64, step by step: first [B] (the last token of each row),
+    states [L, B, D] -> (drafts [k, B] int64, states after each of the k + 1 steps
+    [L, B, k + 1, D] float32). As the kernel: x in the model's dtype between blocks, the
+    states in float32, the normalised row in the model's dtype before the head."""
+    dtype = w.embed.dtype
+    token, h = first.long(), [states[i].float() for i in range(w.n_layers)]
+    drafts, hist = [], []
+    for i in range(k + 1):
+        x = w.embed[token]
+        for j in range(w.n_layers):
+            x, h[j] = block_step_ref(x, h[j], layer_weights(w.blocks, j))
+        hist.append(torch.stack(h))
+        if i == k:
+            break
+        xn = rmsnorm_ref(x.double(), w.norm.double(), w.eps).to(dtype)
+        token = (xn.double() @ w.head.double().t()).argmax(-1)
+        drafts.append(token)
+    empty = torch.empty((0, first.shape[0]), dtype=torch.long, device=first.device)
+    return (torch.stack(drafts) if drafts else empty), torch.stack(hist, dim=2)
+
+
+@triton.jit
+def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_ptr, drafts_ptr, B,
+                         stride_in_layer, stride_out_layer,
+                         embed_ptr, final_norm_ptr, head_ptr, eps_final,
+                         norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
+                         eps_norm, eps_bit,
+                         K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, V: tl.constexpr,
+                         BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
+    """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
+
+    Row b starts from token first[b] and, in every layer l, the state at row src[b] of
+    state_in[l]; step i's states go to row dst[b·(K+1) + i] of state_out[l] (float32),
+    step i's argmax (i < K) to drafts[i, b]; step i + 1 reads step i's states back."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    live = rows < B
+    d = tl.arange(0, D)
+    v = tl.arange(0, V)
+    token = tl.load(first_ptr + rows, mask=live, other=0).to(tl.int32)
+    src = tl.load(src_ptr + rows, mask=live, other=0)
+    final_norm = tl.load(final_norm_ptr + d)
+    for i in range(K + 1):
+        ok = live & (token >= 0) & (token < V)           # a bad first token reads nothing
+        x = tl.load(embed_ptr + token[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        prev = tl.load(dst_ptr + rows * (K + 1) + i - 1, mask=live & (i > 0), other=0)
+        dst = tl.load(dst_ptr + rows * (K + 1) + i, mask=live, other=0)
+        for layer in tl.static_range(L):
+            h_in = tl.load(state_in_ptr + layer * stride_in_layer + src[:, None] * D + d[None, :],
+                           mask=live[:, None] & (i == 0), other=0.0)
+            h_prev = tl.load(state_out_ptr + layer * stride_out_layer + prev[:, None] * D + d[None, :],
+                             mask=live[:, None] & (i > 0), other=0.0)
+            x, h = _block_rows(x, h_in + h_prev, norm_ptr + layer * 7 * D, down_norm_ptr + layer * H,
+                               scale_ptr + layer * 6, wf_ptr + layer * D * D, wc_ptr + layer * D * D,
+                               wg_ptr + layer * D * D, wo_ptr + layer * D * D, wgate_ptr + layer * 2 * D * H,
+                               wdown_ptr + layer * H * D, eps_norm, eps_bit, D, H, BLOCK_B)
+            x = x.to(embed_ptr.dtype.element_ty).to(tl.float32)     # as the layered step rounds it
+            tl.debug_barrier()        # every thread's state loaded: the row it came from may be dst
+            tl.store(state_out_ptr + layer * stride_out_layer + dst[:, None] * D + d[None, :], h,
+                     mask=live[:, None])
+        tl.debug_barrier()            # the next step reads these states back: other threads' stores
+        if i < K:
+            xn = _rms_rows(x, final_norm, eps_final, D).to(head_ptr.dtype.element_ty)
+            head_t = tl.load(head_ptr + v[None, :] * D + d[:, None])        # [D, V]: the head transposed
+            if IEEE:
+                logits = tl.dot(xn, head_t, out_dtype=tl.float32, input_precision="ieee")
+            else:
+                logits = tl.dot(xn, head_t, out_dtype=tl.float32)
+            token = tl.argmax(logits, axis=1).to(tl.int32)
+            tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)
+
+
+def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts):
+    """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
+    and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
+    pool); drafts int64 [k, B]."""
+    b = first.shape[0]
+    if b == 0:
+        return
+    blocks = w.blocks
+    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": 4},
+                   first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
+                   w.embed, w.norm, w.head, float(w.eps),
+                   blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
+                   blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
+                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, V=w.vocab_size, BLOCK_B=BLOCK_B,
+                   IEEE=w.head.dtype == torch.float32)
+
+
+def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):
+    """k greedy draft tokens per row in one launch.
+
+    Parameters
+    ----------
+    first : int64 [B], each row's last token (the first input of the rollout)
+    states : float32 [L, B, D], each layer's state before ``first``
+    w : RolloutWeights, the draft model's weights
+    k : int >= 0, how many tokens to draft
+
+    Returns
+    -------
+    drafts : int64 [k, B]
+    states : float32 [L, B, k + 1, D], the states after each of the k + 1 steps (step k
+        consumes the last draft: the state to keep when all k are accepted)
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+        raise ValueError(f"k must be an int in [0, 64], got {k!r}")
+    require_tensor("first", first, ndim=1, dtype=torch.long, contiguous=False)
+    L, D = w.n_layers, w.blocks.d_model
+    b = first.shape[0]
+    require_tensor("states", states, shape=(L, b, D), dtype=torch.float32, contiguous=False)
+    require_same_device(first=first, states=states, weights=w.embed)
+    if b and (int(first.min()) < 0 or int(first.max()) >= w.vocab_size):
+        raise ValueError(f"first holds token ids outside [0, {w.vocab_size}): the draft's vocabulary")
+    dev = first.device
+    drafts = torch.empty((k, b), dtype=torch.long, device=dev)
+    out = torch.empty((L, b * (k + 1), D), dtype=torch.float32, device=dev)
+    draft_rollout_into(first.contiguous(), torch.arange(b, device=dev), torch.arange(b * (k + 1), device=dev),
+                       states.contiguous(), out, w, k, drafts)
+    return drafts, out.view(L, b, k + 1, D)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm as tqdm_auto
 from tqdm.std import tqdm as tqdm_text
 
 from .bitlinear import BitLinear, PackedKernels, unpack_ternary
-from .block_step import BlockStepWeights, block_step, fits
+from .block_step import BlockStepWeights, RolloutWeights, block_step, fits, rollout_fits, stack_blocks
 from .mlgru import MLGRU, ScanLaunchers, require_scan_kernel
 from .validate import require_index_range, require_same_device, require_tensor
 
@@ -195,6 +195,25 @@ class MatMulFreeLM(nn.Module):
             x, h = block(x, None if states is None else states[k], mask)
             new_states.append(h)
         return self.head(self.norm(x)).float(), new_states
+
+    def rollout_weights(self) -> RolloutWeights | None:
+        """The weights :func:`gpulab.block_step.draft_rollout` reads (k greedy tokens in one
+        kernel), made again when a block's step weights or the embedding or head change;
+        None where a block's fused step does not apply (:meth:`Block.step_weights`) or the
+        vocabulary is not one :func:`gpulab.block_step.rollout_fits` takes."""
+        blocks = [b.step_weights() for b in self.blocks]
+        if any(b is None for b in blocks) or not rollout_fits(self.d_model, blocks[0].hidden, self.vocab_size):
+            return None
+        tensors = (self.embed.weight, self.head.weight, self.norm.weight)
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        cached = getattr(self, "_rollout_weights", None)        # (blocks' weights, key, weights)
+        if cached is None or cached[1] != key or any(a is not b for a, b in zip(cached[0], blocks)):
+            weights = RolloutWeights(embed=self.embed.weight.detach().contiguous(),
+                                     norm=self.norm.weight.detach().float().contiguous(),
+                                     head=self.head.weight.detach().contiguous(),
+                                     blocks=stack_blocks(blocks), eps=self.norm.eps)
+            cached = self._rollout_weights = (blocks, key, weights)
+        return cached[2]
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over a batch of windows [B, T + 1]."""

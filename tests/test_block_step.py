@@ -1,12 +1,21 @@
 """The fused block step (gpulab.block_step): one kernel for a MatMul-free block's decode
 step, against its float64 reference and the layered step it replaces."""
+import functools
+import importlib.util
+import re
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 import gpulab
+from gpulab import block_step as block_step_module
 from gpulab import runtime
-from gpulab.block_step import block_step, block_step_ref, fits
-from gpulab.grading.block_step import block_step_launch
+from gpulab.block_step import block_step, block_step_ref, draft_rollout, fits, rollout_fits
+from gpulab.harness.checking import rejects
+from gpulab.grading.block_step import block_step_launch, draft_rollout_launch
 from gpulab.harness.spec import Case
 from gpulab.model import MatMulFreeLM
 
@@ -180,3 +189,107 @@ def test_float32_rounding_alone_needs_the_row_slack_and_stays_inside_it():
         plain += diagnose("x_out", got, want, *tol)[0] is not None
         slack += diagnose("x_out", got, want, *tol, row_slack=BLOCK_STEP.row_slack)[0] is not None
     assert plain >= 1 and slack == 0, (plain, slack)
+
+
+# -- draft_rollout: k greedy tokens of the whole model in one kernel ------------------------
+_BLOCK_SRC = Path(block_step_module.__file__).read_text()
+_MUTANT_DIR = Path(tempfile.mkdtemp(prefix="gpulab_block_step_mutants_"))
+
+
+def _rollout_mutant(name, *edits):
+    """The package's own kernel file with source edits (a real wrong kernel), in the
+    check's calling convention."""
+    src = re.sub(r"^from \.(\w*) import", lambda m: f"from gpulab{'.' if m[1] else ''}{m[1]} import", _BLOCK_SRC,
+                 flags=re.M)
+    for old, new in edits:
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    path = _MUTANT_DIR / f"block_step_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"block_step_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return functools.partial(draft_rollout_launch, into=mod.draft_rollout_into)
+
+
+ROLLOUT_MUTANTS = {
+    # the argmax stored as a draft but never fed back: every step embeds `first`
+    "token_not_fed_back": [("            token = tl.argmax(logits, axis=1).to(tl.int32)\n"
+                            "            tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)",
+                            "            best = tl.argmax(logits, axis=1).to(tl.int32)\n"
+                            "            tl.store(drafts_ptr + i * B + rows, best.to(tl.int64), mask=live)")],
+    # every step starts again from state_in
+    "state_not_carried": [("mask=live[:, None] & (i == 0), other=0.0)", "mask=live[:, None], other=0.0)"),
+                          ("mask=live[:, None] & (i > 0), other=0.0)", "mask=live[:, None] & (i < 0), other=0.0)")],
+    # the head read as if it were stored [D, V]
+    "head_not_transposed": [("head_t = tl.load(head_ptr + v[None, :] * D + d[:, None])",
+                             "head_t = tl.load(head_ptr + d[:, None] * V + v[None, :])")],
+    # step i's states written to step i - 1's row
+    "states_one_row_early": [("dst = tl.load(dst_ptr + rows * (K + 1) + i, mask=live, other=0)",
+                              "dst = tl.load(dst_ptr + rows * (K + 1) + i - 1, mask=live & (i > 0), other=0)")],
+}
+
+
+def test_the_rollout_check_accepts_the_kernel(capsys):
+    gpulab.check("draft_rollout", draft_rollout_launch)
+    assert "✔ draft_rollout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mutant, says", [
+    ("token_not_fed_back", "every step starts from `first`: feed each step's argmax back"),
+    ("state_not_carried", "every step starts from `state_in`: step i + 1 must read the states step i wrote"),
+    ("head_not_transposed", "output `drafts` is wrong"),
+    ("states_one_row_early", "draft 0 is right and later drafts are not")])
+def test_the_rollout_check_rejects_wrong_rollouts_and_names_the_cause(mutant, says):
+    """Learners' mistakes in a rollout (the kernel's own source, edited): the argmax not
+    fed back, the states not carried, the head read untransposed, the states stored a row
+    early (so the next step reads a row nobody wrote): each fails, with its cause."""
+    msg = rejects("draft_rollout", _rollout_mutant(mutant, *ROLLOUT_MUTANTS[mutant]))
+    assert says in msg, msg
+
+
+def test_draft_rollout_follows_the_layered_model_step_by_step():
+    """k greedy steps in one launch give the tokens and states of k + 1 calls of the
+    model's own (layered) step: the rollout is the drafter's loop, not another model."""
+    model = _model(seed=5)
+    w = model.rollout_weights()
+    first = torch.tensor([72, 101, 10, 255], device=DEVICE)
+    states = torch.randn(2, 4, 32, device=DEVICE)
+    drafts, hist = draft_rollout(first, states, w, 5)
+    assert drafts.shape == (5, 4) and hist.shape == (2, 4, 6, 32)
+    token, layered = first, [states[0], states[1]]
+    for i in range(6):
+        logits, layered = model.step(token, layered)
+        torch.testing.assert_close(hist[:, :, i], torch.stack(layered), atol=1e-4, rtol=1e-4)
+        if i < 5:
+            token = logits.argmax(-1)
+            assert torch.equal(drafts[i], token), i
+
+
+def test_rollout_weights_follow_the_model_and_refuse_what_the_kernel_cannot_run():
+    model = _model(seed=6)
+    w = model.rollout_weights()
+    assert model.rollout_weights() is w and w.n_layers == 2 and w.vocab_size == 256
+    with torch.no_grad():
+        model.head.weight.mul_(2)                                    # changed in place: made again
+    assert model.rollout_weights() is not w
+    assert MatMulFreeLM(d_model=32).rollout_weights() is None                    # not packed
+    assert MatMulFreeLM(vocab_size=200, d_model=32).pack().rollout_weights() is None   # not a power of two
+    assert rollout_fits(128, 512, 256) and not rollout_fits(128, 512, 2048) and not rollout_fits(128, 300, 256)
+
+
+def test_draft_rollout_rejects_bad_input_clearly():
+    w = _model(seed=7).rollout_weights()
+    states = torch.zeros(2, 3, 32, device=DEVICE)
+    first = torch.tensor([1, 2, 3], device=DEVICE)
+    with pytest.raises(ValueError, match=r"k must be an int in \[0, 64\]"):
+        draft_rollout(first, states, w, -1)
+    with pytest.raises(ValueError, match="outside \\[0, 256\\)"):
+        draft_rollout(torch.tensor([1, 256, 3], device=DEVICE), states, w, 2)
+    with pytest.raises(ValueError, match="states"):
+        draft_rollout(first, torch.zeros(2, 4, 32, device=DEVICE), w, 2)
+    with pytest.raises(TypeError, match="first"):
+        draft_rollout(first.int(), states, w, 2)
+    drafts, hist = draft_rollout(first, states, w, 0)                # no drafts: the state after `first`
+    assert drafts.shape == (0, 3) and hist.shape == (2, 3, 1, 32)

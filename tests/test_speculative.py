@@ -305,6 +305,39 @@ def test_graph_drafter_proposes_what_the_eager_drafter_does():
     assert checked > 0 and len(graph.slots) == 3
 
 
+def test_the_rollout_kernel_drafts_what_the_stepped_graph_does(monkeypatch):
+    """Greedy graphs draft with one kernel (gpulab.block_step.draft_rollout) where the
+    fused step applies: step by step with random acceptance and a sequence forgotten, its
+    drafts and pool rows are those of the graph that steps the model k + 1 times."""
+    torch.manual_seed(6)
+    model = MatMulFreeLM(d_model=32, n_layers=2, scan="torch")
+    with torch.no_grad():                    # non-uniform norms, embeddings of a trained model's size
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand_like(p))
+        model.embed.weight.normal_()
+    model = model.pack().to(gpulab.device()).eval()
+    k = 3
+    rolled = MLGRUGraphDrafter(model, 258, k, 4, draft_noise, cuda=False, fused=True)
+    monkeypatch.setattr(MLGRUGraphDrafter, "use_rollout", False)
+    stepped = MLGRUGraphDrafter(model, 258, k, 4, draft_noise, cuda=False, fused=True)
+    assert rolled.rollout is not None and stepped.rollout is None
+    gen = torch.Generator().manual_seed(1)
+    seqs = [Sequence(i, str(i), [256] + list(p.encode()), len(p) + 1, SamplingParams(), i)
+            for i, p in enumerate(["Tyger", "a", "The moon"])]
+    for step in range(5):
+        ks = [int(torch.randint(0, k + 1, (), generator=gen)) for _ in seqs]
+        want, got = stepped.propose(seqs, ks), rolled.propose(seqs, ks)
+        assert [t for t, _ in got] == [t for t, _ in want], step
+        for seq, (tw, _) in zip(seqs, want):
+            accepted = int(torch.randint(0, len(tw) + 1, (), generator=gen))
+            seq.token_ids += tw[:accepted] + [int(torch.randint(0, 256, (), generator=gen))]
+        if step == 2:
+            rolled.forget(1)
+            stepped.forget(1)
+    torch.testing.assert_close(rolled.pool, stepped.pool, atol=1e-4, rtol=1e-4)
+
+
 def test_verify_graph_lays_out_rows_and_padding(target):
     """Sequence i owns rows i(k+1) ..; its unused rows and whole padded sequences are
     requests of their own with no history; padded rows write to the scratch page. (Whole-step

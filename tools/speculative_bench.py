@@ -168,16 +168,21 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
-    configs = [(name, k, False, "auto") for name in drafts for k in ks]
-    configs += [(name, max(ks), True, "auto") for name in drafts]
-    if eager_k:
-        configs.append(("mlgru", eager_k, False, "off"))
-    for name, k, adaptive, graphs in configs:
+    configs = [(name, k, False, "auto", True) for name in drafts for k in ks]
+    configs += [(name, max(ks), True, "auto", True) for name in drafts]
+    if eager_k:     # the MLGRU graphs drafting step by step (no rollout kernel), and eagerly
+        configs += [("mlgru", eager_k, False, "auto", False), ("mlgru", eager_k, False, "off", False)]
+    for name, k, adaptive, graphs, rollout in configs:
         t0 = time.perf_counter()
-        llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
-                                  graphs=graphs)
+        spec.MLGRUGraphDrafter.use_rollout = rollout
+        try:
+            llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
+                                      graphs=graphs)
+        finally:
+            spec.MLGRUGraphDrafter.use_rollout = True
         outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
-        label = f"batch {batch} {name} k={k} graphs={graphs}"
+        stepped = graphs == "auto" and not rollout
+        label = f"batch {batch} {name} k={k} graphs={graphs}{' stepped draft' if stepped else ''}"
         try:
             flips = near_tie_flips(target, outs, want, label)
         except AssertionError as e:       # recorded, the other configurations still measured
@@ -189,7 +194,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         steps = llm.metrics.steps
         stats = llm.stats
         rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
-                         tokens_per_s=tps, speedup=tps / base_tps, acceptance=stats.acceptance_rate(),
+                         rollout=getattr(llm.proposer, "rollout", None) is not None, tokens_per_s=tps, speedup=tps / base_tps, acceptance=stats.acceptance_rate(),
                          tokens_per_pass=stats.mean_tokens_per_pass(),
                          acceptance_by_position=stats.acceptance_by_position(),
                          graph_verify=llm.verify_graphs is not None,
@@ -199,7 +204,8 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
-        print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}: {tps:.0f} tok/s "
+        print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}"
+              f"{' stepped draft' if stepped else ''}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
               f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step, "
               f"{compiled} kernels compiled while timed "
@@ -502,7 +508,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="k in (2, 4) only, one timed run each")
+    ap.add_argument("--quick", action="store_true", help="k in (4, 8) only, one timed run each")
+    ap.add_argument("--ks", default=None, help="the k to measure (default 2,4,6,8; 4,8 with --quick)")
     ap.add_argument("--transformer", action="store_true", help="also the transformer draft (trained here)")
     ap.add_argument("--no-server", action="store_true", help="skip the HTTP server's overhead")
     ap.add_argument("--batches", default="1,64", help="batch sizes to measure (1 and/or 64; '' for none)")
@@ -533,7 +540,7 @@ def main(argv=None) -> int:
         small = prepare_for_serving(small, "cuda", dtype)
         print(f"trained the transformer draft in {time.perf_counter() - t0:.0f} s", flush=True)
         drafts["transformer"] = lambda: spec.TransformerDrafter(small)
-    ks = (2, 4) if args.quick else (2, 4, 6)
+    ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else (4, 8) if args.quick else (2, 4, 6, 8)
     repeats = 1 if args.quick else 2
     result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
                   max_tokens=args.max_tokens, near_tie_rel_tol=NEAR_TIE[dtype], rows=[], wrong_tokens=[])

@@ -22,7 +22,9 @@ after the sequence's tokens up to ``done`` and its first i drafts. A replay gath
 sequence's start state from the pool, consumes its last committed token, then drafts k
 tokens one after the other on the device (argmax, or a Gumbel-max draw whose noise the
 host computes from the same seeded streams as the eager drafter), and writes the k+1
-states back. When the target has accepted a drafts, the next start state is
+states back. Compiled, a greedy replay is one kernel
+(:func:`gpulab.block_step.draft_rollout`: every step of every layer, the head and the
+argmax in one launch instead of about eight launches a draft). When the target has accepted a drafts, the next start state is
 ``hist[a]``: rewinding picks a row, it recomputes nothing. A sequence not in the pool
 (new, or after steps without drafts) catches up eagerly over its missing tokens once.
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..block_step import draft_rollout_into
 from ..paged import fault_flag
 from ..prefill import append_schedule_device, append_tile_config, launch_append_attention
 from .batch_attention import append_attention_reference
@@ -203,6 +206,8 @@ class MLGRUGraphDrafter:
     sequence's draft at ``position``, from the eager drafter's seeded stream. ``fused``:
     each block's step as one kernel (the eager drafter's choice)."""
 
+    use_rollout = True        # False: greedy graphs step the model k + 1 times (for comparisons)
+
     def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool, fused: bool = False):
         self.model, self.vocab_size, self.k, self.noise, self.fused = model, vocab_size, k, noise, fused
         if fused:                                 # made now, never inside a capture
@@ -214,7 +219,9 @@ class MLGRUGraphDrafter:
         self.scratch = n_slots                    # padded rows read and write this slot
         k1 = k + 1
         # pool[layer] row s·(k+1) + i: slot s's state hist[i] (float32, as the step returns it)
-        self.pool = [torch.zeros((n_slots + 1) * k1, model.d_model, device=dev) for _ in model.blocks]
+        self.pool = torch.zeros((len(model.blocks), (n_slots + 1) * k1, model.d_model), device=dev)
+        # greedy graphs: all k drafts in one kernel (gpulab.block_step.draft_rollout) where it applies
+        self.rollout = model.rollout_weights() if fused and self.use_rollout else None
         self.free = list(range(n_slots))
         self.slots: dict[int, int] = {}                           # seq_id -> slot
         self.record: dict[int, tuple[int, list[int]]] = {}        # seq_id -> (done, its k drafts)
@@ -246,6 +253,11 @@ class MLGRUGraphDrafter:
     def forward(self, b: int, sampled: bool):
         """The captured function: k draft tokens [k, b] (and q [k, b, V] when sampled)."""
         buf, k = self.buf, self.k
+        if self.rollout is not None and not sampled:
+            drafts = torch.empty((k, b), dtype=torch.long, device=self.device)
+            draft_rollout_into(buf["first"][:b], buf["src"][:b], buf["dst"][:b * (k + 1)], self.pool, self.pool,
+                               self.rollout, k, drafts)
+            return drafts, None
         states = [pool.index_select(0, buf["src"][:b]) for pool in self.pool]
         token = buf["first"][:b]
         hist, drafts, qs = [], [], []

@@ -622,6 +622,7 @@ def format_results(result: dict) -> str:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
         draft += " (no overlap)" if r.get("overlap") is False else ""     # the target alone, host not ahead
+        draft += " (stepped)" if r.get("graphs") and r.get("rollout") is False and r.get("graph_draft") else ""
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
         accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"

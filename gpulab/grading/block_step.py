@@ -1,6 +1,7 @@
-"""Grading of :mod:`gpulab.block_step` (a MatMul-free block's decode step in one kernel):
-inputs, cases and the spec ``block_step``, which feeds its check, its compile check for
-sm_75/80/90 and its benchmark.
+"""Grading of :mod:`gpulab.block_step` (a MatMul-free block's decode step in one kernel,
+and k greedy draft tokens of the whole model in one kernel): inputs, cases and the specs
+``block_step`` and ``draft_rollout``, which feed their checks, their compile checks for
+sm_75/80/90 and their benchmarks.
 
 The step quantizes six times to int8 on the way, so a float32 kernel and the float64
 reference may round one code differently now and then (a value within float32's error of
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..block_step import BlockStepWeights, block_step_into, block_step_ref
+from ..block_step import (BlockStepWeights, RolloutWeights, block_step_into, block_step_ref, draft_rollout_into,
+                          draft_rollout_ref, layer_weights)
+from ..normquant import rmsnorm_ref
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
 EPS_NORM, EPS_BIT = 1e-6, 1e-8        # nn.RMSNorm's and BitLinear's, as MatMulFreeLM builds them
@@ -83,4 +86,125 @@ BLOCK_STEP = KernelSpec(
     read_inputs=("x", "h", "w_f", "w_down"),
     notes="gpulab = block_step_into (one launch); its purpose is the speculative draft's step, "
           "timed there as draft_ms (tools/speculative_bench.py).",
+)
+
+
+# -- draft_rollout: k greedy tokens of a whole MatMul-free LM -------------------------------
+def draft_rollout_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) -> dict:
+    """L blocks' weights (as block_step's, stacked), an embedding and a head in ``dtype``,
+    B rows' first tokens and states; K drafts each. The head's rows are scaled so that
+    the logits' top two are apart by more than an int8 code's flip moves them."""
+    L, b, d, v = p["L"], p["B"], p["D"], p["V"]
+    layers = [block_step_inputs({**p, "B": 1}, dtype, device, gen) for _ in range(L)]
+    inputs = {"first": torch.randint(0, v, (b,), generator=gen, device=device),
+              "state_in": randn((L, b, d), torch.float32, device, gen),
+              "embed": randn((v, d), dtype, device, gen, scale=2.0),
+              "final_norm": 0.5 + torch.rand((d,), generator=gen, device=device),
+              "head": randn((v, d), dtype, device, gen, scale=4.0)}
+    inputs.update({k: torch.stack([w[k] for w in layers]) for k in WEIGHTS})
+    inputs["k"] = p["K"]
+    return inputs
+
+
+def _rollout_weights(embed, final_norm, head, blocks: dict) -> RolloutWeights:
+    return RolloutWeights(embed, final_norm, head, BlockStepWeights(**blocks, eps_norm=EPS_NORM, eps_bit=EPS_BIT),
+                          EPS_NORM)
+
+
+def draft_rollout_reference(first, state_in, embed, final_norm, head, k, **blocks) -> dict:
+    """The rollout in float64, one step after another (:func:`gpulab.block_step.draft_rollout_ref`)."""
+    drafts, states = draft_rollout_ref(first, state_in, _rollout_weights(embed, final_norm, head, blocks), k)
+    return {"drafts": drafts, "state_out": states.flatten(1, 2).double()}
+
+
+@torch.no_grad()
+def _rollout_variant(inp: dict, feed_back: bool = True, carry_state: bool = True):
+    """The reference with one mistake: every step from the first token (``feed_back``
+    off) or from state_in (``carry_state`` off). (drafts [k, B], states [L, B·(k+1), D])."""
+    blocks = {k: inp[k] for k in WEIGHTS}
+    w = _rollout_weights(inp["embed"], inp["final_norm"], inp["head"], blocks)
+    first, k = inp["first"].long(), inp["k"]
+    h0 = [inp["state_in"][j].float() for j in range(w.n_layers)]
+    token, h, drafts, hist = first, list(h0), [], []
+    for i in range(k + 1):
+        x = w.embed[token if feed_back else first]
+        for j in range(w.n_layers):
+            x, h[j] = block_step_ref(x, h[j] if carry_state else h0[j], layer_weights(w.blocks, j))
+        hist.append(torch.stack(h))
+        if i < k:
+            xn = rmsnorm_ref(x.double(), w.norm.double(), w.eps).to(w.embed.dtype)
+            token = (xn.double() @ w.head.double().t()).argmax(-1)
+            drafts.append(token)
+    return torch.stack(drafts), torch.stack(hist, dim=2).flatten(1, 2)
+
+
+def draft_rollout_hint(output, got, expected, inputs):
+    """Names a rollout that does not carry a step's results to the next one."""
+    if inputs["k"] < 2:
+        return None
+    index = 0 if output == "drafts" else 1
+    got = got.cpu()
+    for mistake, says in ((dict(feed_back=False), "every step starts from `first`: feed each step's argmax "
+                           "back as the next step's token (only draft 0 follows `first`)"),
+                          (dict(carry_state=False), "every step starts from `state_in`: step i + 1 must "
+                           "read the states step i wrote to `state_out` (row dst[b·(k+1) + i])")):
+        alt = _rollout_variant(inputs, **mistake)[index].cpu()
+        same = torch.equal(got, alt) if index == 0 else torch.allclose(got.double(), alt.double(), atol=1e-3)
+        if same:
+            return f"{output} equals a rollout in which {says}."
+    if index == 0 and torch.equal(got[:1], expected[:1].cpu()):
+        return ("draft 0 is right and later drafts are not: step i + 1 must start from step i's argmax "
+                "and from the states step i wrote (in every layer).")
+    return None
+
+
+def draft_rollout_launch(first, state_in, embed, final_norm, head, norms, down_norm, scales, w_f, w_c, w_g, w_o,
+                         w_gate, w_down, k, drafts, state_out, into=draft_rollout_into):
+    """:func:`gpulab.block_step.draft_rollout_into` (or ``into``, a launcher with its
+    arguments) in the check's calling convention: row b's states from row b of state_in,
+    step i's to row b·(k+1) + i of state_out."""
+    b, dev = first.shape[0], first.device
+    w = _rollout_weights(embed, final_norm, head, dict(norms=norms, down_norm=down_norm, scales=scales, w_f=w_f,
+                                                       w_c=w_c, w_g=w_g, w_o=w_o, w_gate=w_gate, w_down=w_down))
+    into(first, torch.arange(b, device=dev), torch.arange(b * (k + 1), device=dev), state_in, state_out, w, k,
+         drafts)
+
+
+def _rollout_bytes(p, dtype):
+    weights = p["L"] * (_bytes({**p, "B": 0}, dtype)) + 2 * p["V"] * p["D"] * bytes_of(dtype)
+    return (p["K"] + 1) * weights + p["L"] * p["B"] * (p["K"] + 2) * p["D"] * 4
+
+
+DRAFT_ROLLOUT = KernelSpec(
+    name="draft_rollout",
+    summary="k greedy draft tokens of a MatMul-free LM (embedding, L blocks, norm, head, argmax) in one kernel",
+    args=("first", "state_in", "embed", "final_norm", "head") + WEIGHTS + ("k", "drafts", "state_out"),
+    make_inputs=draft_rollout_inputs,
+    reference=draft_rollout_reference,
+    outputs=lambda inp, dtype: {"drafts": ((inp["k"], inp["first"].shape[0]), torch.int64),
+                                "state_out": ((inp["state_in"].shape[0], inp["first"].shape[0] * (inp["k"] + 1),
+                                               inp["state_in"].shape[2]), torch.float32)},
+    implementation=draft_rollout_launch,
+    cases={"cpu": [Case("one row, 3 drafts", dict(L=2, B=1, D=32, H=64, V=64, K=3)),
+                   Case("17 rows, 2 drafts", dict(L=1, B=17, D=32, H=64, V=128, K=2))],
+           "gpu": [Case("draft, batch 1", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
+                   Case("33 rows", dict(L=3, B=33, D=64, H=256, V=128, K=3)),
+                   Case("draft, batch 64", dict(L=2, B=64, D=128, H=512, V=256, K=4))],
+           "bench": [Case("draft B1 k4", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
+                     Case("draft B1 k8", dict(L=2, B=1, D=128, H=512, V=256, K=8)),
+                     Case("draft B64 k4", dict(L=2, B=64, D=128, H=512, V=256, K=4))]},
+    dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (2e-2, 1e-2), torch.bfloat16: (5e-2, 2e-2)},
+    output_tolerances={"drafts": {torch.float32: (0.0, 0.0)}},
+    row_slack=(1 / 32, 1.0),
+    bytes_moved=_rollout_bytes,
+    flops=lambda p, dtype: 2 * p["B"] * (p["K"] + 1) * (p["L"] * (4 * p["D"] ** 2 + 3 * p["D"] * p["H"])
+                                                        + p["D"] * p["V"]),
+    graph_timing=True,
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("first", "state_in", "embed", "head", "w_down"),
+    hint=draft_rollout_hint,
+    notes="gpulab = draft_rollout_into (one launch for all k drafts); the layered alternative is "
+          "(embedding + L block_step launches + norm + head + argmax) per draft, timed in the "
+          "speculative benchmark as draft_ms (tools/speculative_bench.py).",
 )
