@@ -41,6 +41,11 @@ from .normquant import ABSMAX_FLOOR, absmax_quantize, rmsnorm_ref, round_half_aw
 from .validate import require_same_device, require_tensor
 
 BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
+# A row block's step is a chain of small dots whose weights come from L2: its time is their
+# loads' latency (tools/rollout_probe.py times the options on a GPU). More warps keep more
+# loads in flight; a workspace for the GLU's hidden rows spares reading w_gate twice.
+NUM_WARPS = 8
+SCRATCH = True
 FLOOR = tl.constexpr(ABSMAX_FLOOR)     # the quantization's floor on max|y|, inside kernels
 
 
@@ -136,8 +141,12 @@ def _bitlinear(z, norm_ptr, scale_ptr, w_ptr, eps, K: tl.constexpr, N: tl.conste
 
 @triton.jit
 def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                eps_norm, eps_bit, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32."""
+                eps_norm, eps_bit, v_ptr, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr,
+                SCRATCH: tl.constexpr):
+    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32.
+    SCRATCH: the GLU's hidden row goes to v_ptr (float32 [BLOCK_B, H], this program's) in
+    the first pass and is read back in the second, instead of recomputed (w_gate is then
+    read once, not twice: a third of the block's weight bytes)."""
     d = tl.arange(0, D)
     # token mixer: the MLGRU's gates from one normalised input, then the recurrence
     u = _rms_rows(x, tl.load(norm_ptr + d), eps_norm, D)
@@ -154,20 +163,29 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
     gate_scale = s_in[:, None] * tl.load(scale_ptr + 4)
     sum_sq = tl.zeros([BLOCK_B], tl.float32)
     max_vw = tl.zeros([BLOCK_B], tl.float32)
+    v_offs = tl.arange(0, BLOCK_B)[:, None] * H + d[None, :]
     for j in tl.static_range(H // D):
         gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
         up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
         v = gate * tl.sigmoid(gate) * up
         sum_sq += tl.sum(v * v, axis=1)
-        max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * D + d)[None, :]), axis=1))
+        vw = v * tl.load(down_norm_ptr + j * D + d)[None, :]
+        max_vw = tl.maximum(max_vw, tl.max(tl.abs(vw), axis=1))
+        if SCRATCH:
+            tl.store(v_ptr + v_offs + j * D, vw)
     rstd = 1.0 / tl.sqrt(sum_sq / H + eps_bit)
     s_down = 127.0 / tl.maximum(max_vw * rstd, FLOOR)
+    if SCRATCH:
+        tl.debug_barrier()                 # the hidden row back from other threads' stores
     acc = tl.zeros([BLOCK_B, D], tl.float32)
     for j in tl.static_range(H // D):
-        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
-        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
-        v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
-        acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
+        if SCRATCH:
+            vw = tl.load(v_ptr + v_offs + j * D)
+        else:
+            gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
+            up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
+            vw = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
+        acc += _ternary_dot(_quantize_rows(vw, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
     x += acc / (s_down[:, None] * tl.load(scale_ptr + 5))
     return x, h
 
@@ -176,8 +194,8 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
 def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
                       norm_ptr, down_norm_ptr, scale_ptr,
                       wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                      eps_norm, eps_bit,
-                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
+                      eps_norm, eps_bit, scratch_ptr,
+                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr, SCRATCH: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of x [B, D] and h [B, D] (contiguous) one
     block step forward, into x_out (x's dtype) and h_out (float32)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -187,21 +205,25 @@ def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x, h = _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr,
-                       wdown_ptr, eps_norm, eps_bit, D, H, BLOCK_B)
+                       wdown_ptr, eps_norm, eps_bit, scratch_ptr + tl.program_id(0) * BLOCK_B * H,
+                       D, H, BLOCK_B, SCRATCH)
     tl.store(x_out_ptr + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
     tl.store(h_out_ptr + offs, h, mask=mask)
 
 
 # -- launcher and public API ----------------------------------------------------------------
-def block_step_into(x, h, w: BlockStepWeights, x_out, h_out):
-    """Launcher (check calling convention): x [B, D], h float32 [B, D], all contiguous."""
+def block_step_into(x, h, w: BlockStepWeights, x_out, h_out, num_warps: int = NUM_WARPS, scratch: bool = SCRATCH):
+    """Launcher (check calling convention): x [B, D], h float32 [B, D], all contiguous.
+    ``scratch``: the GLU's hidden rows through a float32 workspace instead of recomputed."""
     b, d = x.shape
     if b == 0:
         return
-    runtime.launch(block_step_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": 4},
+    programs = runtime.cdiv(b, BLOCK_B)
+    work = torch.empty((programs * BLOCK_B, w.hidden) if scratch else (1,), dtype=torch.float32, device=x.device)
+    runtime.launch(block_step_kernel, (programs,), {"num_warps": num_warps},
                    x, h, x_out, h_out, b, w.norms, w.down_norm, w.scales,
-                   w.w_f, w.w_c, w.w_g, w.w_o, w.w_gate, w.w_down, float(w.eps_norm), float(w.eps_bit),
-                   D=d, H=w.hidden, BLOCK_B=BLOCK_B)
+                   w.w_f, w.w_c, w.w_g, w.w_o, w.w_gate, w.w_down, float(w.eps_norm), float(w.eps_bit), work,
+                   D=d, H=w.hidden, BLOCK_B=BLOCK_B, SCRATCH=scratch)
 
 
 def block_step(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
@@ -300,9 +322,9 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
                          stride_in_layer, stride_out_layer,
                          embed_ptr, final_norm_ptr, head_ptr, eps_final,
                          norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                         eps_norm, eps_bit,
+                         eps_norm, eps_bit, scratch_ptr,
                          K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, V: tl.constexpr,
-                         BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_B: tl.constexpr, IEEE: tl.constexpr, SCRATCH: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
 
     Row b starts from token first[b] and, in every layer l, the state at row src[b] of
@@ -329,7 +351,8 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
             x, h = _block_rows(x, h_in + h_prev, norm_ptr + layer * 7 * D, down_norm_ptr + layer * H,
                                scale_ptr + layer * 6, wf_ptr + layer * D * D, wc_ptr + layer * D * D,
                                wg_ptr + layer * D * D, wo_ptr + layer * D * D, wgate_ptr + layer * 2 * D * H,
-                               wdown_ptr + layer * H * D, eps_norm, eps_bit, D, H, BLOCK_B)
+                               wdown_ptr + layer * H * D, eps_norm, eps_bit,
+                               scratch_ptr + tl.program_id(0) * BLOCK_B * H, D, H, BLOCK_B, SCRATCH)
             x = x.to(embed_ptr.dtype.element_ty).to(tl.float32)     # as the layered step rounds it
             tl.debug_barrier()        # every thread's state loaded: the row it came from may be dst
             tl.store(state_out_ptr + layer * stride_out_layer + dst[:, None] * D + d[None, :], h,
@@ -346,7 +369,8 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
             tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)
 
 
-def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts):
+def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
+                       num_warps: int = NUM_WARPS, scratch: bool = SCRATCH):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]."""
@@ -354,13 +378,16 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     if b == 0:
         return
     blocks = w.blocks
-    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": 4},
+    programs = runtime.cdiv(b, BLOCK_B)
+    work = torch.empty((programs * BLOCK_B, blocks.hidden) if scratch else (1,), dtype=torch.float32,
+                       device=first.device)
+    runtime.launch(draft_rollout_kernel, (programs,), {"num_warps": num_warps},
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
-                   blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
+                   blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit), work,
                    K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, V=w.vocab_size, BLOCK_B=BLOCK_B,
-                   IEEE=w.head.dtype == torch.float32)
+                   IEEE=w.head.dtype == torch.float32, SCRATCH=scratch)
 
 
 def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):
