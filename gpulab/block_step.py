@@ -41,11 +41,11 @@ from .normquant import ABSMAX_FLOOR, absmax_quantize, rmsnorm_ref, round_half_aw
 from .validate import require_same_device, require_tensor
 
 BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
-# A row block's step is a chain of small dots whose weights come from L2: its time is their
-# loads' latency (tools/rollout_probe.py times the options on a GPU). More warps keep more
-# loads in flight; a workspace for the GLU's hidden rows spares reading w_gate twice.
+# A row block's step is a chain of small dots and row reductions: its time is their latency.
+# On the H200 (tools/rollout_probe.py, 2026-12-04) four drafts took 274 µs with 4 warps a
+# program, 208 µs with 8 and 230 µs with 16 (keeping the GLU's hidden rows in a workspace,
+# so that w_gate is read once, not twice, made it slower: 228 µs with 8 warps).
 NUM_WARPS = 8
-SCRATCH = True
 FLOOR = tl.constexpr(ABSMAX_FLOOR)     # the quantization's floor on max|y|, inside kernels
 
 
@@ -141,12 +141,8 @@ def _bitlinear(z, norm_ptr, scale_ptr, w_ptr, eps, K: tl.constexpr, N: tl.conste
 
 @triton.jit
 def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                eps_norm, eps_bit, v_ptr, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr,
-                SCRATCH: tl.constexpr):
-    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32.
-    SCRATCH: the GLU's hidden row goes to v_ptr (float32 [BLOCK_B, H], this program's) in
-    the first pass and is read back in the second, instead of recomputed (w_gate is then
-    read once, not twice: a third of the block's weight bytes)."""
+                eps_norm, eps_bit, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32."""
     d = tl.arange(0, D)
     # token mixer: the MLGRU's gates from one normalised input, then the recurrence
     u = _rms_rows(x, tl.load(norm_ptr + d), eps_norm, D)
@@ -163,29 +159,20 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
     gate_scale = s_in[:, None] * tl.load(scale_ptr + 4)
     sum_sq = tl.zeros([BLOCK_B], tl.float32)
     max_vw = tl.zeros([BLOCK_B], tl.float32)
-    v_offs = tl.arange(0, BLOCK_B)[:, None] * H + d[None, :]
     for j in tl.static_range(H // D):
         gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
         up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
         v = gate * tl.sigmoid(gate) * up
         sum_sq += tl.sum(v * v, axis=1)
-        vw = v * tl.load(down_norm_ptr + j * D + d)[None, :]
-        max_vw = tl.maximum(max_vw, tl.max(tl.abs(vw), axis=1))
-        if SCRATCH:
-            tl.store(v_ptr + v_offs + j * D, vw)
+        max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * D + d)[None, :]), axis=1))
     rstd = 1.0 / tl.sqrt(sum_sq / H + eps_bit)
     s_down = 127.0 / tl.maximum(max_vw * rstd, FLOOR)
-    if SCRATCH:
-        tl.debug_barrier()                 # the hidden row back from other threads' stores
     acc = tl.zeros([BLOCK_B, D], tl.float32)
     for j in tl.static_range(H // D):
-        if SCRATCH:
-            vw = tl.load(v_ptr + v_offs + j * D)
-        else:
-            gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
-            up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
-            vw = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
-        acc += _ternary_dot(_quantize_rows(vw, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
+        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
+        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
+        v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
+        acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
     x += acc / (s_down[:, None] * tl.load(scale_ptr + 5))
     return x, h
 
@@ -194,8 +181,8 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
 def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
                       norm_ptr, down_norm_ptr, scale_ptr,
                       wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                      eps_norm, eps_bit, scratch_ptr,
-                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr, SCRATCH: tl.constexpr):
+                      eps_norm, eps_bit,
+                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of x [B, D] and h [B, D] (contiguous) one
     block step forward, into x_out (x's dtype) and h_out (float32)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -205,25 +192,21 @@ def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x, h = _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr,
-                       wdown_ptr, eps_norm, eps_bit, scratch_ptr + tl.program_id(0) * BLOCK_B * H,
-                       D, H, BLOCK_B, SCRATCH)
+                       wdown_ptr, eps_norm, eps_bit, D, H, BLOCK_B)
     tl.store(x_out_ptr + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
     tl.store(h_out_ptr + offs, h, mask=mask)
 
 
 # -- launcher and public API ----------------------------------------------------------------
-def block_step_into(x, h, w: BlockStepWeights, x_out, h_out, num_warps: int = NUM_WARPS, scratch: bool = SCRATCH):
-    """Launcher (check calling convention): x [B, D], h float32 [B, D], all contiguous.
-    ``scratch``: the GLU's hidden rows through a float32 workspace instead of recomputed."""
+def block_step_into(x, h, w: BlockStepWeights, x_out, h_out, num_warps: int = NUM_WARPS):
+    """Launcher (check calling convention): x [B, D], h float32 [B, D], all contiguous."""
     b, d = x.shape
     if b == 0:
         return
-    programs = runtime.cdiv(b, BLOCK_B)
-    work = torch.empty((programs * BLOCK_B, w.hidden) if scratch else (1,), dtype=torch.float32, device=x.device)
-    runtime.launch(block_step_kernel, (programs,), {"num_warps": num_warps},
+    runtime.launch(block_step_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": num_warps},
                    x, h, x_out, h_out, b, w.norms, w.down_norm, w.scales,
-                   w.w_f, w.w_c, w.w_g, w.w_o, w.w_gate, w.w_down, float(w.eps_norm), float(w.eps_bit), work,
-                   D=d, H=w.hidden, BLOCK_B=BLOCK_B, SCRATCH=scratch)
+                   w.w_f, w.w_c, w.w_g, w.w_o, w.w_gate, w.w_down, float(w.eps_norm), float(w.eps_bit),
+                   D=d, H=w.hidden, BLOCK_B=BLOCK_B)
 
 
 def block_step(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
@@ -322,9 +305,9 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
                          stride_in_layer, stride_out_layer,
                          embed_ptr, final_norm_ptr, head_ptr, eps_final,
                          norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                         eps_norm, eps_bit, scratch_ptr,
+                         eps_norm, eps_bit,
                          K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, V: tl.constexpr,
-                         BLOCK_B: tl.constexpr, IEEE: tl.constexpr, SCRATCH: tl.constexpr):
+                         VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
 
     Row b starts from token first[b] and, in every layer l, the state at row src[b] of
@@ -333,7 +316,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     live = rows < B
     d = tl.arange(0, D)
-    v = tl.arange(0, V)
+    v = tl.arange(0, VC)
     token = tl.load(first_ptr + rows, mask=live, other=0).to(tl.int32)
     src = tl.load(src_ptr + rows, mask=live, other=0)
     final_norm = tl.load(final_norm_ptr + d)
@@ -351,8 +334,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
             x, h = _block_rows(x, h_in + h_prev, norm_ptr + layer * 7 * D, down_norm_ptr + layer * H,
                                scale_ptr + layer * 6, wf_ptr + layer * D * D, wc_ptr + layer * D * D,
                                wg_ptr + layer * D * D, wo_ptr + layer * D * D, wgate_ptr + layer * 2 * D * H,
-                               wdown_ptr + layer * H * D, eps_norm, eps_bit,
-                               scratch_ptr + tl.program_id(0) * BLOCK_B * H, D, H, BLOCK_B, SCRATCH)
+                               wdown_ptr + layer * H * D, eps_norm, eps_bit, D, H, BLOCK_B)
             x = x.to(embed_ptr.dtype.element_ty).to(tl.float32)     # as the layered step rounds it
             tl.debug_barrier()        # every thread's state loaded: the row it came from may be dst
             tl.store(state_out_ptr + layer * stride_out_layer + dst[:, None] * D + d[None, :], h,
@@ -360,17 +342,25 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
         tl.debug_barrier()            # the next step reads these states back: other threads' stores
         if i < K:
             xn = _rms_rows(x, final_norm, eps_final, D).to(head_ptr.dtype.element_ty)
-            head_t = tl.load(head_ptr + v[None, :] * D + d[:, None])        # [D, V]: the head transposed
-            if IEEE:
-                logits = tl.dot(xn, head_t, out_dtype=tl.float32, input_precision="ieee")
-            else:
-                logits = tl.dot(xn, head_t, out_dtype=tl.float32)
-            token = tl.argmax(logits, axis=1).to(tl.int32)
+            # the head's logits VC at a time (a float32 [D, V] operand overflows sm_75's
+            # shared memory), keeping each row's best so far: the first of equal maxima wins
+            best = tl.full([BLOCK_B], float("-inf"), tl.float32)
+            token = tl.zeros([BLOCK_B], tl.int32)
+            for c in tl.static_range(V // VC):
+                head_t = tl.load(head_ptr + (c * VC + v)[None, :] * D + d[:, None])   # [D, VC]: transposed
+                if IEEE:
+                    logits = tl.dot(xn, head_t, out_dtype=tl.float32, input_precision="ieee")
+                else:
+                    logits = tl.dot(xn, head_t, out_dtype=tl.float32)
+                top = tl.max(logits, axis=1)
+                take = top > best
+                token = tl.where(take, tl.argmax(logits, axis=1).to(tl.int32) + c * VC, token)
+                best = tl.where(take, top, best)
             tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)
 
 
 def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
-                       num_warps: int = NUM_WARPS, scratch: bool = SCRATCH):
+                       num_warps: int = NUM_WARPS):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]."""
@@ -378,16 +368,14 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     if b == 0:
         return
     blocks = w.blocks
-    programs = runtime.cdiv(b, BLOCK_B)
-    work = torch.empty((programs * BLOCK_B, blocks.hidden) if scratch else (1,), dtype=torch.float32,
-                       device=first.device)
-    runtime.launch(draft_rollout_kernel, (programs,), {"num_warps": num_warps},
+    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": num_warps},
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
-                   blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit), work,
-                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, V=w.vocab_size, BLOCK_B=BLOCK_B,
-                   IEEE=w.head.dtype == torch.float32, SCRATCH=scratch)
+                   blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
+                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, V=w.vocab_size,
+                   VC=min(w.vocab_size, 64), BLOCK_B=BLOCK_B,
+                   IEEE=w.head.dtype == torch.float32)
 
 
 def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):

@@ -215,16 +215,18 @@ def _rollout_mutant(name, *edits):
 
 ROLLOUT_MUTANTS = {
     # the argmax stored as a draft but never fed back: every step embeds `first`
-    "token_not_fed_back": [("            token = tl.argmax(logits, axis=1).to(tl.int32)\n"
-                            "            tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)",
-                            "            best = tl.argmax(logits, axis=1).to(tl.int32)\n"
-                            "            tl.store(drafts_ptr + i * B + rows, best.to(tl.int64), mask=live)")],
+    "token_not_fed_back": [("            token = tl.zeros([BLOCK_B], tl.int32)\n",
+                            "            best_token = tl.zeros([BLOCK_B], tl.int32)\n"),
+                           ("token = tl.where(take, tl.argmax(logits, axis=1).to(tl.int32) + c * VC, token)",
+                            "best_token = tl.where(take, tl.argmax(logits, axis=1).to(tl.int32) + c * VC, best_token)"),
+                           ("tl.store(drafts_ptr + i * B + rows, token.to(tl.int64), mask=live)",
+                            "tl.store(drafts_ptr + i * B + rows, best_token.to(tl.int64), mask=live)")],
     # every step starts again from state_in
     "state_not_carried": [("mask=live[:, None] & (i == 0), other=0.0)", "mask=live[:, None], other=0.0)"),
                           ("mask=live[:, None] & (i > 0), other=0.0)", "mask=live[:, None] & (i < 0), other=0.0)")],
     # the head read as if it were stored [D, V]
-    "head_not_transposed": [("head_t = tl.load(head_ptr + v[None, :] * D + d[:, None])",
-                             "head_t = tl.load(head_ptr + d[:, None] * V + v[None, :])")],
+    "head_not_transposed": [("head_t = tl.load(head_ptr + (c * VC + v)[None, :] * D + d[:, None])",
+                             "head_t = tl.load(head_ptr + d[:, None] * V + (c * VC + v)[None, :])")],
     # step i's states written to step i - 1's row
     "states_one_row_early": [("dst = tl.load(dst_ptr + rows * (K + 1) + i, mask=live, other=0)",
                               "dst = tl.load(dst_ptr + rows * (K + 1) + i - 1, mask=live & (i > 0), other=0)")],
