@@ -44,8 +44,24 @@ BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
 # A row block's step is a chain of small dots and row reductions: its time is their latency.
 # On the H200 (tools/rollout_probe.py, 2026-12-04) four drafts took 274 µs with 4 warps a
 # program, 208 µs with 8 and 230 µs with 16 (keeping the GLU's hidden rows in a workspace,
-# so that w_gate is read once, not twice, made it slower: 228 µs with 8 warps).
-NUM_WARPS = 8
+# so that w_gate is read once, not twice, made it slower: 228 µs with 8 warps). That build
+# unrolled the GLU's chunks, the layers and the head's chunks (tl.static_range): compiling
+# the rollout for sm_75 then took 250 s; as loops it takes 5 s.
+BLOCK_STEP_WARPS = 4
+ROLLOUT_WARPS = 8
+
+
+def glu_chunk(d_model: int) -> int:
+    """Columns of the GLU's hidden row made at a time: two [D, C] weight tiles (gate's and
+    up's) are in shared memory together, 32 KiB at D = 128, inside sm_75's 64 KiB."""
+    return min(d_model, 64)
+
+
+def launch_options(num_warps: int) -> dict:
+    """One stage of weight chunks in flight below sm_80: two 128-wide chunks of a float32
+    case overflow the 64 KiB of shared memory of sm_75 (Colab's T4)."""
+    cc = runtime.compute_capability()
+    return {"num_warps": num_warps, **({"num_stages": 1} if cc is not None and cc < (8, 0) else {})}
 FLOOR = tl.constexpr(ABSMAX_FLOOR)     # the quantization's floor on max|y|, inside kernels
 
 
@@ -141,8 +157,9 @@ def _bitlinear(z, norm_ptr, scale_ptr, w_ptr, eps, K: tl.constexpr, N: tl.conste
 
 @triton.jit
 def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                eps_norm, eps_bit, D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32."""
+                eps_norm, eps_bit, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The block's step on rows x [BLOCK_B, D], h [BLOCK_B, D] (float32) -> (x, h), float32.
+    The GLU's hidden row is made C columns at a time (:func:`glu_chunk`)."""
     d = tl.arange(0, D)
     # token mixer: the MLGRU's gates from one normalised input, then the recurrence
     u = _rms_rows(x, tl.load(norm_ptr + d), eps_norm, D)
@@ -159,20 +176,21 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
     gate_scale = s_in[:, None] * tl.load(scale_ptr + 4)
     sum_sq = tl.zeros([BLOCK_B], tl.float32)
     max_vw = tl.zeros([BLOCK_B], tl.float32)
-    for j in tl.static_range(H // D):
-        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
-        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
+    cols = tl.arange(0, C)
+    for j in range(H // C):
+        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
+        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
         v = gate * tl.sigmoid(gate) * up
         sum_sq += tl.sum(v * v, axis=1)
-        max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * D + d)[None, :]), axis=1))
+        max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * C + cols)[None, :]), axis=1))
     rstd = 1.0 / tl.sqrt(sum_sq / H + eps_bit)
     s_down = 127.0 / tl.maximum(max_vw * rstd, FLOOR)
     acc = tl.zeros([BLOCK_B, D], tl.float32)
-    for j in tl.static_range(H // D):
-        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * D, D, D) / gate_scale
-        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * D, D, D) / gate_scale
-        v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * D + d)[None, :]
-        acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * D * D, D, 0, D, D)
+    for j in range(H // C):
+        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
+        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
+        v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * C + cols)[None, :]
+        acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * C * D, D, 0, C, D)
     x += acc / (s_down[:, None] * tl.load(scale_ptr + 5))
     return x, h
 
@@ -182,7 +200,7 @@ def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
                       norm_ptr, down_norm_ptr, scale_ptr,
                       wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
                       eps_norm, eps_bit,
-                      D: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr):
+                      D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, BLOCK_B: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of x [B, D] and h [B, D] (contiguous) one
     block step forward, into x_out (x's dtype) and h_out (float32)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -192,21 +210,21 @@ def block_step_kernel(x_ptr, h_ptr, x_out_ptr, h_out_ptr, B,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x, h = _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr,
-                       wdown_ptr, eps_norm, eps_bit, D, H, BLOCK_B)
+                       wdown_ptr, eps_norm, eps_bit, D, H, C, BLOCK_B)
     tl.store(x_out_ptr + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
     tl.store(h_out_ptr + offs, h, mask=mask)
 
 
 # -- launcher and public API ----------------------------------------------------------------
-def block_step_into(x, h, w: BlockStepWeights, x_out, h_out, num_warps: int = NUM_WARPS):
+def block_step_into(x, h, w: BlockStepWeights, x_out, h_out, num_warps: int = BLOCK_STEP_WARPS):
     """Launcher (check calling convention): x [B, D], h float32 [B, D], all contiguous."""
     b, d = x.shape
     if b == 0:
         return
-    runtime.launch(block_step_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": num_warps},
+    runtime.launch(block_step_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps),
                    x, h, x_out, h_out, b, w.norms, w.down_norm, w.scales,
                    w.w_f, w.w_c, w.w_g, w.w_o, w.w_gate, w.w_down, float(w.eps_norm), float(w.eps_bit),
-                   D=d, H=w.hidden, BLOCK_B=BLOCK_B)
+                   D=d, H=w.hidden, C=glu_chunk(d), BLOCK_B=BLOCK_B)
 
 
 def block_step(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
@@ -306,8 +324,8 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
                          embed_ptr, final_norm_ptr, head_ptr, eps_final,
                          norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
                          eps_norm, eps_bit,
-                         K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, V: tl.constexpr,
-                         VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
+                         K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                         V: tl.constexpr, VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
 
     Row b starts from token first[b] and, in every layer l, the state at row src[b] of
@@ -326,7 +344,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
         x = x.to(tl.float32)
         prev = tl.load(dst_ptr + rows * (K + 1) + i - 1, mask=live & (i > 0), other=0)
         dst = tl.load(dst_ptr + rows * (K + 1) + i, mask=live, other=0)
-        for layer in tl.static_range(L):
+        for layer in range(L):
             h_in = tl.load(state_in_ptr + layer * stride_in_layer + src[:, None] * D + d[None, :],
                            mask=live[:, None] & (i == 0), other=0.0)
             h_prev = tl.load(state_out_ptr + layer * stride_out_layer + prev[:, None] * D + d[None, :],
@@ -334,7 +352,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
             x, h = _block_rows(x, h_in + h_prev, norm_ptr + layer * 7 * D, down_norm_ptr + layer * H,
                                scale_ptr + layer * 6, wf_ptr + layer * D * D, wc_ptr + layer * D * D,
                                wg_ptr + layer * D * D, wo_ptr + layer * D * D, wgate_ptr + layer * 2 * D * H,
-                               wdown_ptr + layer * H * D, eps_norm, eps_bit, D, H, BLOCK_B)
+                               wdown_ptr + layer * H * D, eps_norm, eps_bit, D, H, C, BLOCK_B)
             x = x.to(embed_ptr.dtype.element_ty).to(tl.float32)     # as the layered step rounds it
             tl.debug_barrier()        # every thread's state loaded: the row it came from may be dst
             tl.store(state_out_ptr + layer * stride_out_layer + dst[:, None] * D + d[None, :], h,
@@ -346,7 +364,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
             # shared memory), keeping each row's best so far: the first of equal maxima wins
             best = tl.full([BLOCK_B], float("-inf"), tl.float32)
             token = tl.zeros([BLOCK_B], tl.int32)
-            for c in tl.static_range(V // VC):
+            for c in range(V // VC):
                 head_t = tl.load(head_ptr + (c * VC + v)[None, :] * D + d[:, None])   # [D, VC]: transposed
                 if IEEE:
                     logits = tl.dot(xn, head_t, out_dtype=tl.float32, input_precision="ieee")
@@ -360,7 +378,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
 
 
 def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
-                       num_warps: int = NUM_WARPS):
+                       num_warps: int = ROLLOUT_WARPS):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]."""
@@ -368,12 +386,12 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     if b == 0:
         return
     blocks = w.blocks
-    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), {"num_warps": num_warps},
+    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps),
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
                    blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
-                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, V=w.vocab_size,
+                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=glu_chunk(blocks.d_model), V=w.vocab_size,
                    VC=min(w.vocab_size, 64), BLOCK_B=BLOCK_B,
                    IEEE=w.head.dtype == torch.float32)
 
