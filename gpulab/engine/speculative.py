@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import functools
 import json
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -617,6 +618,8 @@ def format_results(result: dict) -> str:
     measured."""
     lines = [f"{result['gpu']}, {result['date']}, torch {result['versions'].get('torch')}, "
              f"triton {result['versions'].get('triton')}; greedy decoding, {result['max_tokens']} new tokens"]
+    if result.get("measured"):                     # rows of several runs: which came from where
+        lines += textwrap.wrap(f"measured: {result['measured']}", 88)
     lines.append(f"{'batch':>5} {'draft':>17} {'k':>4} {'tok/s':>9} {'speed-up':>8} {'accept':>6} {'tok/pass':>8}")
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
