@@ -35,6 +35,29 @@ def load_tool(name: str):
     return module
 
 
+def mutant_module(module, name: str, *edits):
+    """``module``'s source (a gpulab kernel file) with (old, new) edits, imported as a module
+    of its own: a real wrong kernel for the checks to reject. Each ``old`` must occur."""
+    import importlib.util
+    import re
+    import sys
+    import tempfile
+    from pathlib import Path
+    src = re.sub(r"^from \.(\w*) import", lambda m: f"from gpulab{'.' if m[1] else ''}{m[1]} import",
+                 Path(module.__file__).read_text(), flags=re.M)
+    for old, new in edits:
+        assert src.count(old) >= 1, old
+        src = src.replace(old, new)
+    stem = f"{module.__name__.rsplit('.', 1)[-1]}_{name}"
+    path = Path(tempfile.mkdtemp(prefix="gpulab_mutants_")) / f"{stem}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def assert_tokens_match(model, prompts, got, want, near_tie=NEAR_TIE[torch.float32]):
     """Equal greedy tokens; on a GPU (Triton kernels vs PyTorch reference: other rounding),
     a difference is accepted only where the reference's two candidates are a near tie

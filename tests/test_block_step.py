@@ -1,11 +1,6 @@
 """The fused block step (gpulab.block_step): one kernel for a MatMul-free block's decode
 step, against its float64 reference and the layered step it replaces."""
 import functools
-import importlib.util
-import re
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +11,7 @@ from gpulab import runtime
 from gpulab.block_step import block_step, block_step_ref, draft_rollout, fits, rollout_fits
 from gpulab.harness.checking import rejects
 from gpulab.grading.block_step import block_step_launch, draft_rollout_launch
+from helpers import mutant_module
 from gpulab.harness.spec import Case
 from gpulab.model import MatMulFreeLM
 
@@ -192,25 +188,10 @@ def test_float32_rounding_alone_needs_the_row_slack_and_stays_inside_it():
 
 
 # -- draft_rollout: k greedy tokens of the whole model in one kernel ------------------------
-_BLOCK_SRC = Path(block_step_module.__file__).read_text()
-_MUTANT_DIR = Path(tempfile.mkdtemp(prefix="gpulab_block_step_mutants_"))
-
-
 def _rollout_mutant(name, *edits):
     """The package's own kernel file with source edits (a real wrong kernel), in the
     check's calling convention."""
-    src = re.sub(r"^from \.(\w*) import", lambda m: f"from gpulab{'.' if m[1] else ''}{m[1]} import", _BLOCK_SRC,
-                 flags=re.M)
-    for old, new in edits:
-        assert src.count(old) == 1, old
-        src = src.replace(old, new)
-    path = _MUTANT_DIR / f"block_step_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"block_step_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return functools.partial(draft_rollout_launch, into=mod.draft_rollout_into)
+    return functools.partial(draft_rollout_launch, into=mutant_module(block_step_module, name, *edits).draft_rollout_into)
 
 
 ROLLOUT_MUTANTS = {

@@ -2,12 +2,7 @@
 and the checks against wrong kernels."""
 import contextlib
 import functools
-import importlib.util
 import math
-import re
-import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +14,7 @@ from gpulab.grading import prefill as G
 from gpulab.harness.checking import Guarded, rejects
 from gpulab.harness.spec import Case
 
-from helpers import on_gpu
+from helpers import mutant_module, on_gpu
 
 DEV = gpulab.device()
 WHERE = "gpu" if on_gpu() else "cpu"
@@ -368,24 +363,9 @@ def _clear_faults():
 
 
 # -- the checks reject wrong kernels ---------------------------------------------------------
-_SRC = Path(prefill.__file__).read_text()
-_MUTANT_DIR = Path(tempfile.mkdtemp(prefix="gpulab_prefill_mutants_"))
-
-
 def _mutant_module(name, *edits):
     """The package's own kernel file with source edits: a real wrong kernel."""
-    src = re.sub(r"^from \.(\w*) import", lambda m: f"from gpulab{'.' if m[1] else ''}{m[1]} import", _SRC,
-                 flags=re.M)
-    for old, new in edits:
-        assert src.count(old) >= 1, old
-        src = src.replace(old, new)
-    path = _MUTANT_DIR / f"prefill_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"prefill_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod.append_attention_into
+    return mutant_module(prefill, name, *edits).append_attention_into
 
 
 KERNEL_MUTANTS = {
