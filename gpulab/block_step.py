@@ -46,7 +46,7 @@ BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
 # program, 208 µs with 8 and 230 µs with 16 (keeping the GLU's hidden rows in a workspace,
 # so that w_gate is read once, not twice, made it slower: 228 µs with 8 warps). That build
 # unrolled the GLU's chunks, the layers and the head's chunks (tl.static_range): compiling
-# the rollout for sm_75 then took 250 s; as loops it takes 5 s.
+# the rollout for sm_75 then took 250 s; as loops it takes 12 s (not yet timed on the GPU).
 BLOCK_STEP_WARPS = 4
 ROLLOUT_WARPS = 8
 
@@ -58,8 +58,8 @@ def glu_chunk(d_model: int) -> int:
 
 
 def launch_options(num_warps: int) -> dict:
-    """One stage of weight chunks in flight below sm_80: two 128-wide chunks of a float32
-    case overflow the 64 KiB of shared memory of sm_75 (Colab's T4)."""
+    """One pipeline stage below sm_80: the loops' weight tiles, with a second stage in
+    flight, overflow the 64 KiB of shared memory of sm_75 (Colab's T4)."""
     cc = runtime.compute_capability()
     return {"num_warps": num_warps, **({"num_stages": 1} if cc is not None and cc < (8, 0) else {})}
 FLOOR = tl.constexpr(ABSMAX_FLOOR)     # the quantization's floor on max|y|, inside kernels
@@ -284,7 +284,7 @@ def stack_blocks(blocks: list[BlockStepWeights]) -> BlockStepWeights:
 
 def rollout_fits(d_model: int, hidden: int, vocab_size: int) -> bool:
     """Sizes the rollout kernel takes: the block kernel's, and a vocabulary of a power of
-    two up to 1024 (the head's logits are one tile)."""
+    two from 16 to 1024 (the head's logits in tiles of up to 64)."""
     return fits(d_model, hidden) and 16 <= vocab_size <= 1024 and vocab_size & (vocab_size - 1) == 0
 
 
