@@ -22,11 +22,12 @@ after the sequence's tokens up to ``done`` and its first i drafts. A replay gath
 sequence's start state from the pool, consumes its last committed token, then drafts k
 tokens one after the other on the device (argmax, or a Gumbel-max draw whose noise the
 host computes from the same seeded streams as the eager drafter), and writes the k+1
-states back. Compiled, a greedy replay is one kernel
-(:func:`gpulab.block_step.draft_rollout`: every step of every layer, the head and the
-argmax in one launch instead of about eight launches a draft). When the target has accepted a drafts, the next start state is
+states back. When the target has accepted a drafts, the next start state is
 ``hist[a]``: rewinding picks a row, it recomputes nothing. A sequence not in the pool
 (new, or after steps without drafts) catches up eagerly over its missing tokens once.
+Compiled, a greedy replay is one kernel (:func:`gpulab.block_step.draft_rollout`: every
+step of every layer, the head and the argmax in one launch instead of about eight
+launches a draft token).
 
 CUDA graphs are captured in compiled mode on a GPU only. Elsewhere
 :class:`~.graph_capture.CapturedStep` calls the function at every replay: the same buffers
