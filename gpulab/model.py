@@ -199,10 +199,12 @@ class MatMulFreeLM(nn.Module):
     def rollout_weights(self) -> RolloutWeights | None:
         """The weights :func:`gpulab.block_step.draft_rollout` reads (k greedy tokens in one
         kernel), made again when a block's step weights or the embedding or head change;
-        None where a block's fused step does not apply (:meth:`Block.step_weights`) or the
-        vocabulary is not one :func:`gpulab.block_step.rollout_fits` takes."""
+        None where a block's fused step does not apply (:meth:`Block.step_weights`), the
+        blocks' epsilons differ (the kernel takes one pair) or the vocabulary is not one
+        :func:`gpulab.block_step.rollout_fits` takes."""
         blocks = [b.step_weights() for b in self.blocks]
-        if any(b is None for b in blocks) or not rollout_fits(self.d_model, blocks[0].hidden, self.vocab_size):
+        if (any(b is None for b in blocks) or len({(b.eps_norm, b.eps_bit) for b in blocks}) > 1
+                or not rollout_fits(self.d_model, blocks[0].hidden, self.vocab_size)):
             return None
         tensors = (self.embed.weight, self.head.weight, self.norm.weight)
         key = tuple((t.data_ptr(), t._version) for t in tensors)
