@@ -57,11 +57,13 @@ def glu_chunk(d_model: int) -> int:
     return min(d_model, 64)
 
 
-def launch_options(num_warps: int) -> dict:
+def launch_options(num_warps: int, num_stages: int | None = None) -> dict:
     """One pipeline stage below sm_80: the loops' weight tiles, with a second stage in
     flight, overflow the 64 KiB of shared memory of sm_75 (Colab's T4)."""
     cc = runtime.compute_capability()
-    return {"num_warps": num_warps, **({"num_stages": 1} if cc is not None and cc < (8, 0) else {})}
+    if num_stages is None and cc is not None and cc < (8, 0):
+        num_stages = 1
+    return {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
 FLOOR = tl.constexpr(ABSMAX_FLOOR)     # the quantization's floor on max|y|, inside kernels
 
 
@@ -378,21 +380,25 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
 
 
 def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
-                       num_warps: int = ROLLOUT_WARPS):
+                       num_warps: int = ROLLOUT_WARPS, chunk: int | None = None, head_chunk: int | None = None,
+                       num_stages: int | None = None):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
-    pool); drafts int64 [k, B]."""
+    pool); drafts int64 [k, B]. ``chunk``: the GLU's columns at a time (a divisor of the
+    hidden size; :func:`glu_chunk` by default), ``head_chunk``: the head's logits at a time
+    (a divisor of the vocabulary, 64 at most by default), ``num_stages``: Triton's."""
     b = first.shape[0]
     if b == 0:
         return
     blocks = w.blocks
-    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps),
+    runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps, num_stages),
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
                    blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
-                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=glu_chunk(blocks.d_model), V=w.vocab_size,
-                   VC=min(w.vocab_size, 64), BLOCK_B=BLOCK_B,
+                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=chunk or glu_chunk(blocks.d_model),
+                   V=w.vocab_size,
+                   VC=head_chunk or min(w.vocab_size, 64), BLOCK_B=BLOCK_B,
                    IEEE=w.head.dtype == torch.float32)
 
 

@@ -338,6 +338,72 @@ def test_the_rollout_kernel_drafts_what_the_stepped_graph_does(monkeypatch):
     torch.testing.assert_close(rolled.pool, stepped.pool, atol=1e-4, rtol=1e-4)
 
 
+def test_drafting_ahead_changes_no_draft():
+    """The next step's drafts launched before the host reads this step's tokens (the
+    shipped models, so that drafts are often accepted): the same tokens and the same
+    acceptance at every position as drafting after reading, with the drafts adopted in
+    most steps and read back where the drafting set changed."""
+    from gpulab.engine.model import load_checkpoint
+    target, draft = load_checkpoint(device=DEVICE), load_mlgru_draft(device=DEVICE)
+    params = [SamplingParams(max_tokens=m) for m in (21, 7, 16, 5, 13)]
+    config = EngineConfig(**CONFIG)
+    want = serve(LLM(target, config), params)
+    runs = {}
+    for ahead in (False, True):
+        spec = SpeculativeLLM(target, config, drafter=MLGRUDrafter(draft), k=3, graphs="emulate", draft_ahead=ahead)
+        assert serve(spec, params) == want, ahead
+        runs[ahead] = (spec.stats.accepted, spec.stats.proposed)
+        assert not spec.proposer.slots and not spec.proposer.record
+    assert runs[True] == runs[False] and sum(runs[True][0]) > 0
+    used, launched = spec.ahead_counts["used"], spec.ahead_counts["launched"]
+    assert 0 < used < launched, spec.ahead_counts
+
+
+@pytest.mark.skipif(gpulab.mode() == "compiled", reason="the plumbing on CPU tensors")
+def test_drafts_launched_ahead_start_where_the_accepted_tokens_end():
+    """launch_ahead finds each sequence's accepted count and next token in the verify
+    argmax on the device: after the host appends the same tokens, its drafts are those
+    the drafter proposes from the tokens themselves; a sequence whose next token is not
+    a byte (EOS) is forgotten on landing."""
+    from gpulab.engine.sequence import Status
+    torch.manual_seed(5)
+    model = MatMulFreeLM(d_model=32, n_layers=1, scan="torch").pack()
+    k, k1 = 2, 3
+    ahead, plain = (MLGRUGraphDrafter(model, 258, k, 4, draft_noise, cuda=False) for _ in range(2))
+    seqs = [Sequence(i, str(i), [256] + list(p.encode()), 1 + len(p), SamplingParams(), i)
+            for i, p in enumerate(["Tyger", "a", "The moon"])]
+    for seq in seqs:
+        seq.status = Status.RUNNING
+    gen = torch.Generator().manual_seed(0)
+    pending = ahead.propose_on_device(seqs, [k] * 3)
+    for step in range(3):
+        drafts = pending.resolve()
+        plain_drafts = plain.propose(seqs, [k] * 3)
+        assert [t for t, _ in drafts] == [t for t, _ in plain_drafts], step
+        for seq in seqs:                       # and the states after them
+            rows = slice(ahead.slots[seq.seq_id] * k1, (ahead.slots[seq.seq_id] + 1) * k1)
+            torch.testing.assert_close(ahead.pool[:, rows], plain.pool[:, rows], atol=1e-5, rtol=1e-5)
+        best = torch.randint(0, 256, (3 * k1,), generator=gen)
+        taken = []
+        for i, (tokens, _) in enumerate(drafts):
+            a = int(torch.randint(0, k + 1, (), generator=gen))
+            best[i * k1:i * k1 + a] = torch.tensor(tokens[:a], dtype=torch.long)
+            if step == 1 and i == 1:
+                best[i * k1 + a] = 257                         # EOS: no draft input
+            taken.append(tokens[:a] + [int(best[i * k1 + a])])
+        nxt = ahead.launch_ahead(pending, [(s, k1) for s in seqs], {s: k for s in seqs}, best)
+        for seq, tokens in zip(seqs, taken):
+            seq.token_ids += tokens
+        ahead.land_ahead(nxt)
+        if step == 1:
+            assert 1 not in ahead.slots and nxt.done[1] is None
+            plain.forget(1)
+            seqs[1].token_ids.append(65)       # EOS ignored, a byte after it: it catches up
+            nxt.resolve()                      # as the engine does before launching anew
+            nxt = ahead.propose_on_device(seqs, [k] * 3)
+        pending = nxt
+
+
 def test_verify_graph_lays_out_rows_and_padding(target):
     """Sequence i owns rows i(k+1) ..; its unused rows and whole padded sequences are
     requests of their own with no history; padded rows write to the scratch page. (Whole-step
@@ -467,12 +533,15 @@ def test_cuda_graph_speculation_never_syncs_the_host_while_launching(monkeypatch
     monkeypatch.setattr(spec_graphs.VerifyGraphs, "run", strict(spec_graphs.VerifyGraphs.run))
     monkeypatch.setattr(spec_graphs.CapturedStep, "replay", strict(spec_graphs.CapturedStep.replay))
     monkeypatch.setattr(spec_graphs.StagedBuffers, "send", strict(spec_graphs.StagedBuffers.send))
+    monkeypatch.setattr(spec_graphs.MLGRUGraphDrafter, "launch_ahead",
+                        strict(spec_graphs.MLGRUGraphDrafter.launch_ahead))
     torch.manual_seed(11)
     model = TernaryTransformer(TINY).pack().to("cuda")
     spec = SpeculativeLLM(model, EngineConfig(**CONFIG), drafter=MLGRUDrafter(load_mlgru_draft(device="cuda")), k=3)
     params = [SamplingParams(max_tokens=20, temperature=0.8 if i % 2 else 0, seed=i) for i in range(5)]
     serve(spec, params)
-    assert graph_steps(spec) > 0
+    serve(spec, [SamplingParams(max_tokens=20)] * 5)         # greedy: the next drafts launched ahead
+    assert graph_steps(spec) > 0 and spec.ahead_counts["launched"] > 0
 
 
 def test_bad_arguments():
@@ -646,9 +715,11 @@ def test_results_table_marks_adaptive_rows():
     from gpulab.engine.speculative import format_results
     row = dict(batch=1, draft="mlgru", k=4, tokens_per_s=100.0, speedup=1.5, acceptance=0.7, tokens_per_pass=2.1)
     text = format_results(dict(gpu="GPU", date="d", versions={}, max_tokens=8,
-                               rows=[row, dict(row, adaptive=True), dict(row, near_tie_flips=2)]))
+                               rows=[row, dict(row, adaptive=True), dict(row, near_tie_flips=2),
+                                     dict(row, graphs=True, draft_ahead=False)]))
     assert "   4 " in text and "<=4" in text
     assert text.count("near-tie flip") == 1 and "(2 near-tie flips)" in text
+    assert text.count("(no ahead)") == 1
 
 
 def test_results_table_names_each_way_of_serving():

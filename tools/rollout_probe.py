@@ -2,12 +2,14 @@
 
 usage: python tools/rollout_probe.py OUT.json
 
-With the shipped MLGRU draft in bf16: each of num_warps 4, 8 and 16, at batch 1 and 64
-and k = 4 and 8, the mean time of a CUDA-graph replay of one launch; then the block-step
-kernel alone (batch 1) the same ways. Each variant's drafts and states are compared with
-4 warps' ("DIFFERENT": the row reductions' order changed a rounding somewhere; on the
-H200, 2026-12-04, 16 warps did, 8 did not). That run (call 3 of 2026-12-04f) also timed
-the GLU's hidden rows kept in a workspace, an option since removed: slower.
+With the shipped MLGRU draft in bf16, at batch 1 and 64 and k = 4: for each variant of
+(num_warps, the GLU's chunk of hidden columns, num_stages), the mean time of a CUDA-graph
+replay of one launch (a variant whose tiles overflow shared memory prints its error);
+then the block-step kernel alone (batch 1) with 4 and 8 warps. Each variant's drafts and
+states are compared with the first's ("DIFFERENT": a reduction's order changed a
+rounding somewhere). Earlier runs: on 2026-12-04 (call 3 of 2026-12-04f, the build with
+unrolled loops) 4/8/16 warps took 274/208/230 µs (k = 4, batch 1); the GLU's hidden rows
+kept in a workspace were slower. With loops (call 1 of 2026-12-04g) 8 warps took 298 µs.
 """
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ def main(out: str) -> None:
     w = model.rollout_weights()
     L, D = w.n_layers, w.blocks.d_model
     rows, ref = [], {}
-    for b, k, warps in itertools.product((1, 64), (4, 8), (4, 8, 16)):
+    # (num_warps, GLU chunk, head chunk, num_stages): None = the launcher's default
+    variants = [(8, None, None, None), (8, None, None, 1), (8, 128, None, 1), (8, 128, None, None), (8, 256, None, 1),
+                (8, 256, 256, 1), (8, 512, 256, 1), (4, 256, 256, 1), (4, 128, 128, 1), (16, 256, 256, 1)]
+    for b, k, (warps, chunk, head_chunk, stages) in itertools.product((1, 64), (4,), variants):
         first = torch.randint(0, 256, (b,), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
         state = torch.randn((L, b, D), device="cuda", generator=torch.Generator("cuda").manual_seed(k))
         drafts = torch.empty((k, b), dtype=torch.long, device="cuda")
@@ -48,23 +53,33 @@ def main(out: str) -> None:
         src, dst = torch.arange(b, device="cuda"), torch.arange(b * (k + 1), device="cuda")
 
         def run():
-            draft_rollout_into(first, src, dst, state, out_states, w, k, drafts, num_warps=warps)
-        ms = graph_ms(run)
+            draft_rollout_into(first, src, dst, state, out_states, w, k, drafts, num_warps=warps, chunk=chunk,
+                               head_chunk=head_chunk, num_stages=stages)
+        try:
+            ms = graph_ms(run)
+        except Exception as e:          # a chunk's tiles may not fit in shared memory
+            print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages}: "
+                  f"{type(e).__name__}: {str(e)[:160]}", flush=True)
+            rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, chunk=chunk, head_chunk=head_chunk,
+                             num_stages=stages,
+                             error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
         key = (b, k)
         same = None
         if key not in ref:
             ref[key] = (drafts.clone(), out_states.clone())
         else:
             same = bool(torch.equal(ref[key][0], drafts) and torch.equal(ref[key][1], out_states))
-        rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, us=1e3 * ms,
-                         us_per_draft_step=1e3 * ms / (k + 1), same_as_first=same))
-        print(f"rollout B={b:>2} k={k} warps={warps:>2}: {1e3 * ms:7.1f} µs "
-              f"({1e3 * ms / (k + 1):5.1f} µs a step){'' if same is None else ' same' if same else ' DIFFERENT'}",
+        rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, chunk=chunk, head_chunk=head_chunk,
+                             num_stages=stages,
+                         us=1e3 * ms, us_per_draft_step=1e3 * ms / (k + 1), same_as_first=same))
+        print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages}: "
+              f"{1e3 * ms:7.1f} µs ({1e3 * ms / (k + 1):5.1f} µs a step){'' if same is None else ' same' if same else ' DIFFERENT'}",
               flush=True)
     blocks = [blk.step_weights() for blk in model.blocks]
     x = torch.randn((1, D), device="cuda", dtype=torch.bfloat16)
     h = torch.randn((1, D), device="cuda")
-    for warps in (4, 8, 16):
+    for warps in (4, 8):
         x_out, h_out = torch.empty_like(x), torch.empty_like(h)
         ms = graph_ms(lambda: block_step_into(x, h, blocks[0], x_out, h_out, num_warps=warps))
         rows.append(dict(kernel="block_step", batch=1, num_warps=warps, us=1e3 * ms))

@@ -168,21 +168,24 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
-    configs = [(name, k, False, "auto", True) for name in drafts for k in ks]
-    configs += [(name, max(ks), True, "auto", True) for name in drafts]
-    if eager_k:     # the MLGRU graphs drafting step by step (no rollout kernel), and eagerly
-        configs += [("mlgru", eager_k, False, "auto", False), ("mlgru", eager_k, False, "off", False)]
-    for name, k, adaptive, graphs, rollout in configs:
+    configs = [(name, k, False, "auto", True, True) for name in drafts for k in ks]
+    configs += [(name, max(ks), True, "auto", True, True) for name in drafts]
+    if eager_k:     # the MLGRU graphs drafting after reading each step's tokens, step by step
+        configs += [("mlgru", eager_k, False, "auto", True, False), ("mlgru", eager_k, False, "auto", False, True),
+                    ("mlgru", eager_k, False, "off", False, False)]             # (no rollout kernel), eagerly
+    for name, k, adaptive, graphs, rollout, ahead in configs:
         t0 = time.perf_counter()
         spec.MLGRUGraphDrafter.use_rollout = rollout
         try:
             llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
-                                      graphs=graphs)
+                                      graphs=graphs, draft_ahead=ahead)
         finally:
             spec.MLGRUGraphDrafter.use_rollout = True
         outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         stepped = graphs == "auto" and not rollout
-        label = f"batch {batch} {name} k={k} graphs={graphs}{' stepped draft' if stepped else ''}"
+        variant = (" stepped draft" if stepped else "") + (" drafting after reading" if graphs == "auto" and not ahead
+                                                            else "")
+        label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
         try:
             flips = near_tie_flips(target, outs, want, label)
         except AssertionError as e:       # recorded, the other configurations still measured
@@ -194,7 +197,9 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         steps = llm.metrics.steps
         stats = llm.stats
         rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
-                         rollout=getattr(llm.proposer, "rollout", None) is not None, tokens_per_s=tps, speedup=tps / base_tps, acceptance=stats.acceptance_rate(),
+                         rollout=getattr(llm.proposer, "rollout", None) is not None, draft_ahead=ahead,
+                         drafts_ahead=dict(llm.ahead_counts), tokens_per_s=tps, speedup=tps / base_tps,
+                         acceptance=stats.acceptance_rate(),
                          tokens_per_pass=stats.mean_tokens_per_pass(),
                          acceptance_by_position=stats.acceptance_by_position(),
                          graph_verify=llm.verify_graphs is not None,
@@ -204,8 +209,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
-        print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}"
-              f"{' stepped draft' if stepped else ''}: {tps:.0f} tok/s "
+        print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}{variant}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
               f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step, "
               f"{compiled} kernels compiled while timed "

@@ -29,6 +29,14 @@ Compiled, a greedy replay is one kernel (:func:`gpulab.block_step.draft_rollout`
 step of every layer, the head and the argmax in one launch instead of about eight
 launches a draft token).
 
+**Drafting ahead** (:meth:`MLGRUGraphDrafter.launch_ahead`). For greedy sequences the
+next step's start needs nothing the host must decide: the accepted count a is the
+number of leading drafts equal to the target's argmax, the next first token is the
+argmax after them, the start state is ``hist[a]``. So right after the verify replay a
+few device ops compute them and the next draft replay is launched before the host has
+read a single token; the host then reads and reports this step while the GPU drafts the
+next one, instead of leaving the GPU idle meanwhile.
+
 CUDA graphs are captured in compiled mode on a GPU only. Elsewhere
 :class:`~.graph_capture.CapturedStep` calls the function at every replay: the same buffers
 and bookkeeping, testable on a CPU.
@@ -48,7 +56,7 @@ from .batch_attention import append_attention_reference
 from .graph_capture import CapturedStep, StagedBuffers, tokens_from_device
 from .runner import ModelRunner, bucket_sizes
 from .sampling import filter_top_k_top_p
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 BYTES = 256          # the MLGRU draft's vocabulary: token ids >= 256 (BOS, EOS) are not bytes
 
@@ -164,7 +172,7 @@ class PendingDrafts:
     ``seqs[j]`` (the graph's output buffer: read before the next replay of that graph).
     ``ks[j]``: how many of them sequence j proposes. :meth:`resolve` reads them (once)."""
 
-    def __init__(self, drafter: "MLGRUGraphDrafter", seqs: list[Sequence], done: list[int], ks: list[int],
+    def __init__(self, drafter: "MLGRUGraphDrafter", seqs: list[Sequence], done: list[int | None], ks: list[int],
                  tokens: torch.Tensor, q: torch.Tensor | None):
         self.drafter, self.seqs, self.done, self.ks, self.tokens, self.q = drafter, seqs, done, ks, tokens, q
         self.column = {seq: j for j, seq in enumerate(seqs)}
@@ -184,13 +192,15 @@ class PendingDrafts:
     def resolve(self, flat: list[int] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:
         """(tokens, q or None if greedy) per sequence: from ``flat`` (:meth:`flat` already
         copied to the host with other results) or read back now. Records each sequence's
-        drafts in the drafter: its pool rows now hold the states after them."""
+        drafts in the drafter: its pool rows now hold the states after them (not for a
+        sequence whose ``done`` is None, or that the drafter has forgotten meanwhile)."""
         if self.ids is None:
             flat = self.flat().tolist() if flat is None else flat
             k = self.drafter.k
             self.ids = [flat[j * k:(j + 1) * k] for j in range(len(self.seqs))]
             for seq, done, row in zip(self.seqs, self.done, self.ids):
-                self.drafter.record[seq.seq_id] = (done, row)
+                if done is not None and seq.seq_id in self.drafter.slots:
+                    self.drafter.record[seq.seq_id] = (done, row)
         return [(row[:n], q) for row, n, q in zip(self.ids, self.ks, self.probabilities())]
 
 
@@ -230,12 +240,16 @@ class MLGRUGraphDrafter:
             src=torch.full((max_num_seqs,), self.scratch * k1, dtype=torch.long, device=dev),
             first=torch.zeros(max_num_seqs, dtype=torch.long, device=dev),
             dst=self.scratch * k1 + torch.arange(max_num_seqs * k1, device=dev) % k1,
+            # launch_ahead, per sequence: its first verify row, drafts verified, pool row
+            # of its hist[0], column in the verified drafts (before the large fields below)
+            ahead=torch.zeros((max_num_seqs, 4), dtype=torch.long, device=dev),
             greedy=torch.ones(max_num_seqs, dtype=torch.bool, device=dev),
             temp=torch.ones(max_num_seqs, device=dev),
             top_k=torch.zeros(max_num_seqs, dtype=torch.long, device=dev),
             top_p=torch.ones(max_num_seqs, device=dev),
             noise=torch.zeros((max_num_seqs, k, vocab_size), device=dev))
         self.specials = torch.full((max_num_seqs, vocab_size - BYTES), -torch.inf, device=dev)
+        self.offsets = torch.arange(k, device=dev)
         self.cuda = cuda
         self.graphs: dict[tuple[int, bool], CapturedStep] = {}
         self.mempool = None
@@ -332,6 +346,54 @@ class MLGRUGraphDrafter:
         self.buf.send(**counts)
         drafts, q = graph.replay()
         return PendingDrafts(self, seqs, [s.num_tokens for s in seqs], [k] * len(seqs), drafts, q)
+
+    def launch_ahead(self, verified: PendingDrafts, items: list[tuple[Sequence, int]], n_drafts: dict,
+                     best: torch.Tensor) -> "PendingDrafts | None":
+        """The next step's greedy drafts, launched before the host reads this step's tokens.
+
+        ``verified``: the drafts the verify graph just checked (greedy); ``items``: the
+        verify batch (sequence i's rows start at i·(k+1)); ``n_drafts``: per sequence of
+        ``verified`` that was verified, how many of its drafts; ``best``: the target's
+        argmax of every row (the verify graph's output). On the device, per sequence:
+        accepted a = leading drafts equal to the argmax, next first token = the argmax
+        after them, start state = ``hist[a]`` (the replay then rewrites the slot's rows).
+        The result's ``done`` is filled in once the engine has the tokens
+        (:meth:`land_ahead`). No host sync."""
+        k, k1 = self.k, self.k + 1
+        go = [(i, seq) for i, (seq, _) in enumerate(items) if seq in n_drafts]
+        if not go:
+            return None
+        verified.flat()                        # this step's drafts, copied before the replay below
+        m = len(go)
+        b = next(s for s in bucket_sizes(self.max_batch) if s >= m)
+        h = self.buf.np
+        h["src"][:b], h["first"][:b] = self.scratch * k1, 0
+        h["dst"][:b * k1] = self.scratch * k1 + np.arange(b * k1) % k1
+        for j, (i, seq) in enumerate(go):
+            slot = self.slots[seq.seq_id]
+            h["dst"][j * k1:(j + 1) * k1] = slot * k1 + np.arange(k1)
+            h["ahead"][j] = (i * k1, n_drafts[seq], slot * k1, verified.column[seq])
+        self.buf.send(src=b, first=b, dst=b * k1, ahead=m)
+        info = self.buf["ahead"][:m]
+        drafts = verified.tokens.index_select(1, info[:, 3]).t()                      # [m, k]
+        match = (drafts == best[info[:, :1] + self.offsets]) & (self.offsets < info[:, 1:2])
+        accepted = match.cumprod(1).sum(1)
+        first = best[info[:, 0] + accepted]
+        # a special token (EOS) is no draft input: the engine forgets that sequence on landing
+        self.buf["first"][:m] = torch.where(first < BYTES, first, 0)
+        self.buf["src"][:m] = info[:, 2] + accepted
+        tokens, _ = self.graph(b, sampled=False).replay()
+        return PendingDrafts(self, [seq for _, seq in go], [None] * m, [k] * m, tokens, None)
+
+    def land_ahead(self, ahead: PendingDrafts) -> None:
+        """The engine has the tokens of the step ``ahead`` was launched in: a running
+        sequence whose last token is a byte started where it now ends (``done``, its
+        length); any other is forgotten (it catches up when it drafts again)."""
+        for j, seq in enumerate(ahead.seqs):
+            if seq.status is Status.RUNNING and seq.token_ids and seq.token_ids[-1] < BYTES:
+                ahead.done[j] = seq.num_tokens
+            else:
+                self.forget(seq.seq_id)
 
     def starts(self, seqs: list[Sequence], busy: set) -> list[tuple[int, int]]:
         """Per sequence, (slot, pool row of the state after its tokens before its last byte).

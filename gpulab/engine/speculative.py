@@ -374,12 +374,14 @@ class SpeculativeLLM(LLM):
 
     Where the runner captures CUDA graphs (compiled mode on a GPU, ``cuda_graphs`` on),
     a step of decoding sequences verifies all drafts in one graph replay, and the MLGRU
-    draft proposes them in one more (:mod:`.spec_graphs`); other steps run eagerly.
+    draft proposes them in one more (:mod:`.spec_graphs`); other steps run eagerly. With
+    ``draft_ahead`` (greedy batches) the next step's drafts are launched right after the
+    verify replay, before the host reads its tokens.
     """
 
     def __init__(self, model=None, config=None, drafter: Drafter | None = None, k: int = 4,
                  accept=accept_draft, rollback=rollback, adaptive: bool = False,
-                 draft_cost: float = 0.1, graphs: str = "auto", **overrides):
+                 draft_cost: float = 0.1, graphs: str = "auto", draft_ahead: bool = True, **overrides):
         """``accept`` (the rule for sampled requests) and ``rollback`` can be swapped for
         other implementations with the same signatures (notebook 08 plugs in the learner's).
 
@@ -389,7 +391,12 @@ class SpeculativeLLM(LLM):
 
         ``graphs``: "auto" (CUDA graphs for draft and verify where the runner captures its
         decode graphs), "off" (always eager), or "emulate" (the graph path's buffers and
-        bookkeeping with every replay run eagerly: for tests on a CPU)."""
+        bookkeeping with every replay run eagerly: for tests on a CPU).
+
+        ``draft_ahead``: where every drafted sequence of a graph step is greedy, launch
+        the next step's drafts on the device (:meth:`MLGRUGraphDrafter.launch_ahead`)
+        before reading this step's tokens, so that the GPU drafts while the host reports.
+        The same drafts either way."""
         if graphs not in ("auto", "off", "emulate"):
             raise ValueError(f"graphs must be 'auto', 'off' or 'emulate', got {graphs!r}")
         if drafter is None:
@@ -407,6 +414,9 @@ class SpeculativeLLM(LLM):
         self.stats = SpeculationStats(k)
         self.verify_graphs, self.proposer = None, drafter     # proposer: the drafter, or its graphs
         self.pending: PendingDrafts | None = None              # the graph drafter's, not read yet
+        self.draft_ahead = bool(draft_ahead)
+        self.ahead: PendingDrafts | None = None                # next step's, launched before this one landed
+        self.ahead_counts = {"launched": 0, "used": 0}
         if graphs == "emulate" or (graphs == "auto" and self.runner.graphs):
             cuda = graphs == "auto"
             n = self.config.max_num_seqs
@@ -436,6 +446,26 @@ class SpeculativeLLM(LLM):
         seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
         ks = [self._draft_budget(s) for s in seqs]
         seqs, ks = [s for s, k in zip(seqs, ks) if k > 0], [k for k in ks if k > 0]
+        drafts = {}
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            if seqs and all(s in ahead.column for s in seqs):      # the usual case: adopt them
+                want = dict(zip(seqs, ks))
+                ahead.ks = [want.get(s, 0) for s in ahead.seqs]
+                self.pending = ahead
+                self.ahead_counts["used"] += 1
+                for seq, n in zip(ahead.seqs, ahead.ks):
+                    if n:
+                        seq.token_ids += [PLACEHOLDER] * n
+                        drafts[seq] = ([PLACEHOLDER] * n, None)
+                return drafts
+            # the drafting set changed: read them (their pool rows moved on), then the others
+            ready = {s: tokens for s, (tokens, _) in zip(ahead.seqs, ahead.resolve())}
+            for seq, k in zip(seqs, ks):
+                if seq in ready and seq.seq_id in self.proposer.record:
+                    seq.token_ids += ready[seq][:k]
+                    drafts[seq] = (ready[seq][:k], None)
+            seqs, ks = [s for s in seqs if s not in drafts], [k for s, k in zip(seqs, ks) if s not in drafts]
         if isinstance(self.proposer, MLGRUGraphDrafter) and len(seqs) <= self.proposer.max_batch:
             self.pending = self.proposer.propose_on_device(seqs, ks)
             proposals = [] if self.pending is None else \
@@ -443,7 +473,6 @@ class SpeculativeLLM(LLM):
             seqs = [] if self.pending is None else self.pending.seqs
         else:
             proposals = self.proposer.propose(seqs, ks)
-        drafts = {}
         for seq, (tokens, q) in zip(seqs, proposals):
             if tokens:
                 seq.token_ids += tokens
@@ -491,6 +520,8 @@ class SpeculativeLLM(LLM):
         else:
             plan, new_tokens = self._verify_step(batch, drafts)
         outputs = self.emit(batch, prefill, new_tokens, t0, plan, finished_only, first_tokens=first_tokens)
+        if self.ahead is not None:
+            self.proposer.land_ahead(self.ahead)
         for seq in drafts:                # full pages of accepted tokens join the prefix cache
             if seq.status is Status.RUNNING:
                 self.block_manager.commit_full_blocks(seq)
@@ -539,6 +570,12 @@ class SpeculativeLLM(LLM):
         owns rows i·(k+1) onwards; a sequence without drafts takes its row's token."""
         self.runner.copy_blocks(batch.copies)
         logits, best = self.verify_graphs.run(batch.items, self.pending)
+        pending = self.pending
+        if (self.draft_ahead and pending is not None and all(seq.params.greedy for seq in drafts)
+                and all(seq in pending.column for seq in drafts)):
+            self.ahead = self.proposer.launch_ahead(pending, batch.items, {s: len(t) for s, (t, _) in drafts.items()},
+                                                    best)
+            self.ahead_counts["launched"] += self.ahead is not None
         k1 = self.k + 1
         spans = {seq: (i * k1, i * k1 + n) for i, (seq, n) in enumerate(batch.items)}
         plain = [seq for seq, _ in batch.items if seq not in drafts]
@@ -626,6 +663,7 @@ def format_results(result: dict) -> str:
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
         draft += " (no overlap)" if r.get("overlap") is False else ""     # the target alone, host not ahead
         draft += " (stepped)" if r.get("graphs") and r.get("rollout") is False and r.get("graph_draft") else ""
+        draft += " (no ahead)" if r.get("graphs") and r.get("draft_ahead") is False else ""   # drafts after reading
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
         accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"
