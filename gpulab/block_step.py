@@ -46,7 +46,8 @@ BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
 # program, 208 µs with 8 and 230 µs with 16 (keeping the GLU's hidden rows in a workspace,
 # so that w_gate is read once, not twice, made it slower: 228 µs with 8 warps). That build
 # unrolled the GLU's chunks, the layers and the head's chunks (tl.static_range): compiling
-# the rollout for sm_75 then took 250 s; as loops it takes 12 s (not yet timed on the GPU).
+# the rollout for sm_75 then took 250 s; as loops it takes 12 s, and 296 µs on the H200
+# with 8 warps, 210 µs with the wide tiles of :func:`rollout_tiles`.
 BLOCK_STEP_WARPS = 4
 ROLLOUT_WARPS = 8
 
@@ -55,6 +56,25 @@ def glu_chunk(d_model: int) -> int:
     """Columns of the GLU's hidden row made at a time: two [D, C] weight tiles (gate's and
     up's) are in shared memory together, 32 KiB at D = 128, inside sm_75's 64 KiB."""
     return min(d_model, 64)
+
+
+def rollout_tiles(d_model: int, hidden: int, vocab_size: int) -> tuple[int, int, int | None]:
+    """(GLU chunk C, head chunk VC, num_stages) of :func:`draft_rollout_into`.
+
+    On sm_80+, the widest chunk of the hidden row (a power of two dividing it, up to 512)
+    whose [D, C] weight tile fits the GPU's shared memory, up to 256 logits at a time and
+    one pipeline stage: fewer dependent loads in the chain. On the H200 (2026-12-04,
+    tools/rollout_probe.py) four drafts of the shipped draft (D = 128, H = 512) took 210 µs
+    so against 296 µs in 64-wide chunks; that kernel needs 144 KiB (A100 and H100/H200
+    have it, sm_86/89 GPUs about 100 KiB: C = 256 there). Below sm_80, 64-wide chunks,
+    which fit the 64 KiB of sm_75."""
+    cc, smem = runtime.compute_capability(), runtime.shared_memory_per_block()
+    chunk = min(hidden & -hidden, 512)
+    if cc is None or cc < (8, 0) or smem is None:
+        return glu_chunk(d_model), min(vocab_size, 64), None
+    while chunk > glu_chunk(d_model) and 2 * d_model * chunk * 9 // 8 + 8192 > smem:
+        chunk //= 2          # the [D, C] float16 tile and what else the compiler keeps, measured
+    return chunk, min(vocab_size, 256), 1
 
 
 def launch_options(num_warps: int, num_stages: int | None = None) -> dict:
@@ -176,23 +196,35 @@ def _block_rows(x, h, norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr
     s_in = 127.0 / tl.maximum(tl.max(tl.abs(y), axis=1), FLOOR)
     q_in = _quantize_rows(y, s_in)
     gate_scale = s_in[:, None] * tl.load(scale_ptr + 4)
-    sum_sq = tl.zeros([BLOCK_B], tl.float32)
-    max_vw = tl.zeros([BLOCK_B], tl.float32)
     cols = tl.arange(0, C)
-    for j in range(H // C):
-        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
-        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
+    if C == H:
+        # the whole hidden row at once: made once and kept for the down projection
+        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, 0, D, H) / gate_scale
+        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H, D, H) / gate_scale
         v = gate * tl.sigmoid(gate) * up
-        sum_sq += tl.sum(v * v, axis=1)
-        max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * C + cols)[None, :]), axis=1))
-    rstd = 1.0 / tl.sqrt(sum_sq / H + eps_bit)
-    s_down = 127.0 / tl.maximum(max_vw * rstd, FLOOR)
-    acc = tl.zeros([BLOCK_B, D], tl.float32)
-    for j in range(H // C):
-        gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
-        up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
-        v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * C + cols)[None, :]
-        acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * C * D, D, 0, C, D)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / H + eps_bit)
+        v = v * tl.load(down_norm_ptr + cols)[None, :]
+        s_down = 127.0 / tl.maximum(tl.max(tl.abs(v), axis=1) * rstd, FLOOR)
+        acc = _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr, D, 0, H, D)
+    else:
+        # chunk by chunk, twice: first the row's sum of squares and largest |value| (its
+        # norm and quantization scale), then the quantized chunks into the down projection
+        sum_sq = tl.zeros([BLOCK_B], tl.float32)
+        max_vw = tl.zeros([BLOCK_B], tl.float32)
+        for j in range(H // C):
+            gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
+            up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
+            v = gate * tl.sigmoid(gate) * up
+            sum_sq += tl.sum(v * v, axis=1)
+            max_vw = tl.maximum(max_vw, tl.max(tl.abs(v * tl.load(down_norm_ptr + j * C + cols)[None, :]), axis=1))
+        rstd = 1.0 / tl.sqrt(sum_sq / H + eps_bit)
+        s_down = 127.0 / tl.maximum(max_vw * rstd, FLOOR)
+        acc = tl.zeros([BLOCK_B, D], tl.float32)
+        for j in range(H // C):
+            gate = _ternary_dot(q_in, wgate_ptr, 2 * H, j * C, D, C) / gate_scale
+            up = _ternary_dot(q_in, wgate_ptr, 2 * H, H + j * C, D, C) / gate_scale
+            v = gate * tl.sigmoid(gate) * up * tl.load(down_norm_ptr + j * C + cols)[None, :]
+            acc += _ternary_dot(_quantize_rows(v, rstd * s_down), wdown_ptr + j * C * D, D, 0, C, D)
     x += acc / (s_down[:, None] * tl.load(scale_ptr + 5))
     return x, h
 
@@ -385,20 +417,21 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]. ``chunk``: the GLU's columns at a time (a divisor of the
-    hidden size; :func:`glu_chunk` by default), ``head_chunk``: the head's logits at a time
-    (a divisor of the vocabulary, 64 at most by default), ``num_stages``: Triton's."""
+    hidden size), ``head_chunk``: the head's logits at a time (a divisor of the vocabulary),
+    ``num_stages``: Triton's; each by default :func:`rollout_tiles`'."""
     b = first.shape[0]
     if b == 0:
         return
     blocks = w.blocks
+    tiles = rollout_tiles(blocks.d_model, blocks.hidden, w.vocab_size)
+    chunk, head_chunk, num_stages = chunk or tiles[0], head_chunk or tiles[1], num_stages or tiles[2]
     runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps, num_stages),
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
                    blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
-                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=chunk or glu_chunk(blocks.d_model),
-                   V=w.vocab_size,
-                   VC=head_chunk or min(w.vocab_size, 64), BLOCK_B=BLOCK_B,
+                   K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=chunk, V=w.vocab_size,
+                   VC=head_chunk, BLOCK_B=BLOCK_B,
                    IEEE=w.head.dtype == torch.float32)
 
 

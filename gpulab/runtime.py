@@ -94,9 +94,11 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name()
 
 
-# In compile-only mode, the GPU generation launchers should plan for (set per target by
-# gpulab.harness.compile_check, so architecture-dependent paths are compiled too).
+# In compile-only mode, the GPU generation launchers should plan for and its shared memory
+# per block (set per target by gpulab.harness.compile_check, so architecture-dependent
+# paths are compiled too).
 COMPILE_TARGET: tuple[int, int] | None = None
+COMPILE_SHARED_MEMORY: int | None = None
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -111,6 +113,23 @@ def _capability_of(index: int) -> tuple[int, int]:
     # cached: launchers ask on every call, and torch reads the device's properties each time
     import torch
     return torch.cuda.get_device_capability(index)
+
+
+def shared_memory_per_block() -> int | None:
+    """Bytes of shared memory a block may use on the current GPU (opted in: Triton does),
+    the compile target's in compile-only checks; None without a GPU. Launchers whose
+    best tiles need more than every sm_80 GPU has (about 100 KiB on sm_86/89) ask this."""
+    if not _cuda_available():
+        return COMPILE_SHARED_MEMORY if COMPILE_ONLY else None
+    import torch
+    return _shared_memory_of(torch.cuda.current_device())
+
+
+@functools.cache
+def _shared_memory_of(index: int) -> int:
+    import torch
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
 def default_dtype():

@@ -342,10 +342,12 @@ def test_drafting_ahead_changes_no_draft():
     """The next step's drafts launched before the host reads this step's tokens (the
     shipped models, so that drafts are often accepted): the same tokens and the same
     acceptance at every position as drafting after reading, with the drafts adopted in
-    most steps and read back where the drafting set changed."""
+    most steps and read back where the drafting set changed. The third request does not
+    stop at EOS: a drafting sequence whose next token is no byte starts over."""
     from gpulab.engine.model import load_checkpoint
     target, draft = load_checkpoint(device=DEVICE), load_mlgru_draft(device=DEVICE)
     params = [SamplingParams(max_tokens=m) for m in (21, 7, 16, 5, 13)]
+    params[2] = SamplingParams(max_tokens=56, stop_at_eos=False)        # its tokens 51 and 52 are EOS
     config = EngineConfig(**CONFIG)
     want = serve(LLM(target, config), params)
     runs = {}

@@ -9,7 +9,9 @@ then the block-step kernel alone (batch 1) with 4 and 8 warps. Each variant's dr
 states are compared with the first's ("DIFFERENT": a reduction's order changed a
 rounding somewhere). Earlier runs: on 2026-12-04 (call 3 of 2026-12-04f, the build with
 unrolled loops) 4/8/16 warps took 274/208/230 µs (k = 4, batch 1); the GLU's hidden rows
-kept in a workspace were slower. With loops (call 1 of 2026-12-04g) 8 warps took 298 µs.
+kept in a workspace were slower. With loops (call 1 of 2026-12-04g) 8 warps took 298 µs;
+call 2 of 2026-12-04g: the whole hidden row and 256 logits a chunk, one stage, 210 µs
+(gpulab.block_step.rollout_tiles, the default since, with the hidden row made once).
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def main(out: str) -> None:
     L, D = w.n_layers, w.blocks.d_model
     rows, ref = [], {}
     # (num_warps, GLU chunk, head chunk, num_stages): None = the launcher's default
-    variants = [(8, None, None, None), (8, None, None, 1), (8, 128, None, 1), (8, 128, None, None), (8, 256, None, 1),
-                (8, 256, 256, 1), (8, 512, 256, 1), (4, 256, 256, 1), (4, 128, 128, 1), (16, 256, 256, 1)]
+    # (call 2 of 2026-12-04g swept chunks 64-512 and stages; 512/256 with one stage won)
+    variants = [(8, None, None, None), (8, 64, 64, None), (8, 256, 256, 1), (4, None, None, None),
+                (16, None, None, None)]
     for b, k, (warps, chunk, head_chunk, stages) in itertools.product((1, 64), (4,), variants):
         first = torch.randint(0, 256, (b,), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
         state = torch.randn((L, b, D), device="cuda", generator=torch.Generator("cuda").manual_seed(k))
@@ -73,9 +76,9 @@ def main(out: str) -> None:
         rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, chunk=chunk, head_chunk=head_chunk,
                              num_stages=stages,
                          us=1e3 * ms, us_per_draft_step=1e3 * ms / (k + 1), same_as_first=same))
+        verdict = "" if same is None else " same" if same else " DIFFERENT"
         print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages}: "
-              f"{1e3 * ms:7.1f} µs ({1e3 * ms / (k + 1):5.1f} µs a step){'' if same is None else ' same' if same else ' DIFFERENT'}",
-              flush=True)
+              f"{1e3 * ms:7.1f} µs ({1e3 * ms / (k + 1):5.1f} µs a step){verdict}", flush=True)
     blocks = [blk.step_weights() for blk in model.blocks]
     x = torch.randn((1, D), device="cuda", dtype=torch.bfloat16)
     h = torch.randn((1, D), device="cuda")

@@ -360,7 +360,7 @@ class MLGRUGraphDrafter:
         The result's ``done`` is filled in once the engine has the tokens
         (:meth:`land_ahead`). No host sync."""
         k, k1 = self.k, self.k + 1
-        go = [(i, seq) for i, (seq, _) in enumerate(items) if seq in n_drafts]
+        go = [(i, seq) for i, (seq, _) in enumerate(items) if seq in n_drafts and seq.seq_id in self.slots]
         if not go:
             return None
         verified.flat()                        # this step's drafts, copied before the replay below

@@ -449,7 +449,8 @@ class SpeculativeLLM(LLM):
         drafts = {}
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            if seqs and all(s in ahead.column for s in seqs):      # the usual case: adopt them
+            # the usual case: every drafting sequence's drafts are there, from where its tokens end
+            if seqs and all(s in ahead.column and ahead.done[ahead.column[s]] is not None for s in seqs):
                 want = dict(zip(seqs, ks))
                 ahead.ks = [want.get(s, 0) for s in ahead.seqs]
                 self.pending = ahead

@@ -140,6 +140,7 @@ def check_all(names=None, verbose=True, archs=None) -> Recorder:
         # Launchers ask runtime.compute_capability() to choose architecture-dependent
         # paths (int8 dots, big tiles): answer as the target GPU would.
         runtime.COMPILE_TARGET = (arch // 10, arch % 10)
+        runtime.COMPILE_SHARED_MEMORY = smem
         rec = Recorder({arch: smem})
         rec.done = done
         install(rec)
