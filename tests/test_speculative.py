@@ -668,6 +668,33 @@ def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
     assert flips[0]["gap"] == pytest.approx(flips[0]["margin"]) and "a near tie" in capsys.readouterr().out
 
 
+def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(target, monkeypatch):
+    """One configuration's exception (a KeyError cut a GPU run short on 2026-12-04) is kept
+    in the result's errors; the configurations after it still get their rows."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    outs = [SimpleNamespace(prompt_token_ids=[1], token_ids=[2, 3])]
+
+    def bench_one(llm, waves, params, repeats):
+        if getattr(llm, "k", None) == 2:
+            raise KeyError(2)
+        return outs, 100.0, 0
+
+    monkeypatch.setattr(bench, "bench_one", bench_one)
+    monkeypatch.setattr(bench, "engine_config", lambda batch: EngineConfig(**CONFIG))
+    monkeypatch.setattr(bench, "graph_times", lambda llm, batch: {})
+    errors = []
+    rows = bench.bench_speculation(target, {"mlgru": lambda: drafters(target)["mlgru"]}, 1, 4, (2, 3), repeats=1,
+                                   wrong=[], errors=errors)
+    assert [r["k"] for r in rows if r["draft"] == "mlgru" and not r["adaptive"]] == [3]
+    assert len(errors) == 1 and "k=2" in errors[0] and "KeyError: 2" in errors[0]
+
+
 def test_a_16_bit_flip_is_judged_on_float32_logits_and_its_own_drift(monkeypatch):
     """first_flip judges a bf16 model's flip on a float32 copy's logits; its tolerance
     grows to the drift (how far the bf16 forward, plain and with rounding-sized noise,

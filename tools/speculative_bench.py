@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -142,10 +143,12 @@ def near_tie_flips(target, outs, want, label: str) -> list[dict]:
     return flips
 
 
-def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None, wrong=None):
+def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None, wrong=None, errors=None):
     """Rows for one batch size: the target alone, then each (draft, k, graphs). A
     configuration whose tokens differ from the target alone's (not at a near tie) gets no
-    row: its message goes to ``wrong`` (a list), or raises AssertionError without one."""
+    row: its message goes to ``wrong`` (a list), or raises AssertionError without one. One
+    that raises gets no row either: its traceback goes to ``errors`` (a list), or it
+    propagates without one (on 2026-12-04 a KeyError of one configuration lost the rest)."""
     wrong_given = wrong is not None
     wrong = [] if wrong is None else wrong
     waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
@@ -181,11 +184,20 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                                       graphs=graphs, draft_ahead=ahead)
         finally:
             spec.MLGRUGraphDrafter.use_rollout = True
-        outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         stepped = graphs == "auto" and not rollout
         variant = (" stepped draft" if stepped else "") + (" drafting after reading" if graphs == "auto" and not ahead
                                                             else "")
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
+        try:
+            outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
+        except Exception:
+            if errors is None:
+                raise
+            print(f"    ERROR in {label}:\n{traceback.format_exc()}", flush=True)
+            errors.append(f"{label}: {traceback.format_exc(limit=-3)}")
+            del llm
+            torch.cuda.empty_cache()
+            continue
         try:
             flips = near_tie_flips(target, outs, want, label)
         except AssertionError as e:       # recorded, the other configurations still measured
@@ -547,7 +559,8 @@ def main(argv=None) -> int:
     ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else (4, 8) if args.quick else (2, 4, 6, 8)
     repeats = 1 if args.quick else 2
     result = dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(), versions=runtime.versions(),
-                  max_tokens=args.max_tokens, near_tie_rel_tol=NEAR_TIE[dtype], rows=[], wrong_tokens=[])
+                  max_tokens=args.max_tokens, near_tie_rel_tol=NEAR_TIE[dtype], rows=[], wrong_tokens=[],
+                  errors=[])
 
     def save():   # after every stage: a run cut short keeps what it measured
         result["seconds"] = time.perf_counter() - t_start
@@ -556,11 +569,11 @@ def main(argv=None) -> int:
     batches = {int(b) for b in args.batches.split(",") if b.strip()}
     if 1 in batches:
         result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4,
-                                            wrong=result["wrong_tokens"])
+                                            wrong=result["wrong_tokens"], errors=result["errors"])
         save()
     if 64 in batches:
         result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1,
-                                            wrong=result["wrong_tokens"])
+                                            wrong=result["wrong_tokens"], errors=result["errors"])
         save()
     if args.profile:
         result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
@@ -586,9 +599,9 @@ def main(argv=None) -> int:
             save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")
-    for message in result["wrong_tokens"]:
+    for message in result["wrong_tokens"] + result["errors"]:
         print(f"FAILED: {message}")
-    return 1 if result["wrong_tokens"] else 0
+    return 1 if result["wrong_tokens"] or result["errors"] else 0
 
 
 if __name__ == "__main__":
