@@ -32,10 +32,10 @@ launches a draft token).
 **Drafting ahead** (:meth:`MLGRUGraphDrafter.launch_ahead`). For greedy sequences the
 next step's start needs nothing the host must decide: the accepted count a is the
 number of leading drafts equal to the target's argmax, the next first token is the
-argmax after them, the start state is ``hist[a]``. So right after the verify replay a
-few device ops compute them and the next draft replay is launched before the host has
-read a single token; the host then reads and reports this step while the GPU drafts the
-next one, instead of leaving the GPU idle meanwhile.
+argmax after them, the start state is ``hist[a]``. So right after the verify replay
+one more replay computes them and drafts the next step, before the host has read a
+single token; the host then reads and reports this step while the GPU drafts the next
+one, instead of leaving the GPU idle meanwhile.
 
 CUDA graphs are captured in compiled mode on a GPU only. Elsewhere
 :class:`~.graph_capture.CapturedStep` calls the function at every replay: the same buffers
@@ -215,11 +215,13 @@ class MLGRUGraphDrafter:
 
     ``noise(seq, position, vocab)``: the Gumbel noise [vocab] (float64) of a sampled
     sequence's draft at ``position``, from the eager drafter's seeded stream. ``fused``:
-    each block's step as one kernel (the eager drafter's choice)."""
+    each block's step as one kernel (the eager drafter's choice). ``ahead``: capture the
+    graphs of :meth:`launch_ahead` now too (otherwise at their first use)."""
 
     use_rollout = True        # False: greedy graphs step the model k + 1 times (for comparisons)
 
-    def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool, fused: bool = False):
+    def __init__(self, model, vocab_size: int, k: int, max_num_seqs: int, noise, cuda: bool, fused: bool = False,
+                 ahead: bool = False):
         self.model, self.vocab_size, self.k, self.noise, self.fused = model, vocab_size, k, noise, fused
         if fused:                                 # made now, never inside a capture
             for block in model.blocks:
@@ -250,20 +252,49 @@ class MLGRUGraphDrafter:
             noise=torch.zeros((max_num_seqs, k, vocab_size), device=dev))
         self.specials = torch.full((max_num_seqs, vocab_size - BYTES), -torch.inf, device=dev)
         self.offsets = torch.arange(k, device=dev)
+        # launch_ahead's inputs where its graphs find them: the verify argmax, the drafts verified
+        self.best_in = torch.zeros(max_num_seqs * k1, dtype=torch.long, device=dev)
+        self.drafts_in = torch.zeros((k, max_num_seqs), dtype=torch.long, device=dev)
         self.cuda = cuda
-        self.graphs: dict[tuple[int, bool], CapturedStep] = {}
+        self.graphs: dict[tuple[int, bool | str], CapturedStep] = {}
         self.mempool = None
         for b in reversed(bucket_sizes(max_num_seqs)):   # greedy graphs now, sampled ones when first needed
             self.graph(b, sampled=False)
+            if ahead:                                    # (a capture waits for the GPU: not while serving)
+                self.graph(b, "ahead")
 
-    def graph(self, b: int, sampled: bool) -> CapturedStep:
+    def graph(self, b: int, sampled: bool | str) -> CapturedStep:
+        """The replay for ``b`` sequences: greedy (``sampled`` False), sampled (True), or
+        greedy starting where the verify pass left each sequence ("ahead")."""
         if (b, sampled) not in self.graphs:
             k1 = self.k + 1       # capture from neutral buffers: warm-ups touch only the scratch slot
             self.buf.set("src", torch.full_like(self.buf["src"], self.scratch * k1))
             self.buf.set("dst", self.scratch * k1 + torch.arange(self.buf["dst"].numel(), device=self.device) % k1)
-            self.graphs[b, sampled] = CapturedStep(functools.partial(self.forward, b, sampled), self.cuda, self.mempool)
+            self.buf.set("ahead", self.neutral_ahead(self.buf["ahead"].shape[0]))
+            fn = functools.partial(self.forward_ahead, b) if sampled == "ahead" else \
+                functools.partial(self.forward, b, sampled)
+            self.graphs[b, sampled] = CapturedStep(fn, self.cuda, self.mempool)
             self.mempool = self.graphs[b, sampled].pool or self.mempool
         return self.graphs[b, sampled]
+
+    def neutral_ahead(self, n: int) -> torch.Tensor:
+        """``n`` rows of launch_ahead's table that start nothing but the scratch slot."""
+        rows = torch.zeros((n, 4), dtype=torch.long, device=self.device)
+        rows[:, 2] = self.scratch * (self.k + 1)
+        return rows
+
+    def forward_ahead(self, b: int):
+        """The captured function of :meth:`launch_ahead`: each of the ``b`` rows' start (first
+        token, pool row) from the verify pass's argmax, then :meth:`forward` (greedy)."""
+        info = self.buf["ahead"][:b]
+        drafts = self.drafts_in.index_select(1, info[:, 3]).t()                           # [b, k]
+        match = (drafts == self.best_in[info[:, :1] + self.offsets]) & (self.offsets < info[:, 1:2])
+        accepted = match.cumprod(1).sum(1)
+        first = self.best_in[info[:, 0] + accepted]
+        # a special token (EOS) is no draft input: the engine forgets that sequence on landing
+        self.buf["first"][:b] = torch.where(first < BYTES, first, 0)
+        self.buf["src"][:b] = info[:, 2] + accepted
+        return self.forward(b, sampled=False)
 
     def forward(self, b: int, sampled: bool):
         """The captured function: k draft tokens [k, b] (and q [k, b, V] when sampled)."""
@@ -358,7 +389,7 @@ class MLGRUGraphDrafter:
         accepted a = leading drafts equal to the argmax, next first token = the argmax
         after them, start state = ``hist[a]`` (the replay then rewrites the slot's rows).
         The result's ``done`` is filled in once the engine has the tokens
-        (:meth:`land_ahead`). No host sync."""
+        (:meth:`land_ahead`). One replay (:meth:`forward_ahead`), no host sync."""
         k, k1 = self.k, self.k + 1
         go = [(i, seq) for i, (seq, _) in enumerate(items) if seq in n_drafts and seq.seq_id in self.slots]
         if not go:
@@ -366,23 +397,18 @@ class MLGRUGraphDrafter:
         verified.flat()                        # this step's drafts, copied before the replay below
         m = len(go)
         b = next(s for s in bucket_sizes(self.max_batch) if s >= m)
+        graph = self.graph(b, "ahead")         # (captured from neutral buffers the first time)
         h = self.buf.np
-        h["src"][:b], h["first"][:b] = self.scratch * k1, 0
         h["dst"][:b * k1] = self.scratch * k1 + np.arange(b * k1) % k1
+        h["ahead"][:b] = (0, 0, self.scratch * k1, 0)
         for j, (i, seq) in enumerate(go):
             slot = self.slots[seq.seq_id]
             h["dst"][j * k1:(j + 1) * k1] = slot * k1 + np.arange(k1)
             h["ahead"][j] = (i * k1, n_drafts[seq], slot * k1, verified.column[seq])
-        self.buf.send(src=b, first=b, dst=b * k1, ahead=m)
-        info = self.buf["ahead"][:m]
-        drafts = verified.tokens.index_select(1, info[:, 3]).t()                      # [m, k]
-        match = (drafts == best[info[:, :1] + self.offsets]) & (self.offsets < info[:, 1:2])
-        accepted = match.cumprod(1).sum(1)
-        first = best[info[:, 0] + accepted]
-        # a special token (EOS) is no draft input: the engine forgets that sequence on landing
-        self.buf["first"][:m] = torch.where(first < BYTES, first, 0)
-        self.buf["src"][:m] = info[:, 2] + accepted
-        tokens, _ = self.graph(b, sampled=False).replay()
+        self.buf.send(dst=b * k1, ahead=b)
+        self.best_in[:best.numel()].copy_(best)
+        self.drafts_in[:, :verified.tokens.shape[1]].copy_(verified.tokens)
+        tokens, _ = graph.replay()
         return PendingDrafts(self, [seq for _, seq in go], [None] * m, [k] * m, tokens, None)
 
     def land_ahead(self, ahead: PendingDrafts) -> None:

@@ -423,7 +423,7 @@ class SpeculativeLLM(LLM):
             self.verify_graphs = VerifyGraphs(self.runner, k, n, cuda)
             if isinstance(drafter, MLGRUDrafter):
                 self.proposer = MLGRUGraphDrafter(drafter.model, drafter.vocab_size, k, n, draft_noise, cuda,
-                                                  fused=drafter.fused)
+                                                  fused=drafter.fused, ahead=self.draft_ahead)
 
     def request_k(self, seq: Sequence) -> int:
         """Drafts this request proposes per step: ``k``, or its :func:`best_k` when adaptive
