@@ -636,21 +636,27 @@ def test_checks_are_called_by_name_like_kernel_checks(capsys):
     assert "✔ rollback" in capsys.readouterr().out
 
 
+def speculative_bench():
+    """tools/speculative_bench.py as a module (tools/ is no package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
     """tools/speculative_bench.py compares each configuration's greedy tokens with the
     target alone's through gpulab.engine.model.first_flip (the tests' comparison): equal
     outputs pass, a flip at a near tie of the target's logits is reported and counted, any
     other difference fails the run."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
     from gpulab.engine import model as engine_model
     from gpulab.engine.model import encode_prompt, next_token_logits, reference_generate
-    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = speculative_bench()
     prompt = encode_prompt("Tyger Tyger")
     want = reference_generate(target, prompt, 6)
     logits = next_token_logits(target, prompt + want[:3])
@@ -671,13 +677,8 @@ def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
 def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(target, monkeypatch):
     """One configuration's exception (a KeyError cut a GPU run short on 2026-12-04) is kept
     in the result's errors; the configurations after it still get their rows."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
-    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = speculative_bench()
     outs = [SimpleNamespace(prompt_token_ids=[1], token_ids=[2, 3])]
 
     def bench_one(llm, waves, params, repeats):
