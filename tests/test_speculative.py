@@ -553,6 +553,8 @@ def test_bad_arguments():
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), k=0)
     with pytest.raises(ValueError, match="graphs"):
         SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), graphs="on")
+    with pytest.raises(ValueError, match="draft_ahead must be True or False"):
+        SpeculativeLLM(TernaryTransformer(TINY).pack(), EngineConfig(**CONFIG), drafter=object(), draft_ahead="no")
 
 
 # -- the notebook's checks reject wrong learner code -----------------------------------------------------

@@ -403,6 +403,8 @@ class SpeculativeLLM(LLM):
             raise ValueError("SpeculativeLLM needs a drafter (MLGRUDrafter or TransformerDrafter)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        if not isinstance(draft_ahead, bool):
+            raise ValueError(f"draft_ahead must be True or False, got {draft_ahead!r}")
         if isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float)) or not 0 <= draft_cost < 10:
             raise ValueError(f"draft_cost (a draft step's time over a target pass's) must be in [0, 10), "
                              f"got {draft_cost!r}")
@@ -414,7 +416,7 @@ class SpeculativeLLM(LLM):
         self.stats = SpeculationStats(k)
         self.verify_graphs, self.proposer = None, drafter     # proposer: the drafter, or its graphs
         self.pending: PendingDrafts | None = None              # the graph drafter's, not read yet
-        self.draft_ahead = bool(draft_ahead)
+        self.draft_ahead = draft_ahead
         self.ahead: PendingDrafts | None = None                # next step's, launched before this one landed
         self.ahead_counts = {"launched": 0, "used": 0}
         if graphs == "emulate" or (graphs == "auto" and self.runner.graphs):
