@@ -65,7 +65,7 @@ def rollout_tiles(d_model: int, hidden: int, vocab_size: int) -> tuple[int, int,
     whose [D, C] weight tile fits the GPU's shared memory, up to 256 logits at a time and
     one pipeline stage: fewer dependent loads in the chain. On the H200 (2026-12-04,
     tools/rollout_probe.py) four drafts of the shipped draft (D = 128, H = 512) took 210 µs
-    so against 296 µs in 64-wide chunks; that kernel needs 144 KiB (A100 and H100/H200
+    this way against 296 µs in 64-wide chunks; that kernel needs 144 KiB (A100 and H100/H200
     have it, sm_86/89 GPUs about 100 KiB: C = 256 there). Below sm_80, 64-wide chunks,
     which fit the 64 KiB of sm_75."""
     cc, smem = runtime.compute_capability(), runtime.shared_memory_per_block()
@@ -418,7 +418,7 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]. ``chunk``: the GLU's columns at a time (a divisor of the
     hidden size), ``head_chunk``: the head's logits at a time (a divisor of the vocabulary),
-    ``num_stages``: Triton's; each by default :func:`rollout_tiles`'."""
+    ``num_stages``: Triton's; each by default from :func:`rollout_tiles`."""
     b = first.shape[0]
     if b == 0:
         return
