@@ -361,6 +361,43 @@ def test_drafting_ahead_changes_no_draft():
     assert 0 < used < launched, spec.ahead_counts
 
 
+def test_drafting_ahead_under_preemption_keeps_the_target_tokens():
+    """A page pool too small for every request: sequences preempted while their next
+    drafts run ahead (their drafts dropped, their slots forgotten) recompute later and
+    still produce the target's tokens; nothing leaks."""
+    from gpulab.engine.model import load_checkpoint
+    target, draft = load_checkpoint(device=DEVICE), load_mlgru_draft(device=DEVICE)
+    prompts = ["The same old prefix, " + s for s in ("a", "bb", "ccc", "dddd")]
+    params = SamplingParams(max_tokens=14)
+    small = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    want = [o.token_ids for o in LLM(target, EngineConfig(**CONFIG)).generate(prompts, params)]
+    spec = SpeculativeLLM(target, small, drafter=MLGRUDrafter(draft), k=3, graphs="emulate")
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want and spec.idle() and not spec.proposer.slots
+    assert spec.metrics.summary()["preemptions"] > 0 and spec.ahead_counts["used"] > 0
+
+
+def test_a_request_aborted_while_its_drafts_run_ahead_leaves_the_others_alone():
+    """A client that goes away while its next drafts are launched ahead (the server aborts
+    it between steps): the other requests' tokens are the target's, and its draft slot and
+    pages are all freed."""
+    from gpulab.engine.model import load_checkpoint
+    target, draft = load_checkpoint(device=DEVICE), load_mlgru_draft(device=DEVICE)
+    params = SamplingParams(max_tokens=16)
+    want = serve_some(LLM(target, EngineConfig(**CONFIG)), [params] * 3)
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=MLGRUDrafter(draft), k=3, graphs="emulate")
+    ids = [spec.add_request(p, params) for p in PROMPTS[:3]]
+    done = {}
+    while spec.ahead is None or ids[1] not in {s.request_id for s in spec.ahead.seqs}:
+        assert spec.has_unfinished(), "no step drafted ahead for the request"
+        done.update({o.request_id: o for o in spec.step() if o.finished})
+    spec.abort(ids[1])
+    while spec.has_unfinished():
+        done.update({o.request_id: o for o in spec.step() if o.finished})
+    assert [done[ids[0]].token_ids, done[ids[2]].token_ids] == [want[0], want[2]]
+    assert spec.idle() and not spec.proposer.slots and not spec.proposer.record
+
+
 @pytest.mark.skipif(gpulab.mode() == "compiled", reason="the plumbing on CPU tensors")
 def test_drafts_launched_ahead_start_where_the_accepted_tokens_end():
     """launch_ahead finds each sequence's accepted count and next token in the verify
