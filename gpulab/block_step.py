@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import runtime
 from .normquant import ABSMAX_FLOOR, absmax_quantize, rmsnorm_ref, round_half_away_int
-from .validate import require_same_device, require_tensor
+from .validate import require_index_range, require_same_device, require_tensor
 
 BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
 # A row block's step is a chain of small dots and row reductions: its time is their latency.
@@ -318,7 +318,7 @@ def stack_blocks(blocks: list[BlockStepWeights]) -> BlockStepWeights:
 
 def rollout_fits(d_model: int, hidden: int, vocab_size: int) -> bool:
     """Sizes the rollout kernel takes: the block kernel's, and a vocabulary of a power of
-    two from 16 to 1024 (the head's logits in tiles of up to 64)."""
+    two from 16 to 1024 (the head's logits in tiles of up to 256, :func:`rollout_tiles`)."""
     return fits(d_model, hidden) and 16 <= vocab_size <= 1024 and vocab_size & (vocab_size - 1) == 0
 
 
@@ -458,8 +458,7 @@ def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, 
     b = first.shape[0]
     require_tensor("states", states, shape=(L, b, D), dtype=torch.float32, contiguous=False)
     require_same_device(first=first, states=states, weights=w.embed)
-    if b and (int(first.min()) < 0 or int(first.max()) >= w.vocab_size):
-        raise ValueError(f"first holds token ids outside [0, {w.vocab_size}): the draft's vocabulary")
+    require_index_range("first", first, 0, w.vocab_size, "a token id of the draft's vocabulary")
     dev = first.device
     drafts = torch.empty((k, b), dtype=torch.long, device=dev)
     out = torch.empty((L, b * (k + 1), D), dtype=torch.float32, device=dev)

@@ -298,7 +298,7 @@ def test_draft_rollout_rejects_bad_input_clearly():
     first = torch.tensor([1, 2, 3], device=DEVICE)
     with pytest.raises(ValueError, match=r"k must be an int in \[0, 64\]"):
         draft_rollout(first, states, w, -1)
-    with pytest.raises(ValueError, match="outside \\[0, 256\\)"):
+    with pytest.raises(IndexError, match=r"first\[1\] = 256 is outside \[0, 256\)"):
         draft_rollout(torch.tensor([1, 256, 3], device=DEVICE), states, w, 2)
     with pytest.raises(ValueError, match="states"):
         draft_rollout(first, torch.zeros(2, 4, 32, device=DEVICE), w, 2)

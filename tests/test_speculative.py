@@ -15,6 +15,7 @@ from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, Transformer
                                        load_mlgru_draft)
 import gpulab
 from gpulab.model import MatMulFreeLM
+from helpers import load_tool
 
 CONFIG = dict(num_blocks=48, block_size=4, max_num_seqs=8, max_num_batched_tokens=48)
 PROMPTS = ["Tyger Tyger", "a", "Shall I compare thee", "The moon", "0123456789"]
@@ -675,17 +676,6 @@ def test_checks_are_called_by_name_like_kernel_checks(capsys):
     assert "✔ rollback" in capsys.readouterr().out
 
 
-def speculative_bench():
-    """tools/speculative_bench.py as a module (tools/ is no package)."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
     """tools/speculative_bench.py compares each configuration's greedy tokens with the
     target alone's through gpulab.engine.model.first_flip (the tests' comparison): equal
@@ -695,7 +685,7 @@ def test_benchmark_accepts_only_near_tie_flips(target, monkeypatch, capsys):
 
     from gpulab.engine import model as engine_model
     from gpulab.engine.model import encode_prompt, next_token_logits, reference_generate
-    bench = speculative_bench()
+    bench = load_tool("speculative_bench")
     prompt = encode_prompt("Tyger Tyger")
     want = reference_generate(target, prompt, 6)
     logits = next_token_logits(target, prompt + want[:3])
@@ -717,7 +707,7 @@ def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(tar
     """One configuration's exception (a KeyError cut a GPU run short on 2026-12-04) is kept
     in the result's errors; the configurations after it still get their rows."""
     from types import SimpleNamespace
-    bench = speculative_bench()
+    bench = load_tool("speculative_bench")
     outs = [SimpleNamespace(prompt_token_ids=[1], token_ids=[2, 3])]
 
     def bench_one(llm, waves, params, repeats):

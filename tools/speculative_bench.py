@@ -17,8 +17,12 @@ the run once the other configurations are measured):
 
 * tokens/s of the target alone (its decode CUDA graphs) and of speculative decoding with
   the shipped MLGRU draft, drafting and verifying in CUDA graphs (``graphs="auto"``), for
-  k in 2, 4, 6 and adaptive k, at batch 1 (the prompts one after another) and batch 64
-  (all at once); one eager row (``graphs="off"``, k=4, batch 1) for comparison;
+  k in 2, 4, 6, 8 (``--ks``; 4 and 8 with ``--quick``) and adaptive k, at batch 1 (the
+  prompts one after another) and batch 64 (all at once; the first two k); at batch 1,
+  k = 4, three rows for comparison: drafting after reading each step's tokens
+  (``draft_ahead=False``), the draft graph stepping the model k + 1 times (no rollout
+  kernel), and eager (``graphs="off"``). A configuration that raises gets no row: its
+  traceback goes to the JSON's ``errors`` and fails the run, after the others;
 * with ``--transformer``: a small ternary transformer draft trained here (eager drafting,
   graph verify);
 * unless ``--no-server``: the server's overhead, 64 streaming HTTP clients (aiohttp; since
