@@ -20,7 +20,8 @@ The step of a block (paper variant; x [B, D] the residual stream, h [B, D] the s
 Q is the per-row absmax int8 quantization (scale s = 127 / max|·|, rounding half away
 from zero), T_p the ternary weights, σ_p their scale. The int8 × ternary dots run as
 fp16 tensor-core dots: every product is an integer of at most 127 and the fp32 sums stay
-exact below 2^24. The GLU's hidden vector (H wide) is made D columns at a time, twice:
+exact below 2^24. With the weights stored as int8 instead (:data:`INT8_WEIGHTS`, sm_80+)
+they are int8 tensor-core dots with int32 sums: the same integers, half the bytes read. The GLU's hidden vector (H wide) is made D columns at a time, twice:
 the first pass gathers Σv² and max|v·w_down| for the down projection's norm-quant (the
 norm's rstd is a common positive factor of every element, so the max of the normalised
 row is rstd times the max of v·w), the second recomputes each chunk, quantizes it and
@@ -30,7 +31,7 @@ a draft may propose another token now and then, never the target's output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -50,6 +51,25 @@ BLOCK_B = 16          # rows per program: the smallest tile of a tensor-core dot
 # with 8 warps, 210 µs with the wide tiles of :func:`rollout_tiles`.
 BLOCK_STEP_WARPS = 4
 ROLLOUT_WARPS = 8
+# A step is a chain of loads and dots on one SM: int8 weights halve what each dot loads and
+# make the dots int8 tensor-core dots. They give exactly the float16 weights' results
+# (tests/test_block_step.py) and compile for sm_80 and sm_90 (int8 dots do not for sm_75),
+# but have not been timed on a GPU yet: tools/rollout_probe.py times both. Off until then.
+INT8_WEIGHTS = False
+TERNARY = ("w_f", "w_c", "w_g", "w_o", "w_gate", "w_down")
+
+
+def int8_dots() -> bool:
+    """Can the kernels take int8 weights here? Int8 tensor-core dots need sm_80+ (they do
+    not compile for sm_75, Colab's T4); the interpreter computes them exactly."""
+    cc = runtime.compute_capability()
+    return cc is None or cc >= (8, 0)
+
+
+def weight_dtype() -> torch.dtype:
+    """The ternary weights' dtype in :meth:`gpulab.model.Block.step_weights`: int8 where
+    :data:`INT8_WEIGHTS` is on and :func:`int8_dots` allows it, else float16."""
+    return torch.int8 if INT8_WEIGHTS and int8_dots() else torch.float16
 
 
 def glu_chunk(d_model: int) -> int:
@@ -93,8 +113,9 @@ class BlockStepWeights:
 
     norms: float32 [7, D], the RMSNorm weights of the mixer, of f, c, g and o's inputs, of
     the MLP and of gate's input; down_norm: float32 [H]; scales: float32 [6], the ternary
-    scales σ of f, c, g, o, gate and down; w_f, w_c, w_g, w_o: float16 [D, D] and w_gate
-    [D, 2H], w_down [H, D]: ternary weights transposed (K rows, N columns) as −1, 0, 1.
+    scales σ of f, c, g, o, gate and down; w_f, w_c, w_g, w_o: [D, D] and w_gate [D, 2H],
+    w_down [H, D]: ternary weights transposed (K rows, N columns) as −1, 0, 1, all float16
+    or all int8 (:func:`weight_dtype`).
     eps_norm: the blocks' RMSNorm epsilon; eps_bit: the BitLinears'."""
     norms: torch.Tensor
     down_norm: torch.Tensor
@@ -115,6 +136,22 @@ class BlockStepWeights:
     @property
     def hidden(self) -> int:
         return self.down_norm.shape[-1]
+
+    def with_weight_dtype(self, dtype: torch.dtype) -> "BlockStepWeights":
+        """The same weights with the ternary ones as ``dtype`` (torch.float16 or torch.int8)."""
+        return replace(self, **{n: getattr(self, n).to(dtype) for n in TERNARY})
+
+
+def require_weights_run_here(w: BlockStepWeights) -> None:
+    """The ternary weights all float16 or all int8, and int8 only where :func:`int8_dots`."""
+    dtypes = {getattr(w, n).dtype for n in TERNARY}
+    if len(dtypes) != 1 or not dtypes <= {torch.float16, torch.int8}:
+        raise TypeError(f"the ternary weights must be all float16 or all int8, got "
+                        f"{sorted(str(d).replace('torch.', '') for d in dtypes)}")
+    if dtypes == {torch.int8} and not int8_dots():
+        raise ValueError(f"int8 weights need int8 tensor-core dots (sm_80 or newer), this GPU is "
+                         f"sm_{''.join(map(str, runtime.compute_capability()))}: pass "
+                         f"w.with_weight_dtype(torch.float16)")
 
 
 def fits(d_model: int, hidden: int) -> bool:
@@ -160,11 +197,15 @@ def _quantize_rows(y, scale):
 
 @triton.jit
 def _ternary_dot(q, w_ptr, ld, col0, K: tl.constexpr, N: tl.constexpr):
-    """q [BLOCK_B, K] (float16 integers) · W[:, col0:col0+N] (W float16 [K, ld]): exact."""
+    """q [BLOCK_B, K] (float16 integers) · W[:, col0:col0+N] (W float16 or int8 [K, ld]): exact."""
     k = tl.arange(0, K)
     n = tl.arange(0, N)
     w = tl.load(w_ptr + k[:, None] * ld + col0 + n[None, :])
-    return tl.dot(q, w, out_dtype=tl.float32)
+    if w.dtype == tl.int8:          # the codes fit int8 (the quantization clamps them)
+        acc = tl.dot(q.to(tl.int8), w, out_dtype=tl.int32).to(tl.float32)
+    else:
+        acc = tl.dot(q, w, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -270,6 +311,7 @@ def block_step(x: torch.Tensor, h: torch.Tensor, w: BlockStepWeights):
         raise ValueError(f"x must be [batch, {d}] (the block's d_model), got {tuple(x.shape)}")
     require_tensor("h", h, shape=x.shape, contiguous=False)
     require_same_device(x=x, h=h, weights=w.norms)
+    require_weights_run_here(w)
     x, h = x.contiguous(), h.float().contiguous()
     x_out, h_out = torch.empty_like(x), torch.empty_like(h)
     block_step_into(x, h, w, x_out, h_out)
@@ -305,6 +347,10 @@ class RolloutWeights:
     @property
     def vocab_size(self) -> int:
         return self.embed.shape[0]
+
+    def with_weight_dtype(self, dtype: torch.dtype) -> "RolloutWeights":
+        """The same weights with the blocks' ternary ones as ``dtype`` (float16 or int8)."""
+        return replace(self, blocks=self.blocks.with_weight_dtype(dtype))
 
 
 def stack_blocks(blocks: list[BlockStepWeights]) -> BlockStepWeights:
@@ -458,6 +504,7 @@ def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, 
     b = first.shape[0]
     require_tensor("states", states, shape=(L, b, D), dtype=torch.float32, contiguous=False)
     require_same_device(first=first, states=states, weights=w.embed)
+    require_weights_run_here(w.blocks)
     require_index_range("first", first, 0, w.vocab_size, "a token id of the draft's vocabulary")
     dev = first.device
     drafts = torch.empty((k, b), dtype=torch.long, device=dev)

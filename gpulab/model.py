@@ -33,7 +33,7 @@ from tqdm.auto import tqdm as tqdm_auto
 from tqdm.std import tqdm as tqdm_text
 
 from .bitlinear import BitLinear, PackedKernels, unpack_ternary
-from .block_step import BlockStepWeights, RolloutWeights, block_step, fits, rollout_fits, stack_blocks
+from .block_step import BlockStepWeights, RolloutWeights, block_step, fits, rollout_fits, stack_blocks, weight_dtype
 from .mlgru import MLGRU, ScanLaunchers, require_scan_kernel
 from .validate import require_index_range, require_same_device, require_tensor
 
@@ -131,11 +131,11 @@ class Block(nn.Module):
             return None
         tensors = [self.mixer_norm.weight, self.mlp_norm.weight] + [t for p in projs
                                                                    for t in (p.norm_weight, p.w_packed, p.w_scale)]
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        key = tuple((t.data_ptr(), t._version) for t in tensors) + (weight_dtype(),)
         cached = getattr(self, "_step_weights", None)
         if cached is None or cached[0] != key:
             def transposed(p):
-                return unpack_ternary(p.w_packed, p.in_features).t().to(torch.float16).contiguous()
+                return unpack_ternary(p.w_packed, p.in_features).t().to(weight_dtype()).contiguous()
             norms = torch.stack([w.float() for w in (self.mixer_norm.weight, m.f_proj.norm_weight,
                                                      m.c_proj.norm_weight, m.g_proj.norm_weight,
                                                      m.o_proj.norm_weight, self.mlp_norm.weight,

@@ -1,6 +1,7 @@
 """The fused block step (gpulab.block_step): one kernel for a MatMul-free block's decode
 step, against its float64 reference and the layered step it replaces."""
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -306,3 +307,37 @@ def test_draft_rollout_rejects_bad_input_clearly():
         draft_rollout(first.int(), states, w, 2)
     drafts, hist = draft_rollout(first, states, w, 0)                # no drafts: the state after `first`
     assert drafts.shape == (0, 3) and hist.shape == (2, 3, 1, 32)
+
+
+def test_int8_weights_give_exactly_what_float16_weights_give(monkeypatch):
+    """INT8_WEIGHTS: the block's weights as int8 (int8 dots, int32 sums) step and draft as
+    the float16 ones do, to the bit; the model's step weights follow the switch."""
+    model = _model(seed=8)
+    x, h = torch.randn(5, 32, device=DEVICE) * 2, torch.randn(5, 32, device=DEVICE)
+    half = model.blocks[0].step_weights()
+    monkeypatch.setattr(block_step_module, "INT8_WEIGHTS", True)
+    int8 = model.blocks[0].step_weights()
+    assert half.w_gate.dtype == torch.float16 and int8.w_gate.dtype == torch.int8
+    assert torch.equal(int8.w_down, half.w_down.to(torch.int8))
+    for got, want in zip(block_step(x, h, int8), block_step(x, h, half)):
+        assert torch.equal(got, want)
+    w8 = model.rollout_weights()
+    assert w8.blocks.w_f.dtype == torch.int8
+    first, states = torch.tensor([72, 101, 10], device=DEVICE), torch.randn(2, 3, 32, device=DEVICE)
+    for got, want in zip(draft_rollout(first, states, w8, 3), draft_rollout(first, states, w8.with_weight_dtype(torch.float16), 3)):
+        assert torch.equal(got, want)
+
+
+def test_weights_the_gpu_cannot_dot_are_refused_clearly(monkeypatch):
+    w = _model(seed=9).blocks[0].step_weights()
+    x, h = torch.zeros(1, 32, device=DEVICE), torch.zeros(1, 32, device=DEVICE)
+    monkeypatch.setattr(runtime, "compute_capability", lambda: (7, 5))
+    with pytest.raises(ValueError, match=r"int8 weights need int8 tensor-core dots \(sm_80 or newer\), this GPU is "
+                                         r"sm_75: pass w.with_weight_dtype\(torch.float16\)"):
+        block_step(x, h, w.with_weight_dtype(torch.int8))
+    assert block_step_module.weight_dtype() == torch.float16
+    monkeypatch.setattr(block_step_module, "INT8_WEIGHTS", True)
+    assert block_step_module.weight_dtype() == torch.float16              # on for sm_80+ only
+    mixed = replace(w, w_o=w.w_o.to(torch.int8))
+    with pytest.raises(TypeError, match=r"the ternary weights must be all float16 or all int8, got \['float16', 'int8'\]"):
+        block_step(x, h, mixed)

@@ -722,7 +722,8 @@ def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(tar
     rows = bench.bench_speculation(target, {"mlgru": lambda: drafters(target)["mlgru"]}, 1, 4, (2, 3), repeats=1,
                                    wrong=[], errors=errors)
     assert [r["k"] for r in rows if r["draft"] == "mlgru" and not r["adaptive"]] == [3]
-    assert len(errors) == 1 and "k=2" in errors[0] and "KeyError: 2" in errors[0]
+    assert len(errors) == 2 and all("k=2" in e and "KeyError: 2" in e for e in errors)
+    assert "int8 weights" in errors[1] and bench.block_step.INT8_WEIGHTS is False   # switched back
 
 
 def test_a_16_bit_flip_is_judged_on_float32_logits_and_its_own_drift(monkeypatch):
@@ -775,10 +776,11 @@ def test_results_table_marks_adaptive_rows():
     row = dict(batch=1, draft="mlgru", k=4, tokens_per_s=100.0, speedup=1.5, acceptance=0.7, tokens_per_pass=2.1)
     text = format_results(dict(gpu="GPU", date="d", versions={}, max_tokens=8,
                                rows=[row, dict(row, adaptive=True), dict(row, near_tie_flips=2),
-                                     dict(row, graphs=True, draft_ahead=False)]))
+                                     dict(row, graphs=True, draft_ahead=False),
+                                     dict(row, draft_weights="int8"), dict(row, draft_weights="float16")]))
     assert "   4 " in text and "<=4" in text
     assert text.count("near-tie flip") == 1 and "(2 near-tie flips)" in text
-    assert text.count("(no ahead)") == 1
+    assert text.count("(no ahead)") == 1 and text.count("(int8)") == 1
 
 
 def test_results_table_names_each_way_of_serving():

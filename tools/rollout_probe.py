@@ -12,6 +12,9 @@ unrolled loops) 4/8/16 warps took 274/208/230 µs (k = 4, batch 1); the GLU's hi
 kept in a workspace were slower. With loops (call 1 of 2026-12-04g) 8 warps took 298 µs;
 call 2 of 2026-12-04g: the whole hidden row and 256 logits a chunk, one stage, 210 µs
 (gpulab.block_step.rollout_tiles, the default since, with the hidden row made once).
+Since the eighth session of 2026-12-04 each kernel also runs with its ternary weights as
+int8 (int8 tensor-core dots; gpulab.block_step.INT8_WEIGHTS, off until timed): the same
+drafts and states to the bit, half the weight bytes.
 """
 from __future__ import annotations
 
@@ -44,11 +47,14 @@ def main(out: str) -> None:
     w = model.rollout_weights()
     L, D = w.n_layers, w.blocks.d_model
     rows, ref = [], {}
-    # (num_warps, GLU chunk, head chunk, num_stages): None = the launcher's default
+    weights = {torch.float16: w.with_weight_dtype(torch.float16), torch.int8: w.with_weight_dtype(torch.int8)}
+    # (num_warps, GLU chunk, head chunk, num_stages, weights): None = the launcher's default
     # (call 2 of 2026-12-04g swept chunks 64-512 and stages; 512/256 with one stage won)
-    variants = [(8, None, None, None), (8, 64, 64, None), (8, 256, 256, 1), (4, None, None, None),
-                (16, None, None, None)]
-    for b, k, (warps, chunk, head_chunk, stages) in itertools.product((1, 64), (4,), variants):
+    variants = [(8, None, None, None, torch.float16), (8, None, None, None, torch.int8),
+                (8, 64, 64, None, torch.float16), (8, 64, 64, None, torch.int8), (8, 256, 256, 1, torch.float16),
+                (4, None, None, None, torch.int8), (16, None, None, None, torch.int8)]
+    for b, k, (warps, chunk, head_chunk, stages, wdtype) in itertools.product((1, 64), (4,), variants):
+        wname = str(wdtype).replace("torch.", "")
         first = torch.randint(0, 256, (b,), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
         state = torch.randn((L, b, D), device="cuda", generator=torch.Generator("cuda").manual_seed(k))
         drafts = torch.empty((k, b), dtype=torch.long, device="cuda")
@@ -56,15 +62,15 @@ def main(out: str) -> None:
         src, dst = torch.arange(b, device="cuda"), torch.arange(b * (k + 1), device="cuda")
 
         def run():
-            draft_rollout_into(first, src, dst, state, out_states, w, k, drafts, num_warps=warps, chunk=chunk,
-                               head_chunk=head_chunk, num_stages=stages)
+            draft_rollout_into(first, src, dst, state, out_states, weights[wdtype], k, drafts, num_warps=warps,
+                               chunk=chunk, head_chunk=head_chunk, num_stages=stages)
         try:
             ms = graph_ms(run)
         except Exception as e:          # a chunk's tiles may not fit in shared memory
-            print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages}: "
+            print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages} {wname}: "
                   f"{type(e).__name__}: {str(e)[:160]}", flush=True)
             rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, chunk=chunk, head_chunk=head_chunk,
-                             num_stages=stages,
+                             num_stages=stages, weights=wname,
                              error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
         key = (b, k)
@@ -74,19 +80,21 @@ def main(out: str) -> None:
         else:
             same = bool(torch.equal(ref[key][0], drafts) and torch.equal(ref[key][1], out_states))
         rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, chunk=chunk, head_chunk=head_chunk,
-                             num_stages=stages,
+                             num_stages=stages, weights=wname,
                          us=1e3 * ms, us_per_draft_step=1e3 * ms / (k + 1), same_as_first=same))
         verdict = "" if same is None else " same" if same else " DIFFERENT"
-        print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages}: "
+        print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages} {wname}: "
               f"{1e3 * ms:7.1f} µs ({1e3 * ms / (k + 1):5.1f} µs a step){verdict}", flush=True)
-    blocks = [blk.step_weights() for blk in model.blocks]
+    block = model.blocks[0].step_weights()
     x = torch.randn((1, D), device="cuda", dtype=torch.bfloat16)
     h = torch.randn((1, D), device="cuda")
-    for warps in (4, 8):
+    for warps, wdtype in itertools.product((4, 8), (torch.float16, torch.int8)):
         x_out, h_out = torch.empty_like(x), torch.empty_like(h)
-        ms = graph_ms(lambda: block_step_into(x, h, blocks[0], x_out, h_out, num_warps=warps))
-        rows.append(dict(kernel="block_step", batch=1, num_warps=warps, us=1e3 * ms))
-        print(f"block_step B=1 warps={warps:>2}: {1e3 * ms:6.1f} µs", flush=True)
+        wb = block.with_weight_dtype(wdtype)
+        ms = graph_ms(lambda: block_step_into(x, h, wb, x_out, h_out, num_warps=warps))
+        wname = str(wdtype).replace("torch.", "")
+        rows.append(dict(kernel="block_step", batch=1, num_warps=warps, weights=wname, us=1e3 * ms))
+        print(f"block_step B=1 warps={warps:>2} {wname}: {1e3 * ms:6.1f} µs", flush=True)
     Path(out).write_text(json.dumps(dict(date=datetime.date.today().isoformat(), gpu=runtime.gpu_name(),
                                          versions=runtime.versions(), rows=rows), indent=1))
 

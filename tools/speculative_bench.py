@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpulab import runtime  # noqa: E402
+from gpulab import block_step, runtime  # noqa: E402
 from gpulab.harness import bench  # noqa: E402
 from gpulab.engine import speculative as spec  # noqa: E402
 from gpulab.engine.engine import LLM, EngineConfig  # noqa: E402
@@ -175,22 +175,28 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
-    configs = [(name, k, False, "auto", True, True) for name in drafts for k in ks]
-    configs += [(name, max(ks), True, "auto", True, True) for name in drafts]
+    # (draft, k, adaptive, graphs, rollout kernel, drafting ahead, the draft's weights int8)
+    configs = [(name, k, False, "auto", True, True, False) for name in drafts for k in ks]
+    configs += [(name, max(ks), True, "auto", True, True, False) for name in drafts]
+    if "mlgru" in drafts:   # the draft kernels with int8 weights (gpulab.block_step.INT8_WEIGHTS)
+        configs += [("mlgru", k, False, "auto", True, True, True) for k in ks[:1]]
     if eager_k:     # the MLGRU graphs drafting after reading each step's tokens, step by step
-        configs += [("mlgru", eager_k, False, "auto", True, False), ("mlgru", eager_k, False, "auto", False, True),
-                    ("mlgru", eager_k, False, "off", False, False)]             # (no rollout kernel), eagerly
-    for name, k, adaptive, graphs, rollout, ahead in configs:
+        configs += [("mlgru", eager_k, False, "auto", True, False, False),
+                    ("mlgru", eager_k, False, "auto", False, True, False),
+                    ("mlgru", eager_k, False, "off", False, False, False)]      # (no rollout kernel), eagerly
+    for name, k, adaptive, graphs, rollout, ahead, int8 in configs:
         t0 = time.perf_counter()
         spec.MLGRUGraphDrafter.use_rollout = rollout
+        block_step.INT8_WEIGHTS = int8      # read when the drafter makes its weights and graphs
         try:
             llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
                                       graphs=graphs, draft_ahead=ahead)
         finally:
             spec.MLGRUGraphDrafter.use_rollout = True
+            block_step.INT8_WEIGHTS = False
         stepped = graphs == "auto" and not rollout
-        variant = (" stepped draft" if stepped else "") + (" drafting after reading" if graphs == "auto" and not ahead
-                                                            else "")
+        variant = ((" stepped draft" if stepped else "") + (" int8 weights" if int8 else "")
+                   + (" drafting after reading" if graphs == "auto" and not ahead else ""))
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
         try:
             outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
@@ -214,6 +220,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         stats = llm.stats
         rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
                          rollout=getattr(llm.proposer, "rollout", None) is not None, draft_ahead=ahead,
+                         draft_weights="int8" if int8 else "float16",
                          drafts_ahead=dict(llm.ahead_counts), tokens_per_s=tps, speedup=tps / base_tps,
                          acceptance=stats.acceptance_rate(),
                          tokens_per_pass=stats.mean_tokens_per_pass(),

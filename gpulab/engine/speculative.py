@@ -667,6 +667,7 @@ def format_results(result: dict) -> str:
         draft += " (no overlap)" if r.get("overlap") is False else ""     # the target alone, host not ahead
         draft += " (stepped)" if r.get("graphs") and r.get("rollout") is False and r.get("graph_draft") else ""
         draft += " (no ahead)" if r.get("graphs") and r.get("draft_ahead") is False else ""   # drafts after reading
+        draft += " (int8)" if r.get("draft_weights") == "int8" else ""    # the draft kernels' int8 weights
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
         accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..block_step import (BlockStepWeights, RolloutWeights, block_step_into, block_step_ref, draft_rollout_into,
-                          draft_rollout_ref, layer_weights)
+                          draft_rollout_ref, int8_dots, layer_weights)
 from ..normquant import rmsnorm_ref
 from ..harness.spec import Case, KernelSpec, bytes_of, randn
 
@@ -27,13 +27,20 @@ EPS_NORM, EPS_BIT = 1e-6, 1e-8        # nn.RMSNorm's and BitLinear's, as MatMulF
 WEIGHTS = ("norms", "down_norm", "scales", "w_f", "w_c", "w_g", "w_o", "w_gate", "w_down")
 
 
+def weights_dtype(p: dict) -> torch.dtype:
+    """A case's ternary weights: float16, or int8 for the cases with W="int8" where int8
+    dots run (sm_80+ and the interpreter; sm_75, Colab's T4, keeps float16)."""
+    return torch.int8 if p.get("W") == "int8" and int8_dots() else torch.float16
+
+
 def block_step_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) -> dict:
     """B rows of the residual stream and the state, and a block's weights: non-uniform
-    norm weights, ternary weights with about a third zeros, per-projection scales."""
+    norm weights, ternary weights with about a third zeros (:func:`weights_dtype`),
+    per-projection scales."""
     b, d, h = p["B"], p["D"], p["H"]
 
     def ternary(k, n):
-        return (torch.randint(-1, 2, (k, n), generator=gen, device=device)).to(torch.float16)
+        return (torch.randint(-1, 2, (k, n), generator=gen, device=device)).to(weights_dtype(p))
 
     return {"x": randn((b, d), dtype, device, gen, scale=2.0),
             "h": randn((b, d), torch.float32, device, gen),
@@ -60,7 +67,7 @@ def block_step_launch(x, h, norms, down_norm, scales, w_f, w_c, w_g, w_o, w_gate
 
 def _bytes(p, dtype):
     d, h = p["D"], p["H"]
-    weights = 2 * (4 * d * d + 3 * d * h) + 4 * (8 * d + h + 6)
+    weights = weights_dtype(p).itemsize * (4 * d * d + 3 * d * h) + 4 * (8 * d + h + 6)
     return weights + p["B"] * d * (2 * bytes_of(dtype) + 8)
 
 
@@ -72,10 +79,13 @@ BLOCK_STEP = KernelSpec(
     reference=block_step_reference,
     outputs=lambda inp, dtype: {"x_out": (inp["x"].shape, dtype), "h_out": (inp["h"].shape, torch.float32)},
     implementation=block_step_launch,
-    cases={"cpu": [Case("one row", dict(B=1, D=32, H=64)), Case("17 rows", dict(B=17, D=64, H=256))],
+    cases={"cpu": [Case("one row", dict(B=1, D=32, H=64)), Case("17 rows", dict(B=17, D=64, H=256)),
+                   Case("5 rows, int8 weights", dict(B=5, D=32, H=64, W="int8"))],
            "gpu": [Case("draft, batch 1", dict(B=1, D=128, H=512)), Case("33 rows", dict(B=33, D=64, H=256)),
-                   Case("draft, batch 64", dict(B=64, D=128, H=512))],
-           "bench": [Case("draft B1", dict(B=1, D=128, H=512)), Case("draft B64", dict(B=64, D=128, H=512))]},
+                   Case("draft, batch 64", dict(B=64, D=128, H=512)),
+                   Case("33 rows, int8 weights", dict(B=33, D=128, H=512, W="int8"))],
+           "bench": [Case("draft B1", dict(B=1, D=128, H=512)), Case("draft B64", dict(B=64, D=128, H=512)),
+                     Case("draft B1 int8", dict(B=1, D=128, H=512, W="int8"))]},
     dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
     tolerances={torch.float32: (2e-2, 1e-2), torch.bfloat16: (5e-2, 2e-2)},
     row_slack=(1 / 32, 1.0),
@@ -193,11 +203,14 @@ DRAFT_ROLLOUT = KernelSpec(
                                                inp["state_in"].shape[2]), torch.float32)},
     implementation=draft_rollout_launch,
     cases={"cpu": [Case("one row, 3 drafts", dict(L=2, B=1, D=32, H=64, V=64, K=3)),
-                   Case("17 rows, 2 drafts", dict(L=1, B=17, D=32, H=64, V=128, K=2))],
+                   Case("17 rows, 2 drafts", dict(L=1, B=17, D=32, H=64, V=128, K=2)),
+                   Case("3 rows, 2 drafts, int8 weights", dict(L=2, B=3, D=32, H=64, V=64, K=2, W="int8"))],
            # the draft's sizes (one compile configuration); few rows: see the note above
            "gpu": [Case("draft, batch 1", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
-                   Case("20 rows", dict(L=2, B=20, D=128, H=512, V=256, K=4))],
+                   Case("20 rows", dict(L=2, B=20, D=128, H=512, V=256, K=4)),
+                   Case("draft, batch 1, int8 weights", dict(L=2, B=1, D=128, H=512, V=256, K=4, W="int8"))],
            "bench": [Case("draft B1 k4", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
+                     Case("draft B1 k4 int8", dict(L=2, B=1, D=128, H=512, V=256, K=4, W="int8")),
                      Case("draft B1 k8", dict(L=2, B=1, D=128, H=512, V=256, K=8)),
                      Case("draft B64 k4", dict(L=2, B=64, D=128, H=512, V=256, K=4))]},
     dtypes={"cpu": [torch.float32], "gpu": [torch.float32, torch.bfloat16]},
