@@ -8,8 +8,8 @@ import gpulab
 from gpulab import runtime
 from gpulab.engine import model as engine_model
 from gpulab.engine.model import TINY, TernaryTransformer, TransformerBlock, apply_rope, run_bitlinear
-from gpulab.grading.rope import ROPE
-from gpulab.rope import rope_qk, rope_qk_into, rope_reference
+from gpulab.grading.rope import ROPE, rope_kv_launch
+from gpulab.rope import rope_qk, rope_qk_into, rope_qk_store_kv, rope_reference
 
 DEVICE = runtime.device()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if runtime.supports(torch.bfloat16) else [])
@@ -159,6 +159,113 @@ def test_rope_qk_rejects_bad_input_clearly():
     assert torch.equal(qkv, qkv_views(3, 4, 2, 16, torch.float32)[0]), "a refused call wrote"
 
 
+# -- k and v into the KV cache in the same launch --------------------------------------------------
+def cache_rows(slots_total, hkv, d, dtype):
+    """A layer's cache as rows of slots, poisoned: an unwritten row keeps its NaNs."""
+    return (torch.full((slots_total, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+            torch.full((slots_total, hkv, d), float("nan"), dtype=dtype, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stores_rotated_k_and_v_at_their_slots_and_nowhere_else(dtype):
+    """The engine's call: q into its own tensor, k in place, and row slots[t] of the caches
+    (twice as many slots as tokens, scattered) gets token t's rotated k and its v, bit for
+    bit as rope_reference and index_copy_; every other slot keeps its poison."""
+    t, hq, hkv, d = 11, 4, 2, 16
+    qkv, q, k = qkv_views(t, hq, hkv, d, dtype, seed=3)
+    v = qkv[:, (hq + hkv) * d:].unflatten(-1, (hkv, d))
+    cos, sin = angles(t, d, seed=3)
+    want_q, want_k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    v_before = v.clone()
+    slots = torch.randperm(2 * t, generator=torch.Generator().manual_seed(3))[:t].to(DEVICE)
+    k_cache, v_cache = cache_rows(2 * t, hkv, d, dtype)
+    q_out = torch.empty(q.shape, dtype=dtype, device=DEVICE)
+    got_q, got_k = rope_qk_store_kv(q, k, v, cos, sin, slots, k_cache, v_cache, q_out=q_out)
+    assert got_q is q_out and got_k is k
+    assert_rounded_like(q_out, want_q)
+    assert_rounded_like(k, want_k)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v_before) and torch.equal(v, v_before)
+    others = torch.ones(2 * t, dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert k_cache[others].isnan().all() and v_cache[others].isnan().all()
+
+
+def test_a_slot_outside_the_cache_stores_nothing():
+    """The launcher (no validation, as the engine's graphs call it): a negative slot or one
+    past the cache writes nowhere, the other tokens still land; the public function
+    refuses such slots with the entry named."""
+    t, hkv, d = 4, 2, 16
+    _, q, k = qkv_views(t, 4, hkv, d, torch.float32, seed=4)
+    v = torch.randn(t, hkv, d, device=DEVICE)
+    cos, sin = angles(t, d, seed=4)
+    k_cache, v_cache = cache_rows(6, hkv, d, torch.float32)
+    guard = torch.full((8, hkv, d), float("nan"), device=DEVICE)
+    big_k = torch.cat([k_cache, guard])                  # rows 6.. of the buffer: past the cache
+    slots = torch.tensor([5, -1, 6, 0], device=DEVICE)
+    with pytest.raises(IndexError, match=r"slots\[1\] = -1 is outside \[0, 6\)"):
+        rope_qk_store_kv(q, k, v, cos, sin, slots, k_cache, v_cache)
+    rope_qk_into(q, k, cos, sin, None, None, v, slots, big_k[:6], v_cache)
+    assert torch.equal(big_k[5], k[0]) and torch.equal(v_cache[0], v[3])
+    assert big_k[6:].isnan().all() and big_k[1:5].isnan().all() and v_cache[1:5].isnan().all()
+
+
+def test_rope_qk_store_kv_rejects_bad_input_clearly():
+    _, q, k = qkv_views(3, 4, 2, 16, torch.float32)
+    v = torch.zeros(3, 2, 16, device=DEVICE)
+    cos, sin = angles(3, 16)
+    kc, vc = torch.zeros(8, 2, 16, device=DEVICE), torch.zeros(8, 2, 16, device=DEVICE)
+    slots = torch.tensor([0, 1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match=r"v must have shape \(3, 2, 16\)"):
+        rope_qk_store_kv(q, k, v[:2], cos, sin, slots, kc, vc)
+    with pytest.raises(TypeError, match="slots must be int64"):
+        rope_qk_store_kv(q, k, v, cos, sin, slots.int(), kc, vc)
+    with pytest.raises(ValueError, match=r"k_cache must be \[slots, 2, 16\]"):
+        rope_qk_store_kv(q, k, v, cos, sin, slots, torch.zeros(8, 4, 16, device=DEVICE), vc)
+    with pytest.raises(ValueError, match="same slots, got 8 and 7"):
+        rope_qk_store_kv(q, k, v, cos, sin, slots, kc, vc[:7])
+    with pytest.raises(TypeError, match="v_cache must be float32"):
+        rope_qk_store_kv(q, k, v, cos, sin, slots, kc, vc.half())
+    assert (kc == 0).all() and (vc == 0).all(), "a refused call wrote"
+
+
+def test_the_kv_check_accepts_the_kernel(capsys):
+    gpulab.check("rope_kv", rope_kv_launch)
+    assert "✔ rope_kv" in capsys.readouterr().out
+
+
+def _kv_at_token_rows(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
+    rope_kv_launch(q, k, v, cos, sin, torch.arange(len(slots), device=slots.device), q_out, k_out, k_cache, v_cache)
+
+
+def _k_stored_unrotated(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
+    rope_kv_launch(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache)
+    k_cache.index_copy_(0, slots, k)
+
+
+def _k_stored_as_v(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
+    rope_kv_launch(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache)
+    v_cache.index_copy_(0, slots, k_out)
+
+
+def _v_never_stored(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
+    rope_qk_into(q, k, cos, sin, q_out, k_out)
+    k_cache.index_copy_(0, slots, k_out)
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (_kv_at_token_rows, "went to cache row t: they belong in row slots[t]"),
+    (_k_stored_unrotated, "`k_cache` holds k unrotated"),
+    (_k_stored_as_v, "`v_cache` holds the rotated k, not v"),
+    (_v_never_stored, "never written"),
+])
+def test_the_kv_check_rejects_wrong_stores_and_names_the_cause(wrong, says):
+    """A store at the token's row instead of its slot, k stored before its rotation, the
+    rotated k stored as v, v never stored: each fails with its cause."""
+    with pytest.raises(gpulab.CheckFailure) as info:
+        gpulab.check("rope_kv", wrong)
+    assert says in str(info.value), str(info.value)
+
+
 # -- the engine's transformer block ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def block():
@@ -198,3 +305,21 @@ def test_reference_and_autograd_keep_the_pytorch_ops(block):
     unpacked = TransformerBlock(TINY).to(DEVICE)
     q, k, _ = unpacked.pre_attention(x, cos, sin)           # training: gradients flow through RoPE
     assert q.requires_grad and k.grad_fn is not None
+
+
+def test_packed_block_stores_k_and_v_in_the_rope_kernel(block, monkeypatch):
+    """pre_attention with a cache destination: the packed block's RoPE kernel stores k and
+    v (no index_copy_), the reference path stores the same rows with index_copy_."""
+    c = TINY
+    x = torch.randn(6, c.d_model, device=DEVICE)
+    cos, sin = angles(6, c.head_dim, seed=5)
+    slots = torch.tensor([9, 0, 4, 5, 13, 2], device=DEVICE)
+    got, want = cache_rows(16, c.n_kv_heads, c.head_dim, torch.float32), cache_rows(16, c.n_kv_heads, c.head_dim,
+                                                                                  torch.float32)
+    with torch.no_grad():
+        _, ref_k, ref_v = block.pre_attention(x, cos, sin, reference=True, kv_dest=(slots, *want))
+        monkeypatch.setattr(engine_model, "store_kv", lambda *a: pytest.fail("index_copy_ path on the kernel path"))
+        _, k, v = block.pre_attention(x, cos, sin, kv_dest=(slots, *got))
+    assert torch.equal(got[0][slots], k) and torch.equal(got[1][slots], v)
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=1e-5)

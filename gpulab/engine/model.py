@@ -116,6 +116,20 @@ def run_bitlinear(layer: BitLinear, x: torch.Tensor, reference: bool = False) ->
     return layer(x)
 
 
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# layer -> (slots long [rows], k_cache, v_cache [S, Hkv, D]): where a layer's new K, V go
+KVCache = Callable[[int], tuple]
+
+
+def store_kv(dest: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [..., Hkv, D] into rows ``slots`` of the caches, dest = (slots, k_cache,
+    v_cache) as :class:`KVCache` gives it (PyTorch's index_copy_: the path without the
+    fused RoPE kernel)."""
+    slots, kc, vc = dest
+    kc.index_copy_(0, slots, k.reshape(-1, *k.shape[-2:]))
+    vc.index_copy_(0, slots, v.reshape(-1, *v.shape[-2:]))
+
+
 class TransformerBlock(nn.Module):
     # False: a packed block runs the unfused ops after attention too (for comparisons:
     # tools/engine_step_profile.py --unfused)
@@ -130,19 +144,22 @@ class TransformerBlock(nn.Module):
         self.gate_up = BitLinear(cfg.d_model, 2 * cfg.hidden)
         self.down_proj = BitLinear(cfg.hidden, cfg.d_model)
 
-    def forward(self, x, cos, sin, attend, layer: int, reference: bool = False):
-        q, k, v = self.pre_attention(x, cos, sin, reference)
+    def forward(self, x, cos, sin, attend, layer: int, reference: bool = False, kv_cache: KVCache | None = None):
+        q, k, v = self.pre_attention(x, cos, sin, reference, None if kv_cache is None else kv_cache(layer))
         o = attend(layer, q, k, v)                       # [..., n_heads, head_dim]
         return self.post_attention(x, o, reference)
 
-    def pre_attention(self, x, cos, sin, reference: bool = False):
+    def pre_attention(self, x, cos, sin, reference: bool = False, kv_dest: tuple | None = None):
         """The block's work before attention: q [..., Hq, D], k, v [..., Hkv, D] of rows x
         (QKV projection, RoPE on q and k). Row by row: a row's output depends on its own
-        input only (what lets the runner pad a step to a CUDA graph's bucket).
+        input only (what lets the runner pad a step to a CUDA graph's bucket). ``kv_dest``
+        = (slots [rows], k_cache, v_cache [S, Hkv, D]): also store row r's k and v into
+        slot slots[r] of the caches (the rows flattened).
 
         Packed and outside autograd, RoPE is one kernel (:mod:`gpulab.rope`) instead of about
         sixteen PyTorch ops: k turned in place in the projection's output (a view, as v is),
-        q into a contiguous tensor (attention's public functions and hooks take one)."""
+        q into a contiguous tensor (attention's public functions and hooks take one), and
+        the same kernel stores k and v into the cache."""
         c = self.cfg
         qkv = run_bitlinear(self.qkv_proj, x, reference)
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
@@ -152,12 +169,16 @@ class TransformerBlock(nn.Module):
         v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
         # the kernel where it can run: packed, outside autograd, one row of angles per token
         if reference or not self.qkv_proj.packed or qkv.requires_grad or cos.shape[:-1] != q.shape[:-2]:
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if kv_dest is not None:
+                store_kv(kv_dest, k, v)
+            return q, k, v
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # view, not reshape: never a copy, so k turns in place in qkv
         rope_qk_into(q.view(-1, c.n_heads, c.head_dim), k.view(-1, c.n_kv_heads, c.head_dim),
                      cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
-                     q_out.view(-1, c.n_heads, c.head_dim))
+                     q_out.view(-1, c.n_heads, c.head_dim), None,
+                     *(() if kv_dest is None else (v.view(-1, c.n_kv_heads, c.head_dim), *kv_dest)))
         return q_out, k, v
 
     def post_attention(self, x, o, reference: bool = False):
@@ -195,9 +216,6 @@ class TransformerBlock(nn.Module):
         return (s + dn.forward_quantized(h_q, h_scale, x.dtype)).view(x.shape)
 
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class TernaryTransformer(nn.Module):
     """A byte-level decoder-only transformer with ternary (BitLinear) projections.
 
@@ -223,12 +241,14 @@ class TernaryTransformer(nn.Module):
         return self.blocks[0].qkv_proj.packed
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                      reference: bool = False) -> torch.Tensor:
-        """Final-norm hidden states of tokens [...] at positions [...] (same shape)."""
+                      reference: bool = False, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states of tokens [...] at positions [...] (same shape).
+        ``kv_cache``: where each layer's K, V go, stored before ``attend`` runs (which then
+        finds them in the cache); None: ``attend`` keeps them itself."""
         x = self.embed(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend, i, reference)
+            x = block(x, cos, sin, attend, i, reference, kv_cache)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

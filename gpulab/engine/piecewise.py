@@ -112,8 +112,7 @@ class PiecewiseGraphs:
             cos, sin = c["cos"], c["sin"]
         if i == len(blocks):
             return m.norm(x)
-        q, k, v = blocks[i].pre_attention(x, cos, sin, ref)
-        self.runner.write_kv(i, self.slots[:t], k, v)
+        q, k, v = blocks[i].pre_attention(x, cos, sin, ref, self.runner.kv_destination(self.slots[:t])(i))
         return x, cos, sin, q, k, v
 
     # -- a step -------------------------------------------------------------------------------
@@ -139,6 +138,6 @@ class PiecewiseGraphs:
             produced = step.replay()
             self.keep(t, produced)            # a graph's outputs: the same tensors every time
             q, k, v = produced[3:]
-            attend(plan, layer, q[:n], k[:n], v[:n], out=out, kv_written=True)
+            attend(plan, layer, q[:n], k[:n], v[:n], out=out)
         h = segments[-1].replay()
         return self.model.logits(h[plan.sample_rows])

@@ -406,21 +406,18 @@ class ModelRunner:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K, V [rows, Hkv, D] of one layer into the paged cache at ``slots`` (long [rows]:
-        page · block_size + offset)."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+    def kv_destination(self, slots: torch.Tensor):
+        """The model's ``kv_cache`` for a step whose rows go to ``slots`` (long [rows]: page ·
+        block_size + offset): layer -> (slots, its K cache, its V cache as rows of slots).
+        The model stores each layer's K, V there (in its RoPE kernel) before attention."""
+        kc, vc = self.k_cache, self.v_cache
+        return lambda layer: (slots, kc[layer].flatten(0, 1), vc[layer].flatten(0, 1))
 
-    def attend(self, plan: StepPlan, layer: int, q, k, v, out: torch.Tensor | None = None,
-               kv_written: bool = False):
-        """Write this step's K, V into the paged cache (unless ``kv_written``: the piecewise
-        graphs write them inside their segments), then attention for every row (into
-        ``out`` [rows, Hq, D] when given: the piecewise graphs' static buffer)."""
+    def attend(self, plan: StepPlan, layer: int, q, k, v, out: torch.Tensor | None = None):
+        """Attention for every row of the step, over the paged cache, where this step's K, V
+        already are (the model stored them: :meth:`kv_destination`); into ``out`` [rows, Hq,
+        D] when given (the piecewise graphs' static buffer)."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        if not kv_written:
-            self.write_kv(layer, plan.slot_mapping, k, v)
         nd = plan.num_decode
         if self.attention == "torch" and self.decode_hook is None:     # PyTorch reference only
             indptr = torch.arange(nd + 1, dtype=torch.int32, device=q.device)
@@ -457,7 +454,8 @@ class ModelRunner:
         """Logits [S, vocab] (float32) of the plan's sample rows."""
         h = self.model.hidden_states(plan.input_ids, plan.positions,
                                      lambda layer, q, k, v: self.attend(plan, layer, q, k, v),
-                                     reference=self.linear == "torch")
+                                     reference=self.linear == "torch",
+                                     kv_cache=self.kv_destination(plan.slot_mapping))
         return self.model.logits(h[plan.sample_rows])
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:

@@ -112,8 +112,7 @@ class VerifyGraphs:
             tiles = append_tile_config(run.dtype, run.cfg.head_dim, group, max_new=self.k + 1)
             work = append_schedule_device(indptr, rows, tiles["BLOCK_M"] // group)
 
-        def attend(layer, q, k, v):
-            run.write_kv(layer, slots, k, v)
+        def attend(layer, q, k, v):            # this step's K, V stored by the model (kv_cache)
             kc, vc = run.k_cache[layer], run.v_cache[layer]
             if run.attention == "torch":
                 return append_attention_reference(q, kc, vc, indptr, table, lens)
@@ -123,7 +122,8 @@ class VerifyGraphs:
             return o
 
         ids = tokens_from_device(buf["ids"][:rows], buf["draft_at"][:rows], self.drafts)
-        h = run.model.hidden_states(ids, buf["pos"][:rows], attend, reference=run.linear == "torch")
+        h = run.model.hidden_states(ids, buf["pos"][:rows], attend, reference=run.linear == "torch",
+                                    kv_cache=run.kv_destination(slots))
         logits = run.model.logits(h)
         return logits, logits.argmax(-1)
 

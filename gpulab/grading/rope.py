@@ -4,7 +4,11 @@ and its benchmark.
 
 The check calls the launcher out of place (q, k in; q_out, k_out out), so unwritten
 elements, stray stores and modified inputs all show; ``tests/test_rope.py`` checks the
-in-place form the engine uses on views of the QKV projection's output. The kernel rounds
+in-place form the engine uses on views of the QKV projection's output. The spec
+``rope_kv`` is the same launch storing the rotated k and v into a KV cache's slots, as
+the serving engine calls it; its cache has as many slots as the case has tokens, a
+random permutation of them, so that every cache element is written and checked (the
+tests check that other slots stay untouched and that a bad slot stores nothing). The kernel rounds
 once to the output dtype (Triton's interpreter truncates to bfloat16 instead of rounding
 to nearest, so there a bfloat16 element may sit one unit in the last place off), and the
 tolerances allow that and no more: a rotation the wrong way, of the wrong pairs or by
@@ -130,4 +134,100 @@ ROPE = KernelSpec(
     hint=ROPE_HINT,
     notes="gpulab = rope_qk in place (one launch); the engine's TransformerBlock.pre_attention calls "
           "rope_qk_into with q into a contiguous buffer and k in place.",
+)
+
+
+# -- rope_kv: the same launch, storing k and v into a KV cache's slots ------------------------
+def rope_kv_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) -> dict:
+    """rope's inputs, v [T, Hkv, D], and the slots of the T tokens: a random permutation of
+    the cache's T slots (as a step's tokens land in pages all over the pool)."""
+    inputs = rope_inputs(p, dtype, device, gen)
+    inputs["v"] = randn(inputs["k"].shape, dtype, device, gen, scale=2.0)
+    inputs["slots"] = torch.randperm(p["T"], generator=gen, device="cpu").to(device)
+    return inputs
+
+
+def rope_kv_reference(q, k, v, cos, sin, slots) -> dict:
+    """rope's outputs; row slots[t] of the caches holds token t's rotated k and its v."""
+    out = rope_spec_reference(q, k, cos, sin)
+    k_cache, v_cache = torch.empty_like(out["k_out"]), torch.empty_like(out["k_out"])
+    k_cache[slots], v_cache[slots] = out["k_out"], v.double()
+    return {**out, "k_cache": k_cache, "v_cache": v_cache}
+
+
+def rope_kv_launch(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
+    """:func:`gpulab.rope.rope_qk_into` in the check's calling convention."""
+    rope_qk_into(q, k, cos, sin, q_out, k_out, v, slots, k_cache, v_cache)
+
+
+def _in_token_order(change):
+    def answer(inp):
+        rotated = change(inp["k"].double(), inp["cos"].double(), inp["sin"].double())
+        return {"k_cache": rotated, "v_cache": inp["v"].double()}
+    return answer
+
+
+def _by_slot(inp, k_rows, v_rows):
+    k_cache, v_cache = torch.empty_like(k_rows), torch.empty_like(v_rows)
+    k_cache[inp["slots"]], v_cache[inp["slots"]] = k_rows, v_rows
+    return {"k_cache": k_cache, "v_cache": v_cache}
+
+
+ROPE_KV_HINT = hypotheses_hint(
+    Hypothesis("token t's k and v went to cache row t: they belong in row slots[t] (load the slot of each "
+               "token and store at that row).", _in_token_order(_rotated), outputs=("k_cache", "v_cache")),
+    Hypothesis("`k_cache` holds k unrotated: store the rotated k, as attention reads keys from the cache.",
+               lambda inp: _by_slot(inp, inp["k"].double(), inp["v"].double()), outputs=("k_cache",)),
+    Hypothesis("`v_cache` holds the rotated k, not v: v is copied into the cache as it is (RoPE turns q and k "
+               "only).", lambda inp: _by_slot(inp, _rotated(inp["k"], inp["cos"], inp["sin"]),
+                                               _rotated(inp["k"], inp["cos"], inp["sin"])), outputs=("v_cache",)),
+    then=ROPE_HINT)
+
+
+def torch_rope_kv(inp):
+    """The engine's path without the fused store: rope_reference on q and k, then
+    index_copy_ of k and of v into the caches (about eighteen kernels)."""
+    q, k = torch_rope(inp)
+    k_cache, v_cache = torch.empty_like(k), torch.empty_like(inp["v"])
+    k_cache.index_copy_(0, inp["slots"], k)
+    v_cache.index_copy_(0, inp["slots"], inp["v"])
+    return q, k_cache, v_cache
+
+
+def _kv_bytes(p, dtype):
+    return _bytes(p, dtype) + 3 * p["T"] * p["Hkv"] * p["D"] * bytes_of(dtype) + 8 * p["T"]   # v, k and v stored
+
+
+ROPE_KV = KernelSpec(
+    name="rope_kv",
+    summary="RoPE of q and k, and the rotated k and v stored into a KV cache's slots, in one kernel "
+            "(the serving engine's step before attention)",
+    args=("q", "k", "v", "cos", "sin", "slots", "q_out", "k_out", "k_cache", "v_cache"),
+    make_inputs=rope_kv_inputs,
+    reference=rope_kv_reference,
+    outputs=lambda inp, dtype: {"q_out": (inp["q"].shape, dtype), "k_out": (inp["k"].shape, dtype),
+                                "k_cache": (inp["k"].shape, dtype), "v_cache": (inp["k"].shape, dtype)},
+    implementation=rope_kv_launch,
+    cases={"cpu": [Case("one token", dict(T=1, Hq=4, Hkv=2, D=16)),
+                   Case("37 tokens, 6 heads of 24", dict(T=37, Hq=6, Hkv=2, D=24))],
+           "gpu": [Case("decode, 1 token", dict(T=1, Hq=16, Hkv=4, D=128)),
+                   Case("37 tokens", dict(T=37, Hq=16, Hkv=4, D=128)),
+                   Case("prefill, 2049 tokens", dict(T=2049, Hq=16, Hkv=4, D=128))],
+           "bench": [Case("decode B1", dict(T=1, Hq=16, Hkv=4, D=128)),
+                     Case("decode B64", dict(T=64, Hq=16, Hkv=4, D=128)),
+                     Case("prefill 4096", dict(T=4096, Hq=16, Hkv=4, D=128))]},
+    dtypes={"cpu": [torch.float32, torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]},
+    tolerances={torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)},
+    bytes_moved=_kv_bytes,
+    baselines={"torch (rope_reference on q and k, index_copy_ of k and v)": torch_rope_kv},
+    graph_timing=True,
+    bench_dtypes=[torch.bfloat16],
+    read_inputs=("q", "k", "v", "cos", "sin"),
+    strided=("q", "k", "v", "cos", "sin", "q_out", "k_out", "k_cache", "v_cache"),
+    axes={name: ("token", "head", "dim") for name in ("q_out", "k_out")} | {
+        name: ("slot", "head", "dim") for name in ("k_cache", "v_cache")},
+    hint=ROPE_KV_HINT,
+    notes="gpulab = rope_qk_into with the cache arguments, outputs preallocated, as the engine's "
+          "TransformerBlock.pre_attention calls it (rope_qk_store_kv adds validation, which reads the slots "
+          "back to the host); the baseline is the path it replaced.",
 )

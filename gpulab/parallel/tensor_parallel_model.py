@@ -44,7 +44,7 @@ from .. import runtime
 from ..bitlinear import BitLinear
 from ..engine.engine import LLM, EngineConfig
 from ..engine.model import (ModelConfig, TernaryTransformer, apply_rope, attention_with_history, encode_prompt,
-                            load_checkpoint, prepare_for_serving)
+                            load_checkpoint, prepare_for_serving, store_kv)
 from ..engine.sequence import SamplingParams
 from .tensor_parallel import ColumnParallelBitLinear, RowParallelBitLinear, TensorParallelGLU, gather_parts
 
@@ -98,13 +98,15 @@ class TensorParallelBlock(nn.Module):
         self.o_proj = RowParallelBitLinear.from_bitlinear(block.o_proj, group, rank, world_size)
         self.mlp = TensorParallelGLU(block.gate_up, block.down_proj, group, rank=rank, world_size=world_size)
 
-    def forward(self, x, cos, sin, attend, layer: int, reference: bool = False):
+    def forward(self, x, cos, sin, attend, layer: int, reference: bool = False, kv_cache=None):
         c = self.cfg
         q, k, v = self.qkv_proj(x, reference).split(
             [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], dim=-1)
         q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
         k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
         v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        if kv_cache is not None:                                    # this rank's heads into its cache
+            store_kv(kv_cache(layer), k, v)
         o = attend(layer, q, k, v)                                  # [..., local heads, head_dim]
         o = gather_parts(o.flatten(-2), (self.attention_width,), self.group)     # every head, TP=1 order
         x = x + self.o_proj(o, reference)
@@ -147,13 +149,14 @@ class TensorParallelTransformer(nn.Module):
                 f"{self.full_cfg.hidden}")
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, attend,
-                      reference: bool = False) -> torch.Tensor:
+                      reference: bool = False, kv_cache=None) -> torch.Tensor:
         """Final-norm hidden states [..., d_model], replicated on every rank;
-        ``attend(layer, q, k, v)`` sees this rank's heads only."""
+        ``attend(layer, q, k, v)`` sees this rank's heads only, and ``kv_cache`` (as
+        :meth:`TernaryTransformer.hidden_states`'s) is this rank's cache."""
         x = self.embed(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend, i, reference)
+            x = block(x, cos, sin, attend, i, reference, kv_cache)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
