@@ -257,3 +257,40 @@ def test_reference_and_learner_kernels_keep_the_unfused_ops(block):
         gate, up = run_bitlinear(block.gate_up, h, reference=True).chunk(2, dim=-1)
         want = h + run_bitlinear(block.down_proj, F.silu(gate) * up, reference=True)
         assert torch.equal(block.post_attention(x, o, reference=True), want)
+
+
+def test_the_last_residual_add_quantizes_the_next_blocks_qkv_input(monkeypatch):
+    """Between two packed blocks the last residual add also normalises and quantizes the
+    new x for the next QKV projection (one kernel for the add and that norm-quant): the
+    next block's q, k, v from that input equal those from x through its own BitLinear,
+    and a whole forward equals one without the hand-over, bit for bit."""
+    torch.manual_seed(11)
+    model = TernaryTransformer(TINY)
+    with torch.no_grad():                   # each projection its own norm weights, away from 1
+        for name, p in model.named_parameters():
+            if name.endswith("norm_weight"):
+                p.mul_(1 + 0.5 * torch.randn_like(p))
+    model = model.pack().to(DEVICE)
+    first, second = model.blocks[0], model.blocks[1]
+    c = TINY
+    x = torch.randn(7, c.d_model, device=DEVICE) * 3
+    o = torch.randn(7, c.n_heads, c.head_dim, device=DEVICE)
+    pos = torch.arange(7, device=DEVICE)
+    cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+    with torch.no_grad():
+        plain = first.post_attention(x, o)
+        handed, quantized = first.post_attention_to(x, o, second.qkv_proj)
+        assert quantized is not None and quantized[0].dtype == torch.int8 and quantized[1].shape == (7,)
+        assert torch.equal(handed, plain)
+        for got, want in zip(second.pre_attention(handed, cos, sin, x_quantized=quantized),
+                             second.pre_attention(plain, cos, sin)):
+            assert torch.equal(got, want)
+        assert first.post_attention_to(x, o, None)[1] is None                  # the last block: a plain add
+        assert first.post_attention_to(x, o, second.qkv_proj, reference=True)[1] is None
+
+        def attend(layer, q, k, v):          # attention over the step's own rows, enough here
+            return engine_model.attention_with_history(q, k, v)
+        tokens = torch.tensor([72, 101, 108, 108, 111, 10, 3], device=DEVICE)
+        fused = model.hidden_states(tokens, pos, attend)
+        monkeypatch.setattr(TernaryTransformer, "next_qkv", lambda self, i: None)
+        assert torch.equal(fused, model.hidden_states(tokens, pos, attend))

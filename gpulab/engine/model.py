@@ -20,6 +20,12 @@ callback: training passes causal attention over [B, T], the reference decoder a
 contiguous per-request cache, and the engine's runner paged attention over a whole
 batch. So the model is written once and every way of running it shares its weights and
 arithmetic.
+
+Packed on gpulab's kernels, a layer is about a dozen launches, and the glue between the
+projections is folded into the kernels around it: RoPE of q and k is one kernel, which
+also stores k and v into the paged cache (:func:`gpulab.rope.rope_qk_store_kv`); the
+residual adds and SiLU·mul run inside the norm-quant kernels of the projections that read
+them (:mod:`gpulab.fused_norms`), the last one quantizing the next layer's QKV input.
 """
 from __future__ import annotations
 
@@ -149,19 +155,23 @@ class TransformerBlock(nn.Module):
         o = attend(layer, q, k, v)                       # [..., n_heads, head_dim]
         return self.post_attention(x, o, reference)
 
-    def pre_attention(self, x, cos, sin, reference: bool = False, kv_dest: tuple | None = None):
+    def pre_attention(self, x, cos, sin, reference: bool = False, kv_dest: tuple | None = None,
+                      x_quantized: tuple | None = None):
         """The block's work before attention: q [..., Hq, D], k, v [..., Hkv, D] of rows x
         (QKV projection, RoPE on q and k). Row by row: a row's output depends on its own
         input only (what lets the runner pad a step to a CUDA graph's bucket). ``kv_dest``
         = (slots [rows], k_cache, v_cache [S, Hkv, D]): also store row r's k and v into
-        slot slots[r] of the caches (the rows flattened).
+        slot slots[r] of the caches (the rows flattened). ``x_quantized`` = (x_q, x_scale):
+        x already normalised and quantized for the QKV projection (by the block before,
+        :meth:`post_attention_to`), so its matmul alone runs.
 
         Packed and outside autograd, RoPE is one kernel (:mod:`gpulab.rope`) instead of about
         sixteen PyTorch ops: k turned in place in the projection's output (a view, as v is),
         q into a contiguous tensor (attention's public functions and hooks take one), and
         the same kernel stores k and v into the cache."""
         c = self.cfg
-        qkv = run_bitlinear(self.qkv_proj, x, reference)
+        qkv = (run_bitlinear(self.qkv_proj, x, reference) if x_quantized is None
+               else self.qkv_proj.forward_quantized(*x_quantized, x.dtype))
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                              c.n_kv_heads * c.head_dim], dim=-1)
         q = q.unflatten(-1, (c.n_heads, c.head_dim))
@@ -188,19 +198,28 @@ class TransformerBlock(nn.Module):
         Packed on gpulab's kernels, the residual add and SiLU·mul are fused into the norms
         of the projections that read them (:mod:`gpulab.fused_norms`): three kernels fewer
         a layer, and the MLP's hidden activations never written."""
+        return self.post_attention_to(x, o, None, reference)[0]
+
+    def post_attention_to(self, x, o, next_qkv: BitLinear | None, reference: bool = False):
+        """:meth:`post_attention`, then the next block's QKV input: (x, (x_q, x_scale)) where
+        the last residual add can also normalise and quantize x for ``next_qkv`` (the fused
+        path, ``next_qkv`` taking a quantized input: one kernel instead of the add and the
+        next block's norm-quant), else (x, None)."""
         if (not reference and self.fused_norms and self.gate_up.takes_quantized_input
                 and self.down_proj.takes_quantized_input):
-            return self.post_attention_fused(x, o)
+            return self.post_attention_fused(x, o, next_qkv)
         lin = lambda m, t: run_bitlinear(m, t, reference)  # noqa: E731
         x = x + lin(self.o_proj, o.flatten(-2))
         gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
-        return x + lin(self.down_proj, F.silu(gate) * up)
+        return x + lin(self.down_proj, F.silu(gate) * up), None
 
-    def post_attention_fused(self, x, o):
+    def post_attention_fused(self, x, o, next_qkv: BitLinear | None = None):
         """post_attention's arithmetic with the add and SiLU·mul inside the norm kernels:
         x + o_proj(o) and its quantization for gate_up in one kernel, SiLU(gate) ⊙ up and
         its quantization for down_proj in another (their launchers: the shapes are the
-        model's own, and a decode step's host time counts)."""
+        model's own, and a decode step's host time counts), and where ``next_qkv`` takes a
+        quantized input the last residual add with its norm-quant too. Returns (x, the
+        next QKV input (x_q, x_scale) or None)."""
         gu, dn = self.gate_up, self.down_proj
         attn = self.o_proj(o.flatten(-2))
         x2, attn2 = x.reshape(-1, x.shape[-1]), attn.view(-1, attn.shape[-1])
@@ -213,7 +232,14 @@ class TransformerBlock(nn.Module):
         h_q = torch.empty((rows, dn.in_features), dtype=torch.int8, device=dev)
         h_scale = torch.empty(rows, dtype=torch.float32, device=dev)
         silu_mul_rmsnorm_quant_into(gate_up, dn.norm_weight, h_q, h_scale, dn.eps)
-        return (s + dn.forward_quantized(h_q, h_scale, x.dtype)).view(x.shape)
+        down = dn.forward_quantized(h_q, h_scale, x.dtype)
+        if next_qkv is None or not next_qkv.takes_quantized_input:
+            return (s + down).view(x.shape), None
+        x_next = torch.empty(x2.shape, dtype=x.dtype, device=dev)
+        x_q = torch.empty(x2.shape, dtype=torch.int8, device=dev)
+        x_scale = torch.empty(rows, dtype=torch.float32, device=dev)
+        add_rmsnorm_quant_into(s, down, next_qkv.norm_weight, x_next, x_q, x_scale, next_qkv.eps)
+        return x_next.view(x.shape), (x_q.view(x.shape), x_scale.view(x.shape[:-1]))
 
 
 class TernaryTransformer(nn.Module):
@@ -247,9 +273,17 @@ class TernaryTransformer(nn.Module):
         finds them in the cache); None: ``attend`` keeps them itself."""
         x = self.embed(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x_quantized = None             # layer i's QKV input, quantized by layer i - 1's last kernel
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend, i, reference, kv_cache)
+            q, k, v = block.pre_attention(x, cos, sin, reference, None if kv_cache is None else kv_cache(i),
+                                          x_quantized)
+            o = attend(i, q, k, v)                       # [..., n_heads, head_dim]
+            x, x_quantized = block.post_attention_to(x, o, self.next_qkv(i), reference)
         return self.norm(x)
+
+    def next_qkv(self, i: int) -> BitLinear | None:
+        """The QKV projection after block i's (None after the last block)."""
+        return self.blocks[i + 1].qkv_proj if i + 1 < len(self.blocks) else None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h).float()

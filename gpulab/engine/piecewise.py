@@ -103,16 +103,17 @@ class PiecewiseGraphs:
         Returns (x, cos, sin, q, k, v), or the final-norm hidden states h for i = L."""
         m, blocks, ref = self.model, self.model.blocks, self.reference
         if i == 0:
-            x = m.embed(self.token_ids[:t])
+            x, x_quantized = m.embed(self.token_ids[:t]), None
             pos = self.positions[:t]
             cos, sin = m.rope_cos[pos], m.rope_sin[pos]
         else:
             c = self.carry[t]
-            x = blocks[i - 1].post_attention(c["x"], self.attn_out[:t], ref)
+            x, x_quantized = blocks[i - 1].post_attention_to(c["x"], self.attn_out[:t], m.next_qkv(i - 1), ref)
             cos, sin = c["cos"], c["sin"]
         if i == len(blocks):
             return m.norm(x)
-        q, k, v = blocks[i].pre_attention(x, cos, sin, ref, self.runner.kv_destination(self.slots[:t])(i))
+        q, k, v = blocks[i].pre_attention(x, cos, sin, ref, self.runner.kv_destination(self.slots[:t])(i),
+                                          x_quantized)
         return x, cos, sin, q, k, v
 
     # -- a step -------------------------------------------------------------------------------
