@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # planned in the eighth session of 2026-12-04 (no device machine was lent then), for the next
 # session's build: the KV cache's store inside the RoPE kernel (two index_copy_ launches a
-# layer fewer in every engine step). Compiled tests of RoPE and the engine paths it changed
-# (runner, piecewise and whole-step graphs), the kernel's benchmark against the path it
-# replaced, the cached prompt's step and the 1-row decode step profiled (launch counts,
-# first-token ms), then the TTFT pair (caching off first).
+# layer fewer in every engine step) and the last residual add quantizing the next layer's
+# QKV input (one more). Compiled tests of RoPE, the fused norms and the engine paths they
+# changed (runner, piecewise and whole-step graphs), the RoPE kernel's benchmark against
+# the path it replaced, the cached prompt's step and the 1-row decode step profiled (launch
+# counts, first-token ms; 320 launches and 1.905 ms before, 2026-12-04e call 2), then the
+# TTFT pair (caching off first).
 set -u
 source tools/gpu-env.sh
 export OMP_NUM_THREADS=1
@@ -13,7 +15,7 @@ pack() { tar czf $OUT/call4.tgz -C $R .; }
 { python3 -m gpulab env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; git log --oneline -1; } > $R/env.txt 2>&1
 s=$(date +%s)
 timeout -s INT -k 10 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 12 --junitxml=$R/junit.xml \
-  tests/test_rope.py tests/test_engine.py tests/test_piecewise.py tests/test_engine_blocks.py > $R/tests.txt 2>&1; echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+  tests/test_rope.py tests/test_fused_norms.py tests/test_engine.py tests/test_piecewise.py tests/test_engine_blocks.py > $R/tests.txt 2>&1; echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 tail -4 $R/tests.txt
 pack
 s=$(date +%s)
