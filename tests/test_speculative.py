@@ -494,6 +494,38 @@ def test_staged_buffers_send_the_filled_prefixes_in_one_copy(monkeypatch):
     assert buf["noise"].eq(1).all() and (h["noise"] == 1).all()
 
 
+def test_an_emulated_graph_returns_its_outputs_rewritten_as_a_captured_one_does():
+    """Without a GPU a CapturedStep calls its function at each replay and, as a CUDA graph
+    does, hands back the same output tensors rewritten in place: a caller that keeps an
+    output past the next replay sees it change on a CPU too (drafting ahead read one
+    sequence's drafts after the next replay had rewritten them, 2026-12-04)."""
+    from gpulab.engine.graph_capture import CapturedStep
+    calls = iter(range(1, 10))
+
+    def fn():
+        n = next(calls)
+        return torch.full((3,), n), (torch.tensor([n, -n]), None)
+    step = CapturedStep(fn, cuda=False)
+    first = step.replay()
+    kept = first[0]
+    second = step.replay()
+    assert second is first and second[0] is kept and kept.tolist() == [2, 2, 2]
+    assert second[1][0].tolist() == [2, -2] and second[1][1] is None
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3])
+def test_pending_drafts_read_back_are_a_copy_the_next_replay_leaves_alone(n_seqs):
+    """PendingDrafts.flat(): the drafts as the host reads them, copied out of the graph's
+    output (a flattened view, for one sequence, would be rewritten by the next replay)."""
+    from gpulab.engine.spec_graphs import PendingDrafts
+    tokens = torch.arange(4 * 4).view(4, 4)                  # [k, bucket]
+    pending = PendingDrafts(None, [object()] * n_seqs, [None] * n_seqs, [4] * n_seqs, tokens, None)
+    flat = pending.flat()
+    want = tokens[:, :n_seqs].t().flatten().tolist()
+    tokens.fill_(-1)                                         # the next replay
+    assert flat.tolist() == want and pending.flat() is flat
+
+
 def test_graph_drafts_reach_the_verify_graph_on_the_device(target):
     """The graph drafter's tokens are not read back before verification: the sequences
     hold placeholders, the verify graph's host-side ids too, and the drafts come back

@@ -51,13 +51,26 @@ def capture(fn, pool=None, warmups: int = 2):
     return graph, out
 
 
+def rewrite(old, new) -> None:
+    """Copy ``new`` into ``old`` in place: tensors, and tuples or lists of them (or None)."""
+    if isinstance(old, torch.Tensor):
+        old.copy_(new)
+    elif isinstance(old, (tuple, list)):
+        for a, b in zip(old, new, strict=True):
+            rewrite(a, b)
+    elif old is not None or new is not None:
+        raise TypeError(f"a captured step returns tensors, tuples or lists of them, or None; got {type(new)}")
+
+
 class CapturedStep:
     """``fn()`` (it reads and writes only static tensors) captured once, replayed often.
 
     ``cuda``: two warm-up calls (autotuning and lazy allocations stay outside the graph),
     then a ``torch.cuda.CUDAGraph`` capture (:func:`capture`); ``replay()`` relaunches the
     recorded kernels and returns the same output tensors, rewritten. Without ``cuda``,
-    ``replay()`` calls ``fn()`` itself: a stand-in that checks the plumbing on a CPU."""
+    ``replay()`` calls ``fn()`` itself: a stand-in that checks the plumbing on a CPU,
+    returning the first call's output tensors rewritten, as a graph's are (a caller that
+    keeps an output across replays sees it change there too, as on a GPU)."""
 
     def __init__(self, fn, cuda: bool, pool=None):
         self.fn, self.graph, self.out = fn, None, None
@@ -72,7 +85,12 @@ class CapturedStep:
     def replay(self):
         if self.graph is None:
             with torch.no_grad():
-                return self.fn()
+                out = self.fn()
+            if self.out is None:
+                self.out = out
+            else:
+                rewrite(self.out, out)
+            return self.out
         self.graph.replay()
         return self.out
 

@@ -180,9 +180,12 @@ class PendingDrafts:
         self._flat: torch.Tensor | None = None
 
     def flat(self) -> torch.Tensor:
-        """The tokens as the host reads them back: [len(seqs) · k], sequence by sequence."""
+        """The tokens as the host reads them back: [len(seqs) · k], sequence by sequence. A
+        copy, made at the first call: ``tokens`` is a graph's output, which its next replay
+        rewrites (drafting ahead replays it before the host reads these; for one sequence
+        a flattened view would share its memory)."""
         if self._flat is None:
-            self._flat = self.tokens[:, :len(self.seqs)].t().flatten()
+            self._flat = self.tokens[:, :len(self.seqs)].t().clone(memory_format=torch.contiguous_format).view(-1)
         return self._flat
 
     def probabilities(self) -> list[torch.Tensor | None]:
