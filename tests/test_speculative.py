@@ -362,6 +362,25 @@ def test_drafting_ahead_changes_no_draft():
     assert 0 < used < launched, spec.ahead_counts
 
 
+def test_the_verify_results_are_on_their_way_to_the_host_before_the_drafts_ahead_launch(monkeypatch):
+    """Drafting ahead overlaps the host's reading with the next drafts only if the copy of
+    the verify pass's results is queued before the drafts (a copy queued after them waits
+    for them): in every step that drafts ahead, the copy starts first, and the host waits
+    for it after the launch."""
+    from gpulab.engine.model import load_checkpoint
+    target, draft = load_checkpoint(device=DEVICE), load_mlgru_draft(device=DEVICE)
+    spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=MLGRUDrafter(draft), k=3, graphs="emulate")
+    log = []
+    for cls, name in ((SpeculativeLLM, "_send_to_host"), (SpeculativeLLM, "_on_host"),
+                      (MLGRUGraphDrafter, "launch_ahead")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _real=real, _name=name, **kw: log.append(_name) or _real(*a, **kw))
+    serve_some(spec, [SamplingParams(max_tokens=24)])
+    steps = " ".join(log).replace("_on_host", "|").split("|")
+    ahead = [s.split() for s in steps if "launch_ahead" in s]
+    assert ahead and all(s == ["_send_to_host", "launch_ahead"] for s in ahead), steps
+
+
 def test_drafting_ahead_under_preemption_keeps_the_target_tokens():
     """A page pool too small for every request: sequences preempted while their next
     drafts run ahead (their drafts dropped, their slots forgotten) recompute later and

@@ -573,30 +573,35 @@ class SpeculativeLLM(LLM):
         owns rows i·(k+1) onwards; a sequence without drafts takes its row's token."""
         self.runner.copy_blocks(batch.copies)
         logits, best = self.verify_graphs.run(batch.items, self.pending)
+        k1 = self.k + 1
+        spans = {seq: (i * k1, i * k1 + n) for i, (seq, n) in enumerate(batch.items)}
+        # the results' copy goes first: the drafts ahead then run on the GPU while the host
+        # reads them (a copy queued after the drafts would wait for them)
+        copy = self._send_to_host(drafts, spans, logits, best)
         pending = self.pending
         if (self.draft_ahead and pending is not None and all(seq.params.greedy for seq in drafts)
                 and all(seq in pending.column for seq in drafts)):
             self.ahead = self.proposer.launch_ahead(pending, batch.items, {s: len(t) for s, (t, _) in drafts.items()},
                                                     best)
             self.ahead_counts["launched"] += self.ahead is not None
-        k1 = self.k + 1
-        spans = {seq: (i * k1, i * k1 + n) for i, (seq, n) in enumerate(batch.items)}
         plain = [seq for seq, _ in batch.items if seq not in drafts]
         self.scheduler.postprocess(ScheduledBatch([it for it in batch.items if it[0] not in drafts]))
         sampled = [seq for seq in plain if not seq.params.greedy]
         # sampled sequences without drafts draw from the sampler's streams (their own copy)
         drawn = self.sample_tokens(logits[[spans[s][0] for s in sampled]], sampled) if sampled else {}
-        on_host, best_ids = self._on_host(drafts, spans, logits, best)
+        on_host, best_ids = self._on_host(drafts, spans, logits, best, copy)
         new_tokens = {seq: drawn[seq] if seq in drawn else [best_ids[spans[seq][0]]] for seq in plain}
         for seq, (tokens, q, p, best_row) in on_host.items():
             new_tokens[seq] = self._verify(seq, tokens, q, p, best_row)
         return GraphStepPlan(), new_tokens
 
-    def _on_host(self, drafts: dict, spans: dict, logits: torch.Tensor, best: torch.Tensor | None = None):
-        """What acceptance needs, per drafted sequence, brought to the host in one copy:
+    def _send_to_host(self, drafts: dict, spans: dict, logits: torch.Tensor, best: torch.Tensor | None = None):
+        """Start the one device -> host copy of what acceptance needs, per drafted sequence:
         (tokens, q, p) for sampled sequences (p the target's distribution at the k+1
-        positions), the target's argmax per position for greedy ones. Returns that dict
-        and the argmax of every row of ``logits`` (``best``, if already computed)."""
+        positions), the target's argmax per position for greedy ones; the argmax of every
+        row of ``logits`` (``best``, if already computed); the pending drafts; the fault
+        flag. Queued now, in stream order: work launched after it runs on while the host
+        waits for the copy only. Returns (host tensor, CUDA event or None, rows of best)."""
         best = logits.argmax(-1) if best is None else best
         sampled = [seq for seq in drafts if not seq.params.greedy]
         # token ids as they are when nothing else comes back; as float64 beside probabilities
@@ -607,11 +612,28 @@ class SpeculativeLLM(LLM):
             a, b = spans[seq]
             parts += [probabilities(logits[a:b], seq.params).double().flatten(), drafts[seq][1].double().flatten()]
         parts.append(fault_flag(logits.device).to(parts[0].dtype))   # a kernel's recorded faults, last
-        flat = torch.cat(parts).cpu()                     # the verification's one device -> host copy
+        flat = torch.cat(parts)
+        if not flat.is_cuda:
+            return flat, None, best.numel()
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready, best.numel()
+
+    def _on_host(self, drafts: dict, spans: dict, logits: torch.Tensor, best: torch.Tensor | None = None,
+                 copy: tuple | None = None):
+        """What acceptance needs, per drafted sequence, on the host (:meth:`_send_to_host`'s
+        copy, started now unless ``copy`` is one already under way): (tokens, q, p) for
+        sampled sequences, the target's argmax per position for greedy ones. Returns that
+        dict and the argmax of every row of ``logits``."""
+        flat, ready, n_best = self._send_to_host(drafts, spans, logits, best) if copy is None else copy
+        if ready is not None:
+            ready.synchronize()                           # the verification's one wait
         if flat[-2]:
             raise_recorded_faults(logits.device)
-        best_ids = flat[:best.numel()].long().tolist()
-        at, out = best.numel(), {}
+        best_ids = flat[:n_best].long().tolist()
+        at, out = n_best, {}
         if self.pending is not None:
             n = len(self.pending.seqs) * self.pending.drafter.k
             self._resolve(drafts, flat[at:at + n].long().tolist())
