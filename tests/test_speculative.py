@@ -1,6 +1,8 @@
 """Speculative decoding: the acceptance rule keeps the target's distribution (χ² test
 that fails for planted wrong rules), greedy output equals the target alone, rollback
 leaks no pages, and it works inside continuous batching."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -511,6 +513,23 @@ def test_staged_buffers_send_the_filled_prefixes_in_one_copy(monkeypatch):
     assert buf["table"][:2].eq(1).all() and buf["table"][2:].eq(7).all() and buf["noise"].eq(0).all()
     buf.set("noise", torch.ones(2, 3))
     assert buf["noise"].eq(1).all() and (h["noise"] == 1).all()
+
+
+def test_staged_buffers_wait_for_their_last_copy_before_the_host_rewrites_them():
+    """On a GPU a send's copy is asynchronous: the host's way in (``np``, ``set``) waits
+    for the event recorded after it, once; without a copy in flight it waits for nothing."""
+    from gpulab.engine.graph_capture import StagedBuffers
+    buf = StagedBuffers(ids=torch.arange(4))
+    waits = []
+    buf.sent = SimpleNamespace(synchronize=lambda: waits.append(1), record=lambda: None)
+    buf.in_flight = True                  # as after a send on a GPU
+    buf.np["ids"][0] = 5
+    buf.np["ids"][1] = 6
+    assert waits == [1]
+    buf.send(ids=2)
+    assert buf.in_flight
+    buf.set("ids", torch.zeros(4, dtype=torch.long))
+    assert waits == [1, 1] and not buf.in_flight
 
 
 def test_an_emulated_graph_returns_its_outputs_rewritten_as_a_captured_one_does():

@@ -111,7 +111,12 @@ class StagedBuffers:
     (each copy is about 10 µs of host time: at batch 1 the verify and draft inputs were
     eleven of them a step). The span may include fields or tails not named this time: the
     host twin holds what the device holds there (every host write is sent, and the twins
-    start as copies of the given tensors), so copying them changes nothing."""
+    start as copies of the given tensors), so copying them changes nothing.
+
+    The copy is asynchronous: until the GPU has made it, the host twins must not change.
+    ``np`` (the host's way in) therefore waits for the last send's copy, which has almost
+    always happened by then (an event's query); a step may read its results back before
+    the copy of another graph's inputs queued after them, as drafting ahead does."""
 
     def __init__(self, **tensors: torch.Tensor):
         first = next(iter(tensors.values()))
@@ -123,18 +128,33 @@ class StagedBuffers:
             end = -(-(end + nbytes) // 16) * 16
         self.device_bytes = torch.empty(max(end, 16), dtype=torch.uint8, device=first.device)
         self.host_bytes = torch.empty(max(end, 16), dtype=torch.uint8, pin_memory=pin)
-        self.dev, self.host, self.np, self.where = {}, {}, {}, {}
+        self.dev, self.host, self._np, self.where = {}, {}, {}, {}
+        self.sent = torch.cuda.Event() if pin else None     # recorded after each send's copy
+        self.in_flight = False
         for name, start, nbytes, t in layout:
             d = self.device_bytes[start:start + nbytes].view(t.dtype).view(t.shape)
             h = self.host_bytes[start:start + nbytes].view(t.dtype).view(t.shape)
             d.copy_(t)
             h.copy_(t.cpu())
             self.dev[name], self.host[name] = d, h
-            self.np[name] = (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
+            self._np[name] = (h.view(torch.uint8) if h.dtype == torch.bool else h).numpy()
             self.where[name] = (start, nbytes // max(1, t.shape[0]) if t.dim() else nbytes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.dev[name]
+
+    @property
+    def np(self) -> dict:
+        """The host twins as NumPy arrays, to fill before a :meth:`send` (once the last
+        send's copy has read them: :meth:`settle`)."""
+        self.settle()
+        return self._np
+
+    def settle(self) -> None:
+        """Wait until the last send's copy has read the host twins (then they may change)."""
+        if self.in_flight:
+            self.sent.synchronize()
+            self.in_flight = False
 
     def send(self, **counts: int) -> None:
         """Host -> device, in one copy, of (at least) the first ``counts[name]`` entries of
@@ -146,8 +166,12 @@ class StagedBuffers:
         hi = max(self.where[name][0] + n * self.where[name][1] for name, n in counts.items())
         if hi > lo:
             self.device_bytes[lo:hi].copy_(self.host_bytes[lo:hi], non_blocking=True)
+            if self.sent is not None:
+                self.sent.record()
+                self.in_flight = True
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """Write a whole field on the device and its host twin alike (outside ``send``)."""
+        self.settle()
         self.dev[name].copy_(value)
         self.host[name].copy_(value.cpu())
