@@ -399,24 +399,52 @@ def draft_rollout_ref(first: torch.Tensor, states: torch.Tensor, w: RolloutWeigh
 
 
 @triton.jit
+def _start_after_verify(rows, live, ahead_ptr, verified_ptr, stride_verified, best_ptr, first_limit, K: tl.constexpr):
+    """Each row's (first token, state row) from a verify pass: ahead row b = (its first
+    verify row r, drafts verified n, state row of the state before them s, its column c in
+    verified [K, *]). Accepted a = the leading drafts that equal the target's argmax
+    best[r + i] (i < n); first = best[r + a] (0 where it is no draft input: >= first_limit,
+    a special), state row s + a (the state after the accepted drafts)."""
+    r = tl.load(ahead_ptr + rows * 4, mask=live, other=0)
+    n = tl.load(ahead_ptr + rows * 4 + 1, mask=live, other=0)
+    s = tl.load(ahead_ptr + rows * 4 + 2, mask=live, other=0)
+    c = tl.load(ahead_ptr + rows * 4 + 3, mask=live, other=0)
+    accepted = tl.zeros_like(r)
+    still = live
+    for i in tl.static_range(K):
+        draft = tl.load(verified_ptr + i * stride_verified + c, mask=still, other=-1)
+        target = tl.load(best_ptr + r + i, mask=still, other=-2)
+        still = still & (i < n) & (draft == target)
+        accepted += still.to(accepted.dtype)
+    first = tl.load(best_ptr + r + accepted, mask=live, other=0)
+    return tl.where(first < first_limit, first, 0).to(tl.int32), s + accepted
+
+
+@triton.jit
 def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_ptr, drafts_ptr, B,
                          stride_in_layer, stride_out_layer,
                          embed_ptr, final_norm_ptr, head_ptr, eps_final,
                          norm_ptr, down_norm_ptr, scale_ptr, wf_ptr, wc_ptr, wg_ptr, wo_ptr, wgate_ptr, wdown_ptr,
-                         eps_norm, eps_bit,
+                         eps_norm, eps_bit, ahead_ptr, verified_ptr, stride_verified, best_ptr, first_limit,
                          K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
-                         V: tl.constexpr, VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
+                         V: tl.constexpr, VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr,
+                         AHEAD: tl.constexpr):
     """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
 
     Row b starts from token first[b] and, in every layer l, the state at row src[b] of
-    state_in[l]; step i's states go to row dst[b·(K+1) + i] of state_out[l] (float32),
-    step i's argmax (i < K) to drafts[i, b]; step i + 1 reads step i's states back."""
+    state_in[l] (with AHEAD, both found from a verify pass instead: :func:`_start_after_verify`);
+    step i's states go to row dst[b·(K+1) + i] of state_out[l] (float32), step i's argmax
+    (i < K) to drafts[i, b]; step i + 1 reads step i's states back."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     live = rows < B
     d = tl.arange(0, D)
     v = tl.arange(0, VC)
-    token = tl.load(first_ptr + rows, mask=live, other=0).to(tl.int32)
-    src = tl.load(src_ptr + rows, mask=live, other=0)
+    if AHEAD:
+        token, src = _start_after_verify(rows, live, ahead_ptr, verified_ptr, stride_verified, best_ptr,
+                                         first_limit, K)
+    else:
+        token = tl.load(first_ptr + rows, mask=live, other=0).to(tl.int32)
+        src = tl.load(src_ptr + rows, mask=live, other=0)
     final_norm = tl.load(final_norm_ptr + d)
     for i in range(K + 1):
         ok = live & (token >= 0) & (token < V)           # a bad first token reads nothing
@@ -459,26 +487,36 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
 
 def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
                        num_warps: int = ROLLOUT_WARPS, chunk: int | None = None, head_chunk: int | None = None,
-                       num_stages: int | None = None):
+                       num_stages: int | None = None, ahead: tuple | None = None):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]. ``chunk``: the GLU's columns at a time (a divisor of the
     hidden size), ``head_chunk``: the head's logits at a time (a divisor of the vocabulary),
-    ``num_stages``: Triton's; each by default from :func:`rollout_tiles`."""
+    ``num_stages``: Triton's; each by default from :func:`rollout_tiles`.
+
+    ``ahead`` = (rows int64 [B, 4], verified int64 [k, *] (last dimension contiguous),
+    best int64 [*], first_limit): each row's first token and state row found in the kernel
+    from a verify pass instead of ``first`` and ``src`` (not read then): row b = (its
+    first row r in best, the drafts verified n <= k, the state row before them s, its
+    column in verified); accepted a = leading drafts equal to best[r + i]; first =
+    best[r + a] (0 if >= first_limit), state row s + a. Drafting ahead's start
+    (:meth:`gpulab.engine.spec_graphs.MLGRUGraphDrafter.launch_ahead`), in the same launch."""
     b = first.shape[0]
     if b == 0:
         return
     blocks = w.blocks
     tiles = rollout_tiles(blocks.d_model, blocks.hidden, w.vocab_size)
     chunk, head_chunk, num_stages = chunk or tiles[0], head_chunk or tiles[1], num_stages or tiles[2]
+    rows, verified, best, first_limit = ahead if ahead is not None else (None, None, None, 0)
     runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps, num_stages),
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
                    blocks.norms, blocks.down_norm, blocks.scales, blocks.w_f, blocks.w_c, blocks.w_g, blocks.w_o,
                    blocks.w_gate, blocks.w_down, float(blocks.eps_norm), float(blocks.eps_bit),
+                   rows, verified, 0 if verified is None else verified.stride(0), best, int(first_limit),
                    K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=chunk, V=w.vocab_size,
                    VC=head_chunk, BLOCK_B=BLOCK_B,
-                   IEEE=w.head.dtype == torch.float32)
+                   IEEE=w.head.dtype == torch.float32, AHEAD=ahead is not None)
 
 
 def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):

@@ -213,6 +213,11 @@ ROLLOUT_MUTANTS = {
     # step i's states written to step i - 1's row
     "states_one_row_early": [("dst = tl.load(dst_ptr + rows * (K + 1) + i, mask=live, other=0)",
                               "dst = tl.load(dst_ptr + rows * (K + 1) + i - 1, mask=live & (i > 0), other=0)")],
+    # after a verify pass: the state row of the first draft, not of the last accepted one
+    "ahead_state_row_not_advanced": [("return tl.where(first < first_limit, first, 0).to(tl.int32), s + accepted",
+                                      "return tl.where(first < first_limit, first, 0).to(tl.int32), s")],
+    # after a verify pass: every draft counted as accepted, matching or not
+    "ahead_all_accepted": [("still = still & (i < n) & (draft == target)", "still = still & (i < n)")],
 }
 
 
@@ -225,11 +230,15 @@ def test_the_rollout_check_accepts_the_kernel(capsys):
     ("token_not_fed_back", "every step starts from `first`: feed each step's argmax back"),
     ("state_not_carried", "every step starts from `state_in`: step i + 1 must read the states step i wrote"),
     ("head_not_transposed", "output `drafts` is wrong"),
-    ("states_one_row_early", "draft 0 is right and later drafts are not")])
+    ("states_one_row_early", "draft 0 is right and later drafts are not"),
+    ("ahead_state_row_not_advanced", "this case starts each row after a verify pass"),
+    ("ahead_all_accepted", "a load past the end of input `state_in`")])
 def test_the_rollout_check_rejects_wrong_rollouts_and_names_the_cause(mutant, says):
     """Learners' mistakes in a rollout (the kernel's own source, edited): the argmax not
     fed back, the states not carried, the head read untransposed, the states stored a row
-    early (so the next step reads a row nobody wrote): each fails, with its cause."""
+    early (so the next step reads a row nobody wrote); and a start after a verify pass
+    (drafting ahead's) from the wrong state row, or with every draft accepted (its state
+    row then runs past the states): each fails, with its cause."""
     msg = rejects("draft_rollout", _rollout_mutant(mutant, *ROLLOUT_MUTANTS[mutant]))
     assert says in msg, msg
 

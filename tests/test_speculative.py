@@ -421,16 +421,19 @@ def test_a_request_aborted_while_its_drafts_run_ahead_leaves_the_others_alone():
 
 
 @pytest.mark.skipif(gpulab.mode() == "compiled", reason="the plumbing on CPU tensors")
-def test_drafts_launched_ahead_start_where_the_accepted_tokens_end():
+@pytest.mark.parametrize("rollout", [False, True])
+def test_drafts_launched_ahead_start_where_the_accepted_tokens_end(rollout):
     """launch_ahead finds each sequence's accepted count and next token in the verify
-    argmax on the device: after the host appends the same tokens, its drafts are those
-    the drafter proposes from the tokens themselves; a sequence whose next token is not
-    a byte (EOS) is forgotten on landing."""
+    argmax on the device (in PyTorch ops, or in the rollout kernel's own start): after
+    the host appends the same tokens, its drafts are those the drafter proposes from the
+    tokens themselves; a sequence whose next token is not a byte (EOS) is forgotten on
+    landing."""
     from gpulab.engine.sequence import Status
     torch.manual_seed(5)
     model = MatMulFreeLM(d_model=32, n_layers=1, scan="torch").pack()
     k, k1 = 2, 3
-    ahead, plain = (MLGRUGraphDrafter(model, 258, k, 4, draft_noise, cuda=False) for _ in range(2))
+    ahead, plain = (MLGRUGraphDrafter(model, 258, k, 4, draft_noise, cuda=False, fused=rollout) for _ in range(2))
+    assert (ahead.rollout is not None) == rollout
     seqs = [Sequence(i, str(i), [256] + list(p.encode()), 1 + len(p), SamplingParams(), i)
             for i, p in enumerate(["Tyger", "a", "The moon"])]
     for seq in seqs:

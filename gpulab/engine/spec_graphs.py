@@ -288,8 +288,17 @@ class MLGRUGraphDrafter:
 
     def forward_ahead(self, b: int):
         """The captured function of :meth:`launch_ahead`: each of the ``b`` rows' start (first
-        token, pool row) from the verify pass's argmax, then :meth:`forward` (greedy)."""
+        token, pool row) from the verify pass's argmax, then :meth:`forward` (greedy). With
+        the rollout kernel both happen in its one launch (its ``ahead`` start); otherwise
+        in PyTorch ops (about fifteen small kernels) before the stepped draft."""
         info = self.buf["ahead"][:b]
+        if self.rollout is not None:
+            k = self.k
+            drafts = torch.empty((k, b), dtype=torch.long, device=self.device)
+            draft_rollout_into(self.buf["first"][:b], self.buf["src"][:b], self.buf["dst"][:b * (k + 1)],
+                               self.pool, self.pool, self.rollout, k, drafts,
+                               ahead=(info, self.drafts_in, self.best_in, BYTES))
+            return drafts, None
         drafts = self.drafts_in.index_select(1, info[:, 3]).t()                           # [b, k]
         match = (drafts == self.best_in[info[:, :1] + self.offsets]) & (self.offsets < info[:, 1:2])
         accepted = match.cumprod(1).sum(1)
