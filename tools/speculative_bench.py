@@ -123,6 +123,9 @@ def graph_times(llm, batch) -> dict:
     out = {}
     if isinstance(llm.proposer, spec.MLGRUGraphDrafter):
         out["draft_ms"] = replay_ms(llm.proposer.graph(llm.verify_graphs.bucket(batch), False).replay)
+        ahead = [b for b, kind in llm.proposer.graphs if kind == "ahead" and b >= batch]
+        if ahead:                           # drafting ahead's replay: its start, then the drafts
+            out["draft_ahead_ms"] = replay_ms(llm.proposer.graphs[min(ahead), "ahead"].replay)
     if llm.verify_graphs is not None:
         out["verify_ms"] = replay_ms(llm.verify_graphs.graphs[llm.verify_graphs.bucket(batch)].replay)
     if llm.runner.graphs:
@@ -239,7 +242,8 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if "verify_ms" in rows[-1]:
             print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
-                                          ("draft_ms", "verify_ms", "target_decode_ms") if key in rows[-1]), flush=True)
+                                          ("draft_ms", "draft_ahead_ms", "verify_ms", "target_decode_ms")
+                                          if key in rows[-1]), flush=True)
         del llm
         torch.cuda.empty_cache()
     return rows
