@@ -337,6 +337,10 @@ def _append_kv_kernel(
 # =========================================================================================
 # Launch configuration and schedules
 # =========================================================================================
+SCHEDULE_BLOCK = 64      # the schedule kernel's work items and requests at a time: [64, 64] comparisons
+SCHEDULE_CONFIG = {"num_warps": 4}
+
+
 def append_tile_config(dtype: torch.dtype, head_dim: int, group: int, max_new: int | None = None) -> dict:
     """Tile sizes and launch options: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}.
 
@@ -379,10 +383,8 @@ def append_schedule(qo_indptr, kv_lens, tile_tokens: int, causal: bool = True):
     return req[order].astype(np.int32), tile[order].astype(np.int32)
 
 
-def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: int):
-    """The work list on the device, without a host sync: ⌈total_q / tile⌉ + B items (an
-    upper bound on the tiles of any layout of total_q tokens), surplus ones with
-    request -1. Within a request the last (heaviest, causal) tile comes first."""
+def append_schedule_device_ref(qo_indptr: torch.Tensor, total_q: int, tile_tokens: int):
+    """:func:`append_schedule_device` in PyTorch ops (about a dozen small kernels)."""
     B = qo_indptr.shape[0] - 1
     bound = -(-total_q // tile_tokens) + B
     n = (qo_indptr[1:] - qo_indptr[:-1]).clamp(0, total_q)
@@ -394,6 +396,64 @@ def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: i
     safe = req.clamp(max=B - 1)
     tile = ends[safe] - 1 - i                    # counts down from the request's last tile
     return torch.where(inside, req, -1).to(torch.int32), tile.to(torch.int32)
+
+
+@triton.jit
+def _request_ends(indptr_ptr, b0, B, total_q, tile_tokens, carry, BLOCK_B: tl.constexpr):
+    """Requests [b0, b0 + BLOCK_B): their indices, which exist, and where their tiles end
+    (``carry``: the tiles of the requests before b0), and those tiles' count."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    real = b < B
+    lo = tl.load(indptr_ptr + b, mask=real, other=0)
+    hi = tl.load(indptr_ptr + b + 1, mask=real, other=0)
+    n = tl.minimum(tl.maximum(hi - lo, 0), total_q).to(tl.int32)
+    tiles = (n + tile_tokens - 1) // tile_tokens
+    return b, real, carry + tl.cumsum(tiles, 0), tl.sum(tiles, 0)
+
+
+@triton.jit(do_not_specialize=["B", "total_q", "tile_tokens", "bound"])
+def append_schedule_kernel(indptr_ptr, req_ptr, tile_ptr, B, total_q, tile_tokens, bound,
+                           BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr):
+    """One program: request b has n_b = clamp(indptr[b+1] − indptr[b], 0, total_q) rows,
+    ⌈n_b / tile_tokens⌉ tiles, and its tiles end at ends_b (their running sum). Item i
+    belongs to request r = #{b : ends_b ≤ i} (a search by counting) and is its tile
+    ends_r − 1 − i; items past the last tile get request −1. Requests BLOCK_B at a time,
+    so one compiled kernel serves any batch."""
+    for start in range(0, bound, BLOCK_I):
+        i = start + tl.arange(0, BLOCK_I)
+        req = tl.zeros([BLOCK_I], tl.int32)
+        carry = tl.sum(tl.zeros([BLOCK_B], tl.int32), 0)
+        for b0 in range(0, B, BLOCK_B):
+            b, real, ends, count = _request_ends(indptr_ptr, b0, B, total_q, tile_tokens, carry, BLOCK_B)
+            req += tl.sum(((ends[None, :] <= i[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            carry += count
+        safe = tl.minimum(req, B - 1)
+        end = tl.zeros([BLOCK_I], tl.int32)
+        carry = tl.sum(tl.zeros([BLOCK_B], tl.int32), 0)
+        for b0 in range(0, B, BLOCK_B):
+            b, real, ends, count = _request_ends(indptr_ptr, b0, B, total_q, tile_tokens, carry, BLOCK_B)
+            end += tl.sum(tl.where(b[None, :] == safe[:, None], ends[None, :], 0), axis=1)
+            carry += count
+        tl.store(req_ptr + i, tl.where(req < B, req, -1), mask=i < bound)
+        tl.store(tile_ptr + i, end - 1 - i, mask=i < bound)
+
+
+def append_schedule_device(qo_indptr: torch.Tensor, total_q: int, tile_tokens: int):
+    """The work list on the device, without a host sync: ⌈total_q / tile⌉ + B items (an
+    upper bound on the tiles of any layout of total_q tokens), surplus ones with
+    request -1. Within a request the last (heaviest, causal) tile comes first. One
+    launch (:func:`append_schedule_kernel`; in PyTorch ops, a dozen:
+    :func:`append_schedule_device_ref`), made once per engine step, in its graph."""
+    B = qo_indptr.shape[0] - 1
+    bound = -(-total_q // tile_tokens) + B
+    if B <= 0:                                   # no request: every item surplus
+        return (torch.full((bound,), -1, dtype=torch.int32, device=qo_indptr.device),
+                torch.zeros(bound, dtype=torch.int32, device=qo_indptr.device))
+    req = torch.empty(bound, dtype=torch.int32, device=qo_indptr.device)
+    tile = torch.empty(bound, dtype=torch.int32, device=qo_indptr.device)
+    runtime.launch(append_schedule_kernel, (1,), SCHEDULE_CONFIG, qo_indptr, req, tile, B, total_q,
+                   tile_tokens, bound, BLOCK_B=SCHEDULE_BLOCK, BLOCK_I=SCHEDULE_BLOCK)
+    return req, tile
 
 
 # =========================================================================================

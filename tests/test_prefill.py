@@ -193,6 +193,24 @@ def test_schedules_cover_every_tile_once_heaviest_first():
     assert pairs[:3] == [(0, 0), (2, 2), (2, 1)]       # within a request: last tile first
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_schedule_kernel_builds_the_work_list_the_pytorch_ops_build(seed):
+    """append_schedule_device is one kernel (requests and items 64 at a time): the same
+    work list as its dozen PyTorch ops on random ragged batches, empty requests among
+    them, up to 300 requests and rows beyond the last request's."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(8):
+        b = int(torch.randint(1, 300, (1,), generator=g))
+        n = torch.randint(0, 70, (b,), generator=g)
+        n[torch.rand(b, generator=g) < 0.3] = 0
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]).int().to(DEV)
+        total_q = int(indptr[-1]) + int(torch.randint(0, 9, (1,), generator=g))
+        tile = int(torch.randint(1, 33, (1,), generator=g))
+        got, want = (prefill.append_schedule_device(indptr, total_q, tile),
+                     prefill.append_schedule_device_ref(indptr, total_q, tile))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (b, total_q, tile)
+
+
 @contextlib.contextmanager
 def _no_host_sync_or_allocation():
     """Fail on anything that turns a tensor into a Python value (a host sync on a GPU)
