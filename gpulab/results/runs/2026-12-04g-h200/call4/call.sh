@@ -5,10 +5,10 @@
 # QKV input (one more), and the append attention's work list as one kernel (a dozen
 # PyTorch ops before, once per step with prompt rows and per verify pass). Compiled tests
 # of RoPE, the fused norms, prefill and the engine paths they changed (runner, piecewise
-# and whole-step graphs), the RoPE kernel's benchmark against
-# the path it replaced, the cached prompt's step and the 1-row decode step profiled (launch
-# counts, first-token ms; 320 launches and 1.905 ms before, 2026-12-04e call 2), then the
-# TTFT pair (caching off first).
+# and whole-step graphs), the RoPE kernel's benchmark against the path it replaced, the
+# cached prompt's step and the 1-row decode step profiled (launch counts, first-token ms;
+# 320 launches and 1.905 ms before, 2026-12-04e call 2), then the TTFT pair (caching off
+# first).
 set -u
 source tools/gpu-env.sh
 export OMP_NUM_THREADS=1
