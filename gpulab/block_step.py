@@ -21,11 +21,13 @@ Q is the per-row absmax int8 quantization (scale s = 127 / max|·|, rounding hal
 from zero), T_p the ternary weights, σ_p their scale. The int8 × ternary dots run as
 fp16 tensor-core dots: every product is an integer of at most 127 and the fp32 sums stay
 exact below 2^24. With the weights stored as int8 instead (:data:`INT8_WEIGHTS`, sm_80+)
-they are int8 tensor-core dots with int32 sums: the same integers, half the bytes read. The GLU's hidden vector (H wide) is made D columns at a time, twice:
-the first pass gathers Σv² and max|v·w_down| for the down projection's norm-quant (the
-norm's rstd is a common positive factor of every element, so the max of the normalised
-row is rstd times the max of v·w), the second recomputes each chunk, quantizes it and
-accumulates its dot. Everything stays in float32 between the quantizations (the layered
+they are int8 tensor-core dots with int32 sums: the same integers, half the bytes read.
+The GLU's hidden vector (H wide) is made C columns at a time (:func:`rollout_tiles`), in
+two passes when C < H: the first gathers Σv² and max|v·w_down| for the down projection's
+norm-quant (the norm's rstd is a common positive factor of every element, so the max of
+the normalised row is rstd times the max of v·w), the second recomputes each chunk,
+quantizes it and accumulates its dot; with the whole row in one chunk, once.
+Everything stays in float32 between the quantizations (the layered
 path rounds to the model's dtype after each op), so the two paths differ by rounding:
 a draft may propose another token now and then, never the target's output.
 """
