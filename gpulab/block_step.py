@@ -26,10 +26,10 @@ The GLU's hidden vector (H wide) is made C columns at a time (:func:`rollout_til
 two passes when C < H: the first gathers Σv² and max|v·w_down| for the down projection's
 norm-quant (the norm's rstd is a common positive factor of every element, so the max of
 the normalised row is rstd times the max of v·w), the second recomputes each chunk,
-quantizes it and accumulates its dot; with the whole row in one chunk, once.
-Everything stays in float32 between the quantizations (the layered
-path rounds to the model's dtype after each op), so the two paths differ by rounding:
-a draft may propose another token now and then, never the target's output.
+quantizes it and accumulates its dot; with the whole row in one chunk, once. Everything
+stays in float32 between the quantizations (the layered path rounds to the model's dtype
+after each op), so the two paths differ by rounding: a draft may propose another token
+now and then, never the target's output.
 """
 from __future__ import annotations
 
