@@ -430,25 +430,30 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
                          eps_norm, eps_bit, ahead_ptr, verified_ptr, stride_verified, best_ptr, first_limit,
                          K: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                          V: tl.constexpr, VC: tl.constexpr, BLOCK_B: tl.constexpr, IEEE: tl.constexpr,
-                         AHEAD: tl.constexpr):
-    """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens and K + 1 steps.
+                         AHEAD: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Rows [pid·BLOCK_B, (pid+1)·BLOCK_B) of the batch, K greedy tokens: steps FIRST to
+    LAST − 1 of the K + 1 (all of them, the K that draft, or the last one alone).
 
     Row b starts from token first[b] and, in every layer l, the state at row src[b] of
     state_in[l] (with AHEAD, both found from a verify pass instead: :func:`_start_after_verify`);
     step i's states go to row dst[b·(K+1) + i] of state_out[l] (float32), step i's argmax
-    (i < K) to drafts[i, b]; step i + 1 reads step i's states back."""
+    (i < K) to drafts[i, b]; step i + 1 reads step i's states back (and step FIRST > 0
+    resumes from draft FIRST − 1 and the states step FIRST − 1 wrote)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     live = rows < B
     d = tl.arange(0, D)
     v = tl.arange(0, VC)
-    if AHEAD:
+    if FIRST > 0:
+        token = tl.load(drafts_ptr + (FIRST - 1) * B + rows, mask=live, other=0).to(tl.int32)
+        src = tl.zeros([BLOCK_B], tl.int64)                      # (step i > 0 reads state_out)
+    elif AHEAD:
         token, src = _start_after_verify(rows, live, ahead_ptr, verified_ptr, stride_verified, best_ptr,
                                          first_limit, K)
     else:
         token = tl.load(first_ptr + rows, mask=live, other=0).to(tl.int32)
         src = tl.load(src_ptr + rows, mask=live, other=0)
     final_norm = tl.load(final_norm_ptr + d)
-    for i in range(K + 1):
+    for i in range(FIRST, LAST):
         ok = live & (token >= 0) & (token < V)           # a bad first token reads nothing
         x = tl.load(embed_ptr + token[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None], other=0.0)
         x = x.to(tl.float32)
@@ -489,7 +494,7 @@ def draft_rollout_kernel(first_ptr, src_ptr, dst_ptr, state_in_ptr, state_out_pt
 
 def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, k: int, drafts,
                        num_warps: int = ROLLOUT_WARPS, chunk: int | None = None, head_chunk: int | None = None,
-                       num_stages: int | None = None, ahead: tuple | None = None):
+                       num_stages: int | None = None, ahead: tuple | None = None, part: str = "all"):
     """Launcher (no validation): first, src [B] and dst [B·(k+1)] int64; state_in [L, *, D]
     and state_out [L, *, D] float32 (rows contiguous; they may be one tensor, the drafter's
     pool); drafts int64 [k, B]. ``chunk``: the GLU's columns at a time (a divisor of the
@@ -502,7 +507,12 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     first row r in best, the drafts verified n <= k, the state row before them s, its
     column in verified); accepted a = leading drafts equal to best[r + i]; first =
     best[r + a] (0 if >= first_limit), state row s + a. Drafting ahead's start
-    (:meth:`gpulab.engine.spec_graphs.MLGRUGraphDrafter.launch_ahead`), in the same launch."""
+    (:meth:`gpulab.engine.spec_graphs.MLGRUGraphDrafter.launch_ahead`), in the same launch.
+
+    ``part``: "all" k + 1 steps; "drafts" the first k (the drafts, and the states after
+    all but the last); "last" the last step alone (the states after draft k, from the
+    drafts and states the "drafts" launch left): the engine launches it beside the next
+    verify pass, since only a sequence that accepts all k drafts needs those states."""
     b = first.shape[0]
     if b == 0:
         return
@@ -510,6 +520,7 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
     tiles = rollout_tiles(blocks.d_model, blocks.hidden, w.vocab_size)
     chunk, head_chunk, num_stages = chunk or tiles[0], head_chunk or tiles[1], num_stages or tiles[2]
     rows, verified, best, first_limit = ahead if ahead is not None else (None, None, None, 0)
+    first_step, last_step = {"all": (0, k + 1), "drafts": (0, k), "last": (k, k + 1)}[part]
     runtime.launch(draft_rollout_kernel, (runtime.cdiv(b, BLOCK_B),), launch_options(num_warps, num_stages),
                    first, src, dst, state_in, state_out, drafts, b, state_in.stride(0), state_out.stride(0),
                    w.embed, w.norm, w.head, float(w.eps),
@@ -518,7 +529,8 @@ def draft_rollout_into(first, src, dst, state_in, state_out, w: RolloutWeights, 
                    rows, verified, 0 if verified is None else verified.stride(0), best, int(first_limit),
                    K=k, L=w.n_layers, D=blocks.d_model, H=blocks.hidden, C=chunk, V=w.vocab_size,
                    VC=head_chunk, BLOCK_B=BLOCK_B,
-                   IEEE=w.head.dtype == torch.float32, AHEAD=ahead is not None)
+                   IEEE=w.head.dtype == torch.float32, AHEAD=ahead is not None and first_step == 0,
+                   FIRST=first_step, LAST=last_step)
 
 
 def draft_rollout(first: torch.Tensor, states: torch.Tensor, w: RolloutWeights, k: int):

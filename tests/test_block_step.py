@@ -279,6 +279,32 @@ def test_wide_rollout_tiles_draft_what_narrow_ones_do():
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_rollout_in_two_launches_leaves_what_one_leaves(ahead):
+    """part="drafts" (k steps), then part="last" (the states after the last draft, which
+    the engine launches beside the next verify pass): the drafts and states of the k + 1
+    steps in one launch, bit for bit, from a given start or from a verify pass; the
+    drafts part alone leaves the last step's rows unwritten."""
+    from gpulab.grading.block_step import verify_pass_for
+    w = _model(seed=10).rollout_weights()
+    k, b = 3, 3
+    first = torch.tensor([72, 101, 10], device=DEVICE)
+    states = torch.randn(2, b, 32, device=DEVICE)
+    src, dst = torch.arange(b, device=DEVICE), torch.arange(b * (k + 1), device=DEVICE)
+    start = dict(ahead=verify_pass_for(first, src, k)) if ahead else {}
+    out = {}
+    for parts in (("all",), ("drafts",), ("drafts", "last")):
+        drafts = torch.full((k, b), -1, dtype=torch.long, device=DEVICE)
+        hist = torch.full((2, b * (k + 1), 32), float("nan"), device=DEVICE)
+        for part in parts:
+            block_step_module.draft_rollout_into(first, src, dst, states, hist, w, k, drafts, part=part, **start)
+        out[parts] = drafts, hist
+    whole, split, drafts_only = out["all",], out["drafts", "last"], out["drafts",]
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+    last_rows = torch.arange(b, device=DEVICE) * (k + 1) + k
+    assert torch.equal(drafts_only[0], whole[0]) and drafts_only[1][:, last_rows].isnan().all()
+
+
 @pytest.mark.parametrize("target, smem, tiles", [((7, 5), 64 << 10, (64, 64, None)), ((8, 0), 163 << 10, (512, 256, 1)),
                                                  ((8, 9), 99 << 10, (256, 256, 1)), ((9, 0), 227 << 10, (512, 256, 1))])
 def test_rollout_tiles_fit_each_gpus_shared_memory(monkeypatch, target, smem, tiles):

@@ -14,7 +14,9 @@ call 2 of 2026-12-04g: the whole hidden row and 256 logits a chunk, one stage, 2
 (gpulab.block_step.rollout_tiles, the default since, with the hidden row made once).
 Since the eighth session of 2026-12-04 each kernel also runs with its ternary weights as
 int8 (int8 tensor-core dots; gpulab.block_step.INT8_WEIGHTS, off until timed): the same
-drafts and states to the bit, half the weight bytes.
+drafts and states to the bit, half the weight bytes. And, with the default tiles, the
+two launches the engine makes of it: the k drafting steps, then the last step alone (the
+states after the last draft, which the engine runs beside the next verify pass).
 """
 from __future__ import annotations
 
@@ -85,6 +87,15 @@ def main(out: str) -> None:
         verdict = "" if same is None else " same" if same else " DIFFERENT"
         print(f"rollout B={b:>2} k={k} warps={warps:>2} chunk={chunk}/{head_chunk} stages={stages} {wname}: "
               f"{1e3 * ms:7.1f} µs ({1e3 * ms / (k + 1):5.1f} µs a step){verdict}", flush=True)
+        if chunk is None and warps == 8:      # the engine's split: the k drafting steps, then the last
+            parts = {}
+            for part in ("drafts", "last"):
+                parts[part] = 1e3 * graph_ms(lambda: draft_rollout_into(
+                    first, src, dst, state, out_states, weights[wdtype], k, drafts, part=part))
+            rows.append(dict(kernel="draft_rollout", batch=b, k=k, num_warps=warps, weights=wname,
+                             drafts_part_us=parts["drafts"], last_part_us=parts["last"]))
+            print(f"    as the engine launches it: drafts {parts['drafts']:.1f} µs, then the last step "
+                  f"{parts['last']:.1f} µs beside the verify pass", flush=True)
     block = model.blocks[0].step_weights()
     x = torch.randn((1, D), device="cuda", dtype=torch.bfloat16)
     h = torch.randn((1, D), device="cuda")

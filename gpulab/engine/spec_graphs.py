@@ -260,6 +260,11 @@ class MLGRUGraphDrafter:
         self.drafts_in = torch.zeros((k, max_num_seqs), dtype=torch.long, device=dev)
         self.cuda = cuda
         self.graphs: dict[tuple[int, bool | str], CapturedStep] = {}
+        # with the rollout kernel, a greedy graph's last step runs apart (launch_last), on
+        # a side stream beside the next verify pass; the drafter's next launch waits for it
+        self.last_steps: dict[tuple[int, bool | str], CapturedStep] = {}
+        self.side = torch.cuda.Stream(device=dev) if cuda else None
+        self.last_done = None
         self.mempool = None
         for b in reversed(bucket_sizes(max_num_seqs)):   # greedy graphs now, sampled ones when first needed
             self.graph(b, sampled=False)
@@ -278,6 +283,10 @@ class MLGRUGraphDrafter:
                 functools.partial(self.forward, b, sampled)
             self.graphs[b, sampled] = CapturedStep(fn, self.cuda, self.mempool)
             self.mempool = self.graphs[b, sampled].pool or self.mempool
+            if self.rollout is not None and sampled is not True:
+                last = functools.partial(self.forward_last, b, sampled)
+                self.last_steps[b, sampled] = CapturedStep(last, self.cuda, self.mempool)
+                self.mempool = self.last_steps[b, sampled].pool or self.mempool
         return self.graphs[b, sampled]
 
     def neutral_ahead(self, n: int) -> torch.Tensor:
@@ -297,7 +306,7 @@ class MLGRUGraphDrafter:
             drafts = torch.empty((k, b), dtype=torch.long, device=self.device)
             draft_rollout_into(self.buf["first"][:b], self.buf["src"][:b], self.buf["dst"][:b * (k + 1)],
                                self.pool, self.pool, self.rollout, k, drafts,
-                               ahead=(info, self.drafts_in, self.best_in, BYTES))
+                               ahead=(info, self.drafts_in, self.best_in, BYTES), part="drafts")
             return drafts, None
         drafts = self.drafts_in.index_select(1, info[:, 3]).t()                           # [b, k]
         match = (drafts == self.best_in[info[:, :1] + self.offsets]) & (self.offsets < info[:, 1:2])
@@ -314,7 +323,7 @@ class MLGRUGraphDrafter:
         if self.rollout is not None and not sampled:
             drafts = torch.empty((k, b), dtype=torch.long, device=self.device)
             draft_rollout_into(buf["first"][:b], buf["src"][:b], buf["dst"][:b * (k + 1)], self.pool, self.pool,
-                               self.rollout, k, drafts)
+                               self.rollout, k, drafts, part="drafts")
             return drafts, None
         states = [pool.index_select(0, buf["src"][:b]) for pool in self.pool]
         token = buf["first"][:b]
@@ -337,6 +346,36 @@ class MLGRUGraphDrafter:
         for layer, pool in enumerate(self.pool):
             pool.index_copy_(0, dst, torch.stack([h[layer] for h in hist], dim=1).flatten(0, 1))
         return torch.stack(drafts), (torch.stack(qs) if sampled else None)
+
+    def forward_last(self, b: int, kind: bool | str):
+        """The captured function of graph (b, kind)'s last step: each row's states after its
+        last draft (hist[k], wanted only if the verify pass accepts all k), from the drafts
+        and states that graph's replay left."""
+        k, buf = self.k, self.buf
+        drafts = self.graphs[b, kind].out[0]
+        draft_rollout_into(buf["first"][:b], buf["src"][:b], buf["dst"][:b * (k + 1)], self.pool, self.pool,
+                           self.rollout, k, drafts, part="last")
+
+    def launch_last(self, b: int, kind: bool | str) -> None:
+        """The last step of graph (b, kind), just replayed: on the side stream (it then runs
+        beside what the engine launches next: the verify pass), else at once."""
+        last = self.last_steps.get((b, kind))
+        if last is None:
+            return
+        if self.side is None:
+            last.replay()
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            last.replay()
+        self.last_done = self.side.record_event()
+
+    def wait_last(self) -> None:
+        """The current stream waits for the last step launched apart (before the pool, the
+        staged inputs or a graph's drafts change under it)."""
+        if self.last_done is not None:
+            torch.cuda.current_stream().wait_event(self.last_done)
+            self.last_done = None
 
     # -- the Drafter interface --------------------------------------------------------------
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -367,6 +406,7 @@ class MLGRUGraphDrafter:
         """One replay for ``seqs`` (at most the largest bucket): k drafts each, left on the
         device (q [k, V] per sampled sequence stays there for good)."""
         k, k1 = self.k, self.k + 1
+        self.wait_last()
         b = next(s for s in bucket_sizes(self.max_batch) if s >= len(seqs))
         sampled = any(not s.params.greedy for s in seqs)
         starts = self.starts(seqs, busy)
@@ -388,6 +428,7 @@ class MLGRUGraphDrafter:
             counts.update(temp=b, top_k=b, top_p=b, noise=b)
         self.buf.send(**counts)
         drafts, q = graph.replay()
+        self.launch_last(b, sampled)
         return PendingDrafts(self, seqs, [s.num_tokens for s in seqs], [k] * len(seqs), drafts, q)
 
     def launch_ahead(self, verified: PendingDrafts, items: list[tuple[Sequence, int]], n_drafts: dict,
@@ -406,6 +447,7 @@ class MLGRUGraphDrafter:
         go = [(i, seq) for i, (seq, _) in enumerate(items) if seq in n_drafts and seq.seq_id in self.slots]
         if not go:
             return None
+        self.wait_last()
         verified.flat()                        # this step's drafts, copied before the replay below
         m = len(go)
         b = next(s for s in bucket_sizes(self.max_batch) if s >= m)
@@ -421,6 +463,7 @@ class MLGRUGraphDrafter:
         self.best_in[:best.numel()].copy_(best)
         self.drafts_in[:, :verified.tokens.shape[1]].copy_(verified.tokens)
         tokens, _ = graph.replay()
+        self.launch_last(b, "ahead")
         return PendingDrafts(self, [seq for _, seq in go], [None] * m, [k] * m, tokens, None)
 
     def land_ahead(self, ahead: PendingDrafts) -> None:

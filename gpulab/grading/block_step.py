@@ -120,7 +120,7 @@ def draft_rollout_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generat
               "head": randn((v, d), dtype, device, gen, scale=4.0)}
     inputs.update({k: torch.stack([w[k] for w in layers]) for k in WEIGHTS})
     inputs["k"] = p["K"]
-    inputs["ahead"] = bool(p.get("AHEAD"))
+    inputs["launch"] = p.get("LAUNCH", "one")
     return inputs
 
 
@@ -129,9 +129,9 @@ def _rollout_weights(embed, final_norm, head, blocks: dict) -> RolloutWeights:
                           EPS_NORM)
 
 
-def draft_rollout_reference(first, state_in, embed, final_norm, head, k, ahead=False, **blocks) -> dict:
+def draft_rollout_reference(first, state_in, embed, final_norm, head, k, launch="one", **blocks) -> dict:
     """The rollout in float64, one step after another (:func:`gpulab.block_step.draft_rollout_ref`);
-    ``ahead`` changes how the launch is told where to start, not where it starts."""
+    ``launch`` changes how the kernel is launched, not what it computes."""
     drafts, states = draft_rollout_ref(first, state_in, _rollout_weights(embed, final_norm, head, blocks), k)
     return {"drafts": drafts, "state_out": states.flatten(1, 2).double()}
 
@@ -161,7 +161,7 @@ def draft_rollout_hint(output, got, expected, inputs):
     """Names a rollout that does not carry a step's results to the next one, or that
     starts wrong after a verify pass."""
     says = _carry_hint(output, got, expected, inputs)
-    if says is None and inputs.get("ahead"):
+    if says is None and inputs.get("launch") == "ahead":
         says = ("this case starts each row after a verify pass (the launcher's `ahead`; the same rollout is "
                 "checked without it too): a = the leading drafts equal to the target's argmax best[r + i] (at "
                 "most the n verified), first token best[r + a], state row s + a.")
@@ -210,21 +210,26 @@ def verify_pass_for(first: torch.Tensor, src: torch.Tensor, k: int) -> tuple:
 
 
 def draft_rollout_launch(first, state_in, embed, final_norm, head, norms, down_norm, scales, w_f, w_c, w_g, w_o,
-                         w_gate, w_down, k, drafts, state_out, ahead=False, into=draft_rollout_into):
+                         w_gate, w_down, k, drafts, state_out, launch="one", into=draft_rollout_into):
     """:func:`gpulab.block_step.draft_rollout_into` (or ``into``, a launcher with its
     arguments) in the check's calling convention: row b's states from row b of state_in,
-    step i's to row b·(k+1) + i of state_out. ``ahead``: the start told as a verify pass
-    (:func:`verify_pass_for`), ``first`` and the state rows passed as -1s the kernel must
-    not read."""
+    step i's to row b·(k+1) + i of state_out. ``launch``: "one" launch of all k + 1
+    steps; "split" as the engine's graphs launch it, the k drafting steps then the last
+    alone; "ahead" split too, with the start told as a verify pass (:func:`verify_pass_for`:
+    ``first`` and the state rows passed as -1s the kernel must not read)."""
     b, dev = first.shape[0], first.device
     w = _rollout_weights(embed, final_norm, head, dict(norms=norms, down_norm=down_norm, scales=scales, w_f=w_f,
                                                        w_c=w_c, w_g=w_g, w_o=w_o, w_gate=w_gate, w_down=w_down))
     src, dst = torch.arange(b, device=dev), torch.arange(b * (k + 1), device=dev)
-    if not ahead:
+    if launch == "one":
         into(first, src, dst, state_in, state_out, w, k, drafts)
         return
-    junk = torch.full_like(first, -1)
-    into(junk, junk, dst, state_in, state_out, w, k, drafts, ahead=verify_pass_for(first, src, k))
+    start = {}
+    if launch == "ahead":
+        start = dict(ahead=verify_pass_for(first, src, k))
+        first = src = torch.full_like(first, -1)
+    into(first, src, dst, state_in, state_out, w, k, drafts, part="drafts", **start)
+    into(first, src, dst, state_in, state_out, w, k, drafts, part="last")
 
 
 def _rollout_bytes(p, dtype):
@@ -235,7 +240,7 @@ def _rollout_bytes(p, dtype):
 DRAFT_ROLLOUT = KernelSpec(
     name="draft_rollout",
     summary="k greedy draft tokens of a MatMul-free LM (embedding, L blocks, norm, head, argmax) in one kernel",
-    args=("first", "state_in", "embed", "final_norm", "head") + WEIGHTS + ("k", "drafts", "state_out", "ahead"),
+    args=("first", "state_in", "embed", "final_norm", "head") + WEIGHTS + ("k", "drafts", "state_out", "launch"),
     make_inputs=draft_rollout_inputs,
     reference=draft_rollout_reference,
     outputs=lambda inp, dtype: {"drafts": ((inp["k"], inp["first"].shape[0]), torch.int64),
@@ -246,12 +251,16 @@ DRAFT_ROLLOUT = KernelSpec(
                    Case("17 rows, 2 drafts", dict(L=1, B=17, D=32, H=64, V=128, K=2)),
                    Case("3 rows, 2 drafts, int8 weights", dict(L=2, B=3, D=32, H=64, V=64, K=2, W="int8")),
                    Case("5 rows, 2 drafts, started after a verify pass", dict(L=1, B=5, D=32, H=64, V=64, K=2,
-                                                                           AHEAD=True))],
+                                                                           LAUNCH="ahead")),
+                   Case("2 rows, 3 drafts, the last step apart", dict(L=2, B=2, D=32, H=64, V=64, K=3,
+                                                                    LAUNCH="split"))],
            # the draft's sizes (one compile configuration); few rows: see the note above
            "gpu": [Case("draft, batch 1", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
                    Case("20 rows", dict(L=2, B=20, D=128, H=512, V=256, K=4)),
                    Case("draft, batch 1, int8 weights", dict(L=2, B=1, D=128, H=512, V=256, K=4, W="int8")),
-                   Case("20 rows started after a verify pass", dict(L=2, B=20, D=128, H=512, V=256, K=4, AHEAD=True))],
+                   Case("20 rows started after a verify pass", dict(L=2, B=20, D=128, H=512, V=256, K=4,
+                                                                    LAUNCH="ahead")),
+                   Case("batch 1, the last step apart", dict(L=2, B=1, D=128, H=512, V=256, K=4, LAUNCH="split"))],
            "bench": [Case("draft B1 k4", dict(L=2, B=1, D=128, H=512, V=256, K=4)),
                      Case("draft B1 k4 int8", dict(L=2, B=1, D=128, H=512, V=256, K=4, W="int8")),
                      Case("draft B1 k8", dict(L=2, B=1, D=128, H=512, V=256, K=8)),
