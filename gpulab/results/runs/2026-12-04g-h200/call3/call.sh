@@ -5,7 +5,11 @@
 # tests of both, the speculative benchmark at batch 1 and 64, the rollout probe, the two
 # kernels' benchmarks, then compiled tests not run since the model's forward changed
 # (engine grading and blocks). Since the eighth session the probe, the benchmark and the
-# block-step specs also run the draft kernels with int8 weights (block_step.INT8_WEIGHTS).
+# block-step specs also run the draft kernels with int8 weights (block_step.INT8_WEIGHTS),
+# and this call measures drafting ahead as fixed then (batch 1 read rewritten drafts; the
+# results' copy now goes before the drafts ahead; their start inside the rollout kernel)
+# and the rollout's last step on a side stream (the probe times both launches; the
+# benchmark's draft_ahead_ms).
 set -u
 source tools/gpu-env.sh
 export OMP_NUM_THREADS=1
