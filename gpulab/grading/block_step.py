@@ -27,7 +27,7 @@ EPS_NORM, EPS_BIT = 1e-6, 1e-8        # nn.RMSNorm's and BitLinear's, as MatMulF
 WEIGHTS = ("norms", "down_norm", "scales", "w_f", "w_c", "w_g", "w_o", "w_gate", "w_down")
 
 
-def weights_dtype(p: dict) -> torch.dtype:
+def case_weight_dtype(p: dict) -> torch.dtype:
     """A case's ternary weights: float16, or int8 for the cases with W="int8" where int8
     dots run (sm_80+ and the interpreter; sm_75, Colab's T4, keeps float16)."""
     return torch.int8 if p.get("W") == "int8" and int8_dots() else torch.float16
@@ -35,12 +35,12 @@ def weights_dtype(p: dict) -> torch.dtype:
 
 def block_step_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) -> dict:
     """B rows of the residual stream and the state, and a block's weights: non-uniform
-    norm weights, ternary weights with about a third zeros (:func:`weights_dtype`),
+    norm weights, ternary weights with about a third zeros (:func:`case_weight_dtype`),
     per-projection scales."""
     b, d, h = p["B"], p["D"], p["H"]
 
     def ternary(k, n):
-        return (torch.randint(-1, 2, (k, n), generator=gen, device=device)).to(weights_dtype(p))
+        return (torch.randint(-1, 2, (k, n), generator=gen, device=device)).to(case_weight_dtype(p))
 
     return {"x": randn((b, d), dtype, device, gen, scale=2.0),
             "h": randn((b, d), torch.float32, device, gen),
@@ -67,7 +67,7 @@ def block_step_launch(x, h, norms, down_norm, scales, w_f, w_c, w_g, w_o, w_gate
 
 def _bytes(p, dtype):
     d, h = p["D"], p["H"]
-    weights = weights_dtype(p).itemsize * (4 * d * d + 3 * d * h) + 4 * (8 * d + h + 6)
+    weights = case_weight_dtype(p).itemsize * (4 * d * d + 3 * d * h) + 4 * (8 * d + h + 6)
     return weights + p["B"] * d * (2 * bytes_of(dtype) + 8)
 
 
