@@ -383,6 +383,26 @@ def test_the_verify_results_are_on_their_way_to_the_host_before_the_drafts_ahead
     assert ahead and all(s == ["_send_to_host", "launch_ahead"] for s in ahead), steps
 
 
+@pytest.mark.skipif(gpulab.mode() != "compiled", reason="CUDA graphs and streams need a GPU")
+def test_captured_graphs_draft_what_their_emulation_drafts():
+    """On a GPU, the drafter's real CUDA graphs (drafting ahead, the rollout's last step on
+    a side stream, the verify graphs) against the same functions called at each step
+    (graphs="emulate"): the same tokens and the same acceptance at every position. A
+    state read before the side stream wrote it, or a graph output read after a replay
+    rewrote it, changes the drafts, which only the acceptance shows (verification keeps
+    the tokens the target's either way)."""
+    from gpulab.engine.model import load_checkpoint
+    target = load_checkpoint(device=DEVICE, dtype=torch.bfloat16)
+    draft = load_mlgru_draft(device=DEVICE, dtype=torch.bfloat16)
+    params = [SamplingParams(max_tokens=m, stop_at_eos=False) for m in (40, 33, 47, 21, 38)]
+    runs = {}
+    for graphs in ("emulate", "auto"):
+        spec = SpeculativeLLM(target, EngineConfig(**CONFIG), drafter=MLGRUDrafter(draft), k=4, graphs=graphs)
+        runs[graphs] = serve(spec, params), spec.stats.accepted, spec.stats.proposed
+        assert graphs == "emulate" or spec.ahead_counts["used"] > 0
+    assert runs["auto"] == runs["emulate"]
+
+
 def test_drafting_ahead_under_preemption_keeps_the_target_tokens():
     """A page pool too small for every request: sequences preempted while their next
     drafts run ahead (their drafts dropped, their slots forgotten) recompute later and
