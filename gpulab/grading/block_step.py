@@ -158,17 +158,21 @@ def _rollout_variant(inp: dict, feed_back: bool = True, carry_state: bool = True
 
 
 def draft_rollout_hint(output, got, expected, inputs):
-    """Names a rollout that does not carry a step's results to the next one, or that
-    starts wrong after a verify pass."""
-    says = _carry_hint(output, got, expected, inputs)
+    """Names a rollout that does not carry a step's results to the next one (recomputed
+    exactly), or that starts wrong after a verify pass; else, if draft 0 alone is right,
+    says where to look."""
+    says = _carry_hint(output, got, inputs)
     if says is None and inputs.get("launch") == "ahead":
         says = ("this case starts each row after a verify pass (the launcher's `ahead`; the same rollout is "
                 "checked without it too): a = the leading drafts equal to the target's argmax best[r + i] (at "
                 "most the n verified), first token best[r + a], state row s + a.")
+    if says is None and output == "drafts" and torch.equal(got[:1].cpu(), expected[:1].cpu()):
+        says = ("draft 0 is right and later drafts are not: step i + 1 must start from step i's argmax "
+                "and from the states step i wrote (in every layer).")
     return says
 
 
-def _carry_hint(output, got, expected, inputs):
+def _carry_hint(output, got, inputs):
     if inputs["k"] < 2:
         return None
     index = 0 if output == "drafts" else 1
@@ -181,9 +185,6 @@ def _carry_hint(output, got, expected, inputs):
         same = torch.equal(got, alt) if index == 0 else torch.allclose(got.double(), alt.double(), atol=1e-3)
         if same:
             return f"{output} equals a rollout in which {says}."
-    if index == 0 and torch.equal(got[:1], expected[:1].cpu()):
-        return ("draft 0 is right and later drafts are not: step i + 1 must start from step i's argmax "
-                "and from the states step i wrote (in every layer).")
     return None
 
 
