@@ -147,12 +147,17 @@ def rope_kv_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) ->
     return inputs
 
 
+def _by_slot(slots, k_rows, v_rows) -> dict:
+    """Caches whose row slots[t] holds k_rows[t] and v_rows[t] (the slots: all the rows)."""
+    k_cache, v_cache = torch.empty_like(k_rows), torch.empty_like(v_rows)
+    k_cache[slots], v_cache[slots] = k_rows, v_rows
+    return {"k_cache": k_cache, "v_cache": v_cache}
+
+
 def rope_kv_reference(q, k, v, cos, sin, slots) -> dict:
     """rope's outputs; row slots[t] of the caches holds token t's rotated k and its v."""
     out = rope_spec_reference(q, k, cos, sin)
-    k_cache, v_cache = torch.empty_like(out["k_out"]), torch.empty_like(out["k_out"])
-    k_cache[slots], v_cache[slots] = out["k_out"], v.double()
-    return {**out, "k_cache": k_cache, "v_cache": v_cache}
+    return {**out, **_by_slot(slots, out["k_out"], v.double())}
 
 
 def rope_kv_launch(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
@@ -160,26 +165,15 @@ def rope_kv_launch(q, k, v, cos, sin, slots, q_out, k_out, k_cache, v_cache):
     rope_qk_into(q, k, cos, sin, q_out, k_out, v, slots, k_cache, v_cache)
 
 
-def _in_token_order(change):
-    def answer(inp):
-        rotated = change(inp["k"].double(), inp["cos"].double(), inp["sin"].double())
-        return {"k_cache": rotated, "v_cache": inp["v"].double()}
-    return answer
-
-
-def _by_slot(inp, k_rows, v_rows):
-    k_cache, v_cache = torch.empty_like(k_rows), torch.empty_like(v_rows)
-    k_cache[inp["slots"]], v_cache[inp["slots"]] = k_rows, v_rows
-    return {"k_cache": k_cache, "v_cache": v_cache}
-
-
 ROPE_KV_HINT = hypotheses_hint(
     Hypothesis("token t's k and v went to cache row t: they belong in row slots[t] (load the slot of each "
-               "token and store at that row).", _in_token_order(_rotated), outputs=("k_cache", "v_cache")),
+               "token and store at that row).",
+               lambda inp: {"k_cache": _rotated(inp["k"], inp["cos"], inp["sin"]), "v_cache": inp["v"].double()},
+               outputs=("k_cache", "v_cache")),
     Hypothesis("`k_cache` holds k unrotated: store the rotated k, as attention reads keys from the cache.",
-               lambda inp: _by_slot(inp, inp["k"].double(), inp["v"].double()), outputs=("k_cache",)),
+               lambda inp: _by_slot(inp["slots"], inp["k"].double(), inp["v"].double()), outputs=("k_cache",)),
     Hypothesis("`v_cache` holds the rotated k, not v: v is copied into the cache as it is (RoPE turns q and k "
-               "only).", lambda inp: _by_slot(inp, _rotated(inp["k"], inp["cos"], inp["sin"]),
+               "only).", lambda inp: _by_slot(inp["slots"], _rotated(inp["k"], inp["cos"], inp["sin"]),
                                                _rotated(inp["k"], inp["cos"], inp["sin"])), outputs=("v_cache",)),
     then=ROPE_HINT)
 
