@@ -532,8 +532,10 @@ PAGED_DECODE_SPLIT = KernelSpec(
     outputs=decode_outputs,
     implementation=paged_decode_split_into,
     cases={
-        # the last: splits that do not divide a block table the longest sequence fills
-        "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4, 3]),
+        # the last: splits that do not divide a block table the longest sequence fills, by
+        # enough that part_len rounded down drops 8 of its 35 tokens (with 3 splits, 2
+        # tokens: about one seed in 150 gave them too little softmax weight to see)
+        "cpu": _split_cases(_CPU_DECODE, [1, 3, 2, 4, 9]),
         "gpu": _split_cases(_GPU_DECODE, [1, 7, 2, 5, 16, 8]),
     },
     # float16 inputs are checked by paged_decode_attention; the partitions and the reduce
