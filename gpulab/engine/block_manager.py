@@ -88,13 +88,15 @@ class BlockManager:
             return []
         # A full page's tokens never change, so its key is computed once and kept in
         # seq.block_hashes, where commit_full_blocks finds it (a 2K-token prompt has 128).
-        hits, keys, bs = [], seq.block_hashes, self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        # A request's time to first token waits for this loop: the pages' token tuples are
+        # cut in C (zip over one iterator), and the loop does only the lookups.
+        hits, keys, bs, cached, blocks = [], seq.block_hashes, self.block_size, self.cached, self.blocks
+        pages = zip(*[iter(seq.token_ids[:(seq.num_tokens - 1) // bs * bs])] * bs)
+        for i, tokens in enumerate(pages):
             if i == len(keys):
                 keys.append(chain_hash(keys[-1] if keys else None, tokens))
-            bid = self.cached.get(keys[i])
-            if bid is None or self.blocks[bid].token_ids != tokens:
+            bid = cached.get(keys[i])
+            if bid is None or blocks[bid].token_ids != tokens:
                 break
             hits.append(bid)
         return hits
