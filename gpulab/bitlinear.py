@@ -945,6 +945,13 @@ def int8_mm_into(x_q, x_scale, w_int8, w_scale, y):
                          m, n, k, x_q.stride(0), w_int8.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
 
 
+# Turing (Colab's T4) has no int8 dots: there the kernel's 16 dots a step are float16
+# dots, which ptxas took 57-297 s to compile at the tuned tiles (64-128 x 128-256, for
+# sm_75 on a CPU, 2026-12-05) and 10 s at 16 x 128. A T4 takes that tile, untuned: a
+# learner's first call would otherwise wait minutes (the whole list, tuning: longer).
+TURING_X16_TILE = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_G": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+
+
 def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
     """Prefill launcher on the int32x16 layout (check calling convention)."""
     m, k = x_q.shape
@@ -952,9 +959,12 @@ def ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y):
     xw = int8_rows_as_words(x_q)
     grid = lambda meta: (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     bucket = _m_bucket(m)
-    runtime.launch_tuned(_ternary_mm_x16_tuned, grid, (bucket, n, g, y.dtype),
-                         xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1],
-                         xw.stride(0), w_packed.stride(0), y.stride(0), bucket, DOT_INT8=_int8_dot())
+    args = (xw, x_scale, w_packed, w_scale, y, m, n, g, xw.shape[1], xw.stride(0), w_packed.stride(0),
+            y.stride(0), bucket)
+    if _int8_dot() or runtime.interpreting():
+        runtime.launch_tuned(_ternary_mm_x16_tuned, grid, (bucket, n, g, y.dtype), *args, DOT_INT8=_int8_dot())
+    else:
+        runtime.launch(ternary_mm_x16_kernel, grid, TURING_X16_TILE, *args, DOT_INT8=False)
 
 
 def _int8_dot() -> bool:

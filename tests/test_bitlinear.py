@@ -649,3 +649,20 @@ def test_bitlinear_pack_int32x16(device):
         b.pack(layout="uint8x4")
     with pytest.raises(ValueError, match="layout must be one of 'uint8x4', 'int32x16'"):
         bl.BitLinear(8, 4).pack(layout="int4")
+
+
+def test_a_t4_takes_the_one_x16_prefill_tile_that_compiles_in_seconds(monkeypatch):
+    """Turing has no int8 dots; its float16 path took ptxas minutes at the tuned tiles, so
+    an sm_75 GPU launches the int32x16 prefill with TURING_X16_TILE, untuned; sm_80 on
+    tunes with int8 dots as before."""
+    calls = []
+    monkeypatch.setattr(bl.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(bl.runtime, "launch", lambda fn, grid, config, *a, **kw: calls.append((fn, config, kw)))
+    monkeypatch.setattr(bl.runtime, "launch_tuned", lambda kernel, grid, key, *a, **kw: calls.append((kernel, None, kw)))
+    x_q, x_scale = torch.zeros((40, 64), dtype=torch.int8), torch.ones(40)
+    w_packed, w_scale, y = torch.zeros((32, 4), dtype=torch.int32), torch.ones(1), torch.empty((40, 32))
+    for cc in ((7, 5), (8, 0)):
+        monkeypatch.setattr(bl.runtime, "compute_capability", lambda cc=cc: cc)
+        bl.ternary_mm_x16_into(x_q, x_scale, w_packed, w_scale, y)
+    assert calls == [(bl.ternary_mm_x16_kernel, bl.TURING_X16_TILE, {"DOT_INT8": False}),
+                     (bl._ternary_mm_x16_tuned, None, {"DOT_INT8": True})]
