@@ -2,9 +2,9 @@
 
 A check draws fresh random inputs every run, so a mistake it catches by a hair with one
 seed may pass with another: CI then fails one time in a few hundred, on a test nobody
-changed. This runs each entry of ``tests/mistakes`` once (seeded) and records, for every
-output the check compared, by how much its worst element missed the tolerance
-(``|got - expected| / (atol + rtol |expected|)``), with each of ``--seeds`` seeds. An entry
+changed. This runs each entry of ``tests/mistakes`` with ``--seeds`` seeds (default 10)
+and records, for every output the check compared, by how much its worst element missed
+the tolerance (``|got - expected| / (atol + rtol |expected|)``). An entry
 is listed when some seed let it pass, or when, with its worst seed, the best output missed
 by less than ``--below`` (default 100) times its tolerance: the miss has a long tail (a
 mistake that dropped two tokens of a softmax missed by 79x with one seed and passed with

@@ -10,7 +10,7 @@ configurations their launchers would use on a GPU.
 Run as ``python -m gpulab.harness.compile_check`` (it must start in a fresh process:
 Triton's mode is fixed at import). Exit status 1 on any failure. Of each autotuned
 kernel's configs it compiles the first and the one with the largest tiles, and a kernel
-takes float16 or bfloat16 pointers once per set of constants;
+with the same constants for float16 or for bfloat16 pointers, not both;
 ``GPULAB_COMPILE_ALL_CONFIGS=1`` compiles them all. The inputs hold no random data here
 (only shapes and dtypes reach the compiler: ``spec.randn``).
 """
@@ -61,7 +61,7 @@ def _half_as_one(sig: dict) -> dict:
     """The signature with float16 and bfloat16 pointers alike: a kernel compiled for one is
     not compiled again for the other with the same constants (the two lower alike; float16
     is compiled on sm_75, which has no bfloat16, and bfloat16 on sm_80/90). Compiling both
-    took a third of the check's time on a machine with a cold Triton cache.
+    took a fifth of the check's time on a machine with a cold Triton cache.
     ``GPULAB_COMPILE_ALL_CONFIGS=1`` compiles both."""
     if os.environ.get("GPULAB_COMPILE_ALL_CONFIGS") == "1":
         return sig
