@@ -122,6 +122,8 @@ def graph_times(llm, batch) -> dict:
     step's buffers (they write stale slots): call it on an engine about to be dropped."""
     out = {}
     if isinstance(llm.proposer, spec.MLGRUGraphDrafter):
+        # the k drafting steps: with the rollout kernel the last step replays apart (the
+        # drafter's last_steps graph, on a side stream beside the next verify pass)
         out["draft_ms"] = replay_ms(llm.proposer.graph(llm.verify_graphs.bucket(batch), False).replay)
         ahead = [b for b, kind in llm.proposer.graphs if kind == "ahead" and b >= batch]
         if ahead:                           # drafting ahead's replay: its start, then the drafts
