@@ -186,7 +186,7 @@ def test_schedules_cover_every_tile_once_heaviest_first():
     assert sorted(zip(req.tolist(), tile.tolist())) == [(b, t) for b in range(5) for t in range(-(-n[b] // 16))]
     cost = [lens[b] - n[b] + min(n[b], (t + 1) * 16) for b, t in zip(req, tile)]
     assert cost == sorted(cost, reverse=True) and req[0] == 2
-    dreq, dtile = prefill.append_schedule_device(torch.tensor(indptr, dtype=torch.int32), 100, 16)
+    dreq, dtile = prefill.append_schedule_device(torch.tensor(indptr, dtype=torch.int32, device=DEV), 100, 16)
     assert dreq.shape[0] == -(-100 // 16) + 5
     pairs = [(int(b), int(t)) for b, t in zip(dreq, dtile) if b >= 0]
     assert sorted(pairs) == sorted(zip(req.tolist(), tile.tolist()))

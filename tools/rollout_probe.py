@@ -13,7 +13,7 @@ kept in a workspace were slower. With loops (call 1 of 2026-12-04g) 8 warps took
 call 2 of 2026-12-04g: the whole hidden row and 256 logits a chunk, one stage, 210 µs
 (gpulab.block_step.rollout_tiles, the default since, with the hidden row made once).
 Since the eighth session of 2026-12-04 each kernel also runs with its ternary weights as
-int8 (int8 tensor-core dots; gpulab.block_step.INT8_WEIGHTS, off until timed): the same
+int8 (int8 tensor-core dots; gpulab.block_step.INT8_WEIGHTS, on since 2026-12-05): the same
 drafts and states to the bit, half the weight bytes. And, with the default tiles, the
 two launches the engine makes of it: the k drafting steps, then the last step alone (the
 states after the last draft, which the engine runs beside the next verify pass).

@@ -181,14 +181,15 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
     # (draft, k, adaptive, graphs, rollout kernel, drafting ahead, the draft's weights int8)
-    configs = [(name, k, False, "auto", True, True, False) for name in drafts for k in ks]
-    configs += [(name, max(ks), True, "auto", True, True, False) for name in drafts]
-    if "mlgru" in drafts:   # the draft kernels with int8 weights (gpulab.block_step.INT8_WEIGHTS)
-        configs += [("mlgru", k, False, "auto", True, True, True) for k in ks[:1]]
+    default_int8 = block_step.INT8_WEIGHTS
+    configs = [(name, k, False, "auto", True, True, default_int8) for name in drafts for k in ks]
+    configs += [(name, max(ks), True, "auto", True, True, default_int8) for name in drafts]
+    if "mlgru" in drafts:   # the draft kernels' other weight dtype (gpulab.block_step.INT8_WEIGHTS)
+        configs += [("mlgru", k, False, "auto", True, True, not default_int8) for k in ks[:1]]
     if eager_k:     # the MLGRU graphs drafting after reading each step's tokens, step by step
-        configs += [("mlgru", eager_k, False, "auto", True, False, False),
-                    ("mlgru", eager_k, False, "auto", False, True, False),
-                    ("mlgru", eager_k, False, "off", False, False, False)]      # (no rollout kernel), eagerly
+        configs += [("mlgru", eager_k, False, "auto", True, False, default_int8),
+                    ("mlgru", eager_k, False, "auto", False, True, default_int8),
+                    ("mlgru", eager_k, False, "off", False, False, default_int8)]   # (no rollout kernel), eagerly
     for name, k, adaptive, graphs, rollout, ahead, int8 in configs:
         t0 = time.perf_counter()
         spec.MLGRUGraphDrafter.use_rollout = rollout
@@ -198,9 +199,10 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                                       graphs=graphs, draft_ahead=ahead)
         finally:
             spec.MLGRUGraphDrafter.use_rollout = True
-            block_step.INT8_WEIGHTS = False
+            block_step.INT8_WEIGHTS = default_int8
         stepped = graphs == "auto" and not rollout
-        variant = ((" stepped draft" if stepped else "") + (" int8 weights" if int8 else "")
+        weights = "" if int8 == default_int8 else " int8 weights" if int8 else " float16 weights"
+        variant = ((" stepped draft" if stepped else "") + weights
                    + (" drafting after reading" if graphs == "auto" and not ahead else ""))
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
         try:

@@ -143,7 +143,7 @@ def rope_kv_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) ->
     the cache's T slots (as a step's tokens land in pages all over the pool)."""
     inputs = rope_inputs(p, dtype, device, gen)
     inputs["v"] = randn(inputs["k"].shape, dtype, device, gen, scale=2.0)
-    inputs["slots"] = torch.randperm(p["T"], generator=gen, device="cpu").to(device)
+    inputs["slots"] = torch.randperm(p["T"], generator=gen, device=gen.device).to(device)
     return inputs
 
 

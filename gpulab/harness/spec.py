@@ -69,7 +69,7 @@ class KernelSpec:
     # Inputs a check may zero to ask "was this input read at all?"
     read_inputs: tuple[str, ...] = ()
     output_tolerances: dict[str, dict] = field(default_factory=dict)
-    # (share, bound): rows (first axis) of an output that may miss the tolerance, by at most
+    # (share, bound): rows (every axis but the last) of an output that may miss the tolerance, by at most
     # ``bound``, at most that share of a case's rows (none in a case of fewer than 1/share
     # rows). For kernels that quantize in a chain: one int8 code that float32 rounds the
     # other way moves the next quantization's inputs, and its codes, and so on, down one row.
