@@ -3,7 +3,7 @@
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
                                              [--api-servers 4] [--server-rounds 4]
-                                             [--client-processes N] [--profile]
+                                             [--client-processes N] [--eager-k 4] [--profile]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the target's tokens: issue 15 accepts a difference only where
@@ -557,6 +557,8 @@ def main(argv=None) -> int:
                     help="processes the 64 HTTP clients run in (default: half the cores, at most 8)")
     ap.add_argument("--server-rounds", type=int, default=4,
                     help="requests each of the 64 server clients sends one after another")
+    ap.add_argument("--eager-k", type=int, default=4,
+                    help="k of the batch-1 variants drafting after reading, stepped and eager (0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
     args = ap.parse_args(argv)
@@ -587,7 +589,7 @@ def main(argv=None) -> int:
 
     batches = {int(b) for b in args.batches.split(",") if b.strip()}
     if 1 in batches:
-        result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=4,
+        result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=args.eager_k,
                                             wrong=result["wrong_tokens"], errors=result["errors"])
         save()
     if 64 in batches:
