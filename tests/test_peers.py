@@ -73,7 +73,11 @@ def test_gemlite_row_multiplies_by_the_same_ternary_weights(m):
 @pytest.mark.skipif(not (CUDA and gf.FLASHINFER_INSTALLED), reason="FlashInfer and a CUDA GPU")
 def test_flashinfer_rows_compute_the_fused_norms_inputs():
     """FlashInfer's add + RMSNorm normalises x + residual (and leaves the sum in its copy of
-    x); its SiLU·mul followed by rmsnorm_quant gives the fused kernel's codes up to one."""
+    x); its SiLU·mul followed by rmsnorm_quant gives the fused kernel's codes up to two: its
+    SiLU·mul is rounded to bfloat16 (2^-9 of a value, a quarter of a code at 127) before the
+    norm, whose sum of squares and absmax then move too; the fused kernel keeps float32. One
+    code was the most seen until 2026-12-05, when the H200 showed two; a wrong function
+    (another activation, no norm, another scale) moves codes by far more."""
     inp = _inputs("add_rmsnorm_quant", dict(rows=64, cols=2048), torch.bfloat16, "cuda")
     run = gf.flashinfer_fused_add_rmsnorm()
     run(inp)
@@ -85,5 +89,5 @@ def test_flashinfer_rows_compute_the_fused_norms_inputs():
     inp = _inputs("silu_mul_rmsnorm_quant", dict(rows=64, hidden=5632), torch.bfloat16, "cuda")
     q, scale = gf.flashinfer_silu_mul(inp)
     want_q, want_scale = silu_mul_rmsnorm_quant(inp["gate_up"], inp["weight"], gf.EPS)
-    assert (q.int() - want_q.int()).abs().max() <= 1
+    assert (q.int() - want_q.int()).abs().max() <= 2
     torch.testing.assert_close(scale, want_scale, rtol=1e-2, atol=0)
