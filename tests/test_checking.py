@@ -553,3 +553,11 @@ def test_row_slack_forgives_a_few_rows_moved_a_little_and_nothing_more():
     g[5, 0] = float("nan")
     assert diagnose("x_out", g, e, 1e-3, 1e-3, row_slack=slack)[0] is not None
     assert diagnose("x_out", e[:, 0] + 0.5, e[:, 0], 1e-3, 1e-3, row_slack=slack)[0] is not None   # 1-D: none
+    # rows are every axis but the last: a state [L, B·(k+1), D] of 2 x 20 rows has 40 (one may
+    # miss), though its first axis has 2
+    s3 = e[:40].reshape(2, 20, 8)
+    g = s3.clone()
+    g[1, 13] += 0.5
+    assert diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack)[0] is None
+    g[0, 2] += 0.5
+    assert "16 of 320 elements" in diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack)[0]
