@@ -197,6 +197,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         try:
             llm = spec.SpeculativeLLM(target, engine_config(batch), drafter=drafts[name](), k=k, adaptive=adaptive,
                                       graphs=graphs, draft_ahead=ahead)
+            weight_dtype = block_step.weight_dtype()      # int8 only where the GPU has int8 dots
         finally:
             spec.MLGRUGraphDrafter.use_rollout = True
             block_step.INT8_WEIGHTS = default_int8
@@ -227,7 +228,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         stats = llm.stats
         rows.append(dict(batch=batch, draft=name, k=k, adaptive=adaptive, graphs=graphs == "auto",
                          rollout=getattr(llm.proposer, "rollout", None) is not None, draft_ahead=ahead,
-                         draft_weights="int8" if int8 else "float16",
+                         draft_weights=str(weight_dtype).removeprefix("torch."),
                          drafts_ahead=dict(llm.ahead_counts), tokens_per_s=tps, speedup=tps / base_tps,
                          acceptance=stats.acceptance_rate(),
                          tokens_per_pass=stats.mean_tokens_per_pass(),
