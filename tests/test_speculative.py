@@ -259,6 +259,37 @@ def serve_some(llm, params):
     return [o.token_ids for o in outs]
 
 
+def test_the_verify_graph_buffers_hold_each_sequences_rows_pages_and_drafts():
+    """VerifyGraphs.run fills its buffers for a ragged batch (sequence i's rows from
+    i·(k+1)): ids, positions, cache slots through the block table, draft rows read on the
+    device (``draft_at``), tables, lengths and indptr with each sequence's padding; a
+    smaller batch next resets what the larger one wrote."""
+    from gpulab.engine.spec_graphs import VerifyGraphs
+    runner = SimpleNamespace(device=torch.device("cpu"), max_blocks=4, scratch_slot=99, block_size=4)
+    vg = VerifyGraphs(runner, k=3, max_num_seqs=8, cuda=False)
+    vg.graphs = {b: SimpleNamespace(replay=lambda: None) for b in vg.graphs}     # the buffers alone
+    class Seq(SimpleNamespace):                            # hashable by identity, as a Sequence
+        __hash__ = object.__hash__
+    a = Seq(num_computed_tokens=5, token_ids=list(range(10, 19)), block_table=[7, 2, 9])
+    b = Seq(num_computed_tokens=2, token_ids=[40, 41, 42], block_table=[4])
+    c = Seq(num_computed_tokens=3, token_ids=list(range(50, 56)), block_table=[1, 6])
+    pending = SimpleNamespace(column={a: 1, c: 0}, flat=lambda: torch.arange(6))
+    vg.run([(a, 4), (b, 1), (c, 3)], pending)              # 3 sequences: the bucket of 4, 16 rows
+    pad = [0, 0, 0]
+    assert vg.buf["ids"][:16].tolist() == [15, 16, 17, 18, 42] + pad + [53, 54, 55] + [0] * 5
+    assert vg.buf["pos"][:16].tolist() == [5, 6, 7, 8, 2] + pad + [3, 4, 5] + [0] * 5
+    assert vg.buf["slots"][:16].tolist() == [9, 10, 11, 36, 18] + [99] * 3 + [7, 24, 25] + [99] * 5
+    assert vg.buf["draft_at"][:16].tolist() == [-1, 3, 4, 5, -1] + [-1] * 4 + [0, 1] + [-1] * 5
+    assert vg.buf["table"][:8:2].tolist() == [[7, 2, 9, 0], [4, 0, 0, 0], [1, 6, 0, 0], [0, 0, 0, 0]]
+    assert vg.buf["lens"][:8:2].tolist() == [9, 3, 6, 0]
+    assert vg.buf["indptr"][:9].tolist() == [0, 4, 4, 5, 8, 11, 12, 12, 16]
+    assert vg.drafts[:6].tolist() == list(range(6))
+    vg.run([(b, 1)], None)                                 # one sequence: bucket 1, what A left is gone
+    assert vg.buf["ids"][:4].tolist() == [42, 0, 0, 0] and vg.buf["slots"][:4].tolist() == [18, 99, 99, 99]
+    assert vg.buf["draft_at"][:4].tolist() == [-1] * 4 and vg.buf["table"][0].tolist() == [4, 0, 0, 0]
+    assert vg.buf["indptr"][:3].tolist() == [0, 1, 4] and vg.buf["lens"][0].item() == 3
+
+
 def test_graph_path_sampled_output_equals_the_eager_path(target):
     """Drafts drawn on the device with the host's seeded noise, states rewound by picking
     a row of the pool: sampled text (mixed with greedy requests) is the eager path's."""
@@ -885,3 +916,15 @@ def test_results_table_names_each_way_of_serving():
                                server_engine_process=sv, server_api_servers=dict(sv, api_servers=4)))
     assert "(engine thread)" in text and "(engine process)" in text
     assert "(4 API servers + engine process)" in text and text.count("(80%)") == 3
+
+
+def test_the_host_cost_tool_times_steps_with_frozen_replays_and_restores_them():
+    """tools/spec_host_cost.py: a speculative engine's steps with every replay frozen (the
+    host's work alone), each run on a fresh engine; replays compute again afterwards."""
+    from gpulab.engine.graph_capture import CapturedStep
+    tool = load_tool("spec_host_cost")
+    replay = CapturedStep.replay
+    r = tool.host_cost(lambda: tool.speculative_engine(2, 3), steps=5, repeats=2, profile=True)
+    assert CapturedStep.replay is replay
+    assert len(r["runs_us"]) == 2 and r["host_us_per_step"] > 0 and "spec_graphs.py" in r["profile"]
+    assert r["drafts_ahead"]["used"] > 0
