@@ -27,8 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpulab  # noqa: E402
 from gpulab import runtime  # noqa: E402
