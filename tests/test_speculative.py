@@ -840,7 +840,7 @@ def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(tar
         return outs, 100.0, 0
 
     monkeypatch.setattr(bench, "bench_one", bench_one)
-    monkeypatch.setattr(bench, "engine_config", lambda batch: EngineConfig(**CONFIG))
+    monkeypatch.setattr(bench, "engine_config", lambda batch, multi_step=1: EngineConfig(**CONFIG, multi_step=multi_step))
     monkeypatch.setattr(bench, "graph_times", lambda llm, batch: {})
     errors = []
     rows = bench.bench_speculation(target, {"mlgru": lambda: drafters(target)["mlgru"]}, 1, 4, (2, 3), repeats=1,

@@ -4,6 +4,7 @@ usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--tr
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
                                              [--api-servers 4] [--server-rounds 4]
                                              [--client-processes N] [--eager-k 4] [--profile]
+                                             [--multi-step K]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the target's tokens: issue 15 accepts a difference only where
@@ -36,7 +37,10 @@ the run once the other configurations are measured):
   ``profile``: scaleout with cProfile in the engine process and over an in-process run).
   Each server row also has the engine's steps and the seconds spent in them, behind HTTP
   and in-process: fewer tokens a step means the clients starve it, longer steps that the
-  engine process is the limit.
+  engine process is the limit;
+* with ``--multi-step K``: the target alone once more with K decode steps per host step
+  (``EngineConfig.multi_step``, greedy decode-only batches; it joins the baseline), and
+  every server row with it, in-process and behind HTTP alike.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
@@ -86,9 +90,9 @@ def timed_generate(llm, waves, params):
     return outs, sum(len(o.token_ids) for o in outs) / dt
 
 
-def engine_config(batch):
+def engine_config(batch, multi_step=1):
     return EngineConfig(num_blocks=max(256, batch * 24), block_size=16, max_num_seqs=max(8, batch),
-                        max_num_batched_tokens=max(512, batch * 8))
+                        max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step)
 
 
 def bench_one(llm, waves, params, repeats):
@@ -152,7 +156,8 @@ def near_tie_flips(target, outs, want, label: str) -> list[dict]:
     return flips
 
 
-def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None, wrong=None, errors=None):
+def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=None, wrong=None, errors=None,
+                      multi_step=1):
     """Rows for one batch size: the target alone, then each (draft, k, graphs). A
     configuration whose tokens differ from the target alone's (not at a near tie) gets no
     row: its message goes to ``wrong`` (a list), or raises AssertionError without one. One
@@ -163,20 +168,23 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     waves = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * (batch // len(PROMPTS) + 1))[:batch]]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     # the target alone twice: the engine's default (the host a step ahead, EngineConfig.overlap)
-    # and without; the faster one is the baseline (the speculative engine does not overlap)
+    # and without; with multi_step > 1 a third time, that many decode steps per host step
+    # (gpulab.engine.multi_step); the fastest is the baseline (the speculative engine does
+    # not overlap)
     rows = []
-    for overlap in (None, False):
+    for overlap, steps in ((None, 1), (False, 1)) + (((False, multi_step),) if multi_step > 1 else ()):
         t0 = time.perf_counter()
-        cfg = dataclasses.replace(engine_config(batch), overlap=overlap)
+        cfg = dataclasses.replace(engine_config(batch, steps), overlap=overlap)
+        what = "" if overlap is None else " without overlap" if steps == 1 else f", {steps} steps a window"
         outs, tps, compiled = bench_one(LLM(target, cfg), waves, params, repeats)
         if overlap is None:
             want = outs
         else:
-            near_tie_flips(target, outs, want, f"batch {batch} target alone without overlap")
+            near_tie_flips(target, outs, want, f"batch {batch} target alone{what}")
         rows.append(dict(batch=batch, draft="none", k=0, graphs=True, overlap=overlap is None, tokens_per_s=tps,
-                         acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled))
-        print(f"batch {batch} target alone{'' if overlap is None else ' without overlap'}: {tps:.0f} tok/s "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                         acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled,
+                         **({"multi_step": steps} if steps > 1 else {})))
+        print(f"batch {batch} target alone{what}: {tps:.0f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
@@ -337,7 +345,7 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
 
 
 def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0,
-                 profile=None, client_processes=None):
+                 profile=None, client_processes=None, multi_step=1):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
     ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
     ``switch_interval``: the interpreter's GIL switch interval while the server runs
@@ -348,7 +356,8 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     ``gpulab serve --api-servers N`` as a user starts it (its own process: N HTTP processes
     and the engine's), with the same engine configuration. ``profile`` (a folder, with
     ``api_servers``): cProfile one more in-process run and the engine process
-    (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's."""
+    (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's.
+    ``multi_step``: the engine's decode steps per host step, in-process and behind HTTP alike."""
     import multiprocessing
 
     import uvicorn
@@ -357,7 +366,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
 
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
-    llm = LLM(target, engine_config(clients))
+    llm = LLM(target, engine_config(clients, multi_step))
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
     # the best of two runs (and, with an engine process, one after the HTTP run): from one
     # H200 host to the next the same run gave 53 to 130 K tok/s
@@ -382,14 +391,15 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         sys.setswitchinterval(switch_interval)
     server = cli = None
     if api_servers:
-        cfg = engine_config(clients)
+        cfg = engine_config(clients, multi_step)
         env = dict(os.environ)
         if profile:
             env["GPULAB_ENGINE_PROFILE"] = os.path.join(profile, "engine.prof")
         cli = subprocess.Popen([sys.executable, "-m", "gpulab", "serve", "--port", str(port),
                                 "--api-servers", str(api_servers), "--pages", str(cfg.num_blocks),
                                 "--max-num-seqs", str(cfg.max_num_seqs),
-                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)], env=env)
+                                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                                "--multi-step", str(multi_step)], env=env)
         deadline = time.time() + 600
         while not server_healthy(port):
             assert cli.poll() is None and time.time() < deadline, "gpulab serve --api-servers did not start"
@@ -400,7 +410,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
 
             from gpulab.engine.server import build_llm
             app = create_app(make_llm=functools.partial(build_llm, "shipped", dtype="bfloat16",
-                                                        **dataclasses.asdict(engine_config(clients))))
+                                                        **dataclasses.asdict(engine_config(clients, multi_step))))
         else:
             app = create_app(llm)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -459,6 +469,7 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     http_tps = sum(r[3] for r in runs) / dt
     return dict(clients=clients, rounds=rounds, client_processes=n_procs, client_cpu_s=sum(r[4] for r in runs),
                 client=f"aiohttp {aiohttp_version()}", engine_process=engine_process or bool(api_servers),
+                multi_step=multi_step,
                 api_servers=api_servers or 1,
                 switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
                 engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
@@ -562,6 +573,9 @@ def main(argv=None) -> int:
                     help="k of the batch-1 variants drafting after reading, stepped and eager (0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="also the host's functions in a batch-1, k=4 speculative run (cProfile)")
+    ap.add_argument("--multi-step", type=int, default=1,
+                    help="also the target alone with this many decode steps per host step, and the "
+                         "server rows with it, in-process and behind HTTP (EngineConfig.multi_step)")
     args = ap.parse_args(argv)
     if runtime.mode() != "compiled":
         sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
@@ -591,11 +605,13 @@ def main(argv=None) -> int:
     batches = {int(b) for b in args.batches.split(",") if b.strip()}
     if 1 in batches:
         result["rows"] += bench_speculation(target, drafts, 1, args.max_tokens, ks, repeats, eager_k=args.eager_k,
-                                            wrong=result["wrong_tokens"], errors=result["errors"])
+                                            wrong=result["wrong_tokens"], errors=result["errors"],
+                                            multi_step=args.multi_step)
         save()
     if 64 in batches:
         result["rows"] += bench_speculation(target, drafts, 64, args.max_tokens // 2, ks[:2], 1,
-                                            wrong=result["wrong_tokens"], errors=result["errors"])
+                                            wrong=result["wrong_tokens"], errors=result["errors"],
+                                            multi_step=args.multi_step)
         save()
     if args.profile:
         result["host_profile_b1_k4"] = host_profile(target, drafts["mlgru"], args.max_tokens)
@@ -611,7 +627,8 @@ def main(argv=None) -> int:
              f"gpulab serve --api-servers {args.api_servers}, profiled")):
         if mode in modes:
             r = result[key] = bench_server(target, 64, args.max_tokens, rounds=args.server_rounds,
-                                           client_processes=args.client_processes, **kwargs)
+                                           client_processes=args.client_processes, multi_step=args.multi_step,
+                                           **kwargs)
             print(f"{what}: {r['ratio']:.0%} of in-process ({r['http_tokens_per_s']:.0f} vs "
                   f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events); steps: "
                   f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, "

@@ -9,6 +9,7 @@
 * :mod:`.sampling`       greedy, temperature, top-k, top-p, seeded per request;
 * :mod:`.metrics`        TTFT, TPOT, latency, throughput, pages, prefix-cache hits;
 * :mod:`.engine`         the step loop: ``LLM.generate`` and ``add_request``/``step``;
+* :mod:`.multi_step`     several greedy decode steps per host step, in one replay (opt-in);
 * :mod:`.graph_capture`  capture once, replay often: what every CUDA graph here is built from;
 * :mod:`.piecewise`      steps with prompt chunks, replayed between attention calls;
 * :mod:`.full_graphs`    steps with prompt chunks, one graph of the whole step;

@@ -22,7 +22,9 @@ One :meth:`LLM.step`:
 
 On a GPU the host runs one step ahead (:meth:`LLM.step_overlapped`, ``EngineConfig.overlap``):
 it schedules, plans and launches the next step before it reads the tokens of the one the
-GPU is running, so its own work no longer leaves the GPU idle between steps.
+GPU is running, so its own work no longer leaves the GPU idle between steps. With
+``EngineConfig.multi_step = k`` a greedy decode-only batch instead runs k steps in one
+replay per host step (:mod:`.multi_step`).
 
 Bad requests (empty prompt, prompt longer than the context, invalid sampling
 parameters, more pages than the pool has) are refused by ``add_request`` with a
@@ -45,6 +47,7 @@ from ..paged import fault_flag, raise_recorded_faults
 from .block_manager import BlockManager
 from .metrics import EngineMetrics, RequestMetrics, StepRecord
 from .model import EOS, TernaryTransformer, decode_tokens, load_checkpoint
+from .multi_step import DecodeWindows
 from .runner import ModelRunner, StepPlan
 from .sampling import sample, sample_on_device
 from .scheduler import ScheduledBatch, Scheduler
@@ -135,6 +138,8 @@ class EngineConfig:
     overlap: bool | None = None         # schedule step N+1 while step N runs on the GPU (see
                                         # LLM.step); None: on a GPU, with the package's own
                                         # scheduler and block manager and no decode hook
+    multi_step: int = 1                 # greedy decode-only batches run this many steps per
+                                        # host step (see .multi_step; without overlap); 1: off
 
 
 @dataclass
@@ -201,11 +206,20 @@ class LLM:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         own = scheduler_cls is Scheduler and block_manager_cls is BlockManager and decode_hook is None
-        self.overlap = (own and self.runner.device.type == "cuda" and runtime.mode() == "compiled"
+        k = config.multi_step
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"multi_step (decode steps per host step) must be an int >= 1, got {k!r}")
+        if k > 1 and (config.overlap or not own):
+            raise ValueError("multi_step > 1 runs without overlap (overlap=False or None) and needs the "
+                             "package's Scheduler and BlockManager and no decode hook")
+        self.overlap = (own and k == 1 and self.runner.device.type == "cuda" and runtime.mode() == "compiled"
                         if config.overlap is None else bool(config.overlap))
         if self.overlap and not own:
             raise ValueError("overlap=True needs the package's Scheduler and BlockManager and no decode hook "
                              "(they must tolerate tokens that are still on the device)")
+        # captured after the warm-up and the other graphs, as they are (no autotuning inside)
+        self.windows = None if k == 1 else DecodeWindows(self.runner, k, config.max_num_seqs,
+                                                         self.runner.graphs_possible)
         self.in_flight: InFlight | None = None          # the step whose tokens the host has not read
 
     # -- requests ---------------------------------------------------------------------------
@@ -268,6 +282,8 @@ class LLM:
         batch = self.schedule()
         if not batch.items:
             return []
+        if self.windows is not None and self.window_fits(batch):
+            return self.step_window(batch, t0, finished_only, first_tokens)
         prefill = batch.prefill_flags          # before the step counts the tokens as computed
         logits, seqs, plan = self.runner.run(batch.items, batch.copies)
         self.scheduler.postprocess(batch)
@@ -314,6 +330,37 @@ class LLM:
             self.scheduler.commit(self.in_flight.batch)
         return outputs
 
+    def window_fits(self, batch: ScheduledBatch) -> bool:
+        """Can this step run as a window of ``multi_step`` decode steps (:mod:`.multi_step`)?
+        Only decodes of greedy sequences that will not fork, k tokens from the context's
+        end, with pages for k more tokens each."""
+        k, bm = self.config.multi_step, self.block_manager
+        if batch.preempted or self.pending_forks:
+            return False
+        need = 0
+        for seq, n in batch.items:
+            if n != 1 or seq.num_output_tokens == 0 or not seq.params.greedy or seq.num_tokens + k > self.max_model_len:
+                return False
+            need += max(0, bm.blocks_for(seq.num_computed_tokens + k) - len(seq.block_table))
+        return need <= bm.num_free
+
+    def step_window(self, batch: ScheduledBatch, t0: float, finished_only: bool = False,
+                    first_tokens: bool = False) -> list[RequestOutput]:
+        """k decode steps of ``batch`` in one replay; each sequence gets k tokens, cut
+        where it stops (:meth:`emit`)."""
+        k = self.config.multi_step
+        seqs = [seq for seq, _ in batch.items]
+        for seq in seqs:                       # the schedule made room for one token: now for k
+            self.block_manager.append_slots(seq, k)
+        self.runner.copy_blocks(batch.copies)
+        tokens = self.windows.run(seqs)
+        for seq in seqs:
+            seq.num_computed_tokens += k
+        outputs = self.emit(batch, [False] * len(seqs), dict(zip(seqs, tokens)), t0, self.windows.plan,
+                            finished_only, first_tokens=first_tokens, tokens_per_decode=k)
+        self.scheduler.commit(batch)           # once the window's tokens are in token_ids
+        return outputs
+
     def land(self, step: "InFlight", finished_only: bool, first_tokens: bool = False) -> list[RequestOutput]:
         """Read a launched step's tokens (waits for that step) into their sequences'
         placeholders, then retire and report as :meth:`emit` does."""
@@ -340,7 +387,7 @@ class LLM:
 
     def emit(self, batch, prefill: list[bool], new_tokens: dict[Sequence, list[int]], t0: float,
              plan, finished_only: bool = False, at: dict[Sequence, int] | None = None,
-             first_tokens: bool = False) -> list[RequestOutput]:
+             first_tokens: bool = False, tokens_per_decode: int = 1) -> list[RequestOutput]:
         """Append each sequence's new tokens (a speculative step may bring several),
         retire those that hit EOS, max_tokens or the context, record the step
         (``prefill``: which of the batch's items were prompt chunks). Returns an output
@@ -348,13 +395,14 @@ class LLM:
         (a request's metrics are brought up to date when it reports), and with
         ``first_tokens`` also per request whose first token came now. ``at``: where each
         sequence's one new token goes instead (its placeholder, :meth:`step_overlapped`);
-        a sequence that stops there loses what follows (the next step's placeholder)."""
+        a sequence that stops there loses what follows (the next step's placeholder).
+        ``tokens_per_decode``: tokens each decode item ran (a window of several steps)."""
         items = batch.items
         if True in prefill:
             n_prefill = sum(n for (_, n), p in zip(items, prefill) if p)
             n_decode = batch.num_tokens - n_prefill
-        else:                                  # a decode-only step: one token per item
-            n_prefill, n_decode = 0, len(items)
+        else:                                  # a decode-only step: one token per item (k in a window)
+            n_prefill, n_decode = 0, len(items) * tokens_per_decode
         now = time.perf_counter()
         max_len = self.max_model_len
         touched, finished, first = {}, {}, []
@@ -389,7 +437,7 @@ class LLM:
         self.metrics.record(StepRecord(
             t0, now, len(items), n_prefill, n_decode, bm.num_used, bm.num_cached_free, len(self.scheduler.waiting),
             len(batch.preempted), graph, plan.prefix is not None, [s.seq_id for s, _ in items],
-            [1] * len(items) if not n_prefill else [n for _, n in items], prefill,
+            [tokens_per_decode] * len(items) if not n_prefill else [n for _, n in items], prefill,
             [s.seq_id for s in batch.preempted]))
         return [self._maybe_close(rid, now) for rid in touched]
 

@@ -952,7 +952,7 @@ def quiet_lifespan_cancel(record: logging.LogRecord) -> bool:
 
 def main(argv=None) -> int:
     """``gpulab serve [--host H] [--port P] [--pages N] [--max-num-seqs B] [--stream-interval S]
-    [--engine-process] [--api-servers N]``."""
+    [--engine-process] [--api-servers N] [--multi-step K]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -968,13 +968,19 @@ def main(argv=None) -> int:
     ap.add_argument("--api-servers", type=int, default=1,
                     help="HTTP processes feeding one engine process (more than 1 implies --engine-process): "
                          "one event loop handles a few hundred requests a second")
+    ap.add_argument("--multi-step", type=int, default=1,
+                    help="decode steps per host step for greedy decode-only batches (default 1: one; "
+                         "see gpulab.engine.multi_step)")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:
         ap.error("--stream-interval must be between 0 and 1 second")
     if args.api_servers < 1:
         ap.error("--api-servers must be at least 1")
+    if args.multi_step < 1:
+        ap.error("--multi-step must be at least 1 (1: one decode step per host step)")
     config = {key: v for key, v in (("num_blocks", args.pages), ("max_num_seqs", args.max_num_seqs),
-                                    ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+                                    ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                    ("multi_step", args.multi_step if args.multi_step != 1 else None)) if v}
     try:
         EngineConfig(**config)
     except (TypeError, ValueError) as e:

@@ -409,6 +409,8 @@ class SpeculativeLLM(LLM):
             raise ValueError(f"draft_cost (a draft step's time over a target pass's) must be in [0, 10), "
                              f"got {draft_cost!r}")
         super().__init__(model, config, **overrides)
+        if self.config.multi_step > 1:
+            raise ValueError("SpeculativeLLM drafts and verifies every step: multi_step must be 1")
         self.overlap = False           # its step reads every verification's tokens before the next
         self.drafter, self.k, self.accept, self.rollback = drafter, k, accept, rollback
         self.adaptive, self.draft_cost = bool(adaptive), float(draft_cost)
@@ -686,10 +688,11 @@ def format_results(result: dict) -> str:
     for r in result["rows"]:
         k = f"<={r['k']}" if r.get("adaptive") else str(r["k"])      # adaptive: up to k per request
         draft = r["draft"] + (" (eager)" if r.get("graphs") is False else "")   # rows without the key: as measured
-        draft += " (no overlap)" if r.get("overlap") is False else ""     # the target alone, host not ahead
+        draft += " (no overlap)" if r.get("overlap") is False and r.get("multi_step", 1) == 1 else ""   # host not ahead
         draft += " (stepped)" if r.get("graphs") and r.get("rollout") is False and r.get("graph_draft") else ""
         draft += " (no ahead)" if r.get("graphs") and r.get("draft_ahead") is False else ""   # drafts after reading
         draft += " (int8)" if r.get("draft_weights") == "int8" else ""    # the draft kernels' int8 weights
+        draft += f" ({r['multi_step']} steps)" if r.get("multi_step", 1) > 1 else ""   # a window per host step
         flips = r.get("near_tie_flips")                 # requests whose greedy tokens parted at a near tie
         accept = r["acceptance"]                        # NaN for the target alone: nothing drafted
         accept = f"{accept:>6.0%}" if accept == accept else f"{'-':>6}"
@@ -702,6 +705,8 @@ def format_results(result: dict) -> str:
             sv = result[key]
             if key == "server_api_servers":
                 how = f"{sv['api_servers']} {how} + engine process"
+            if sv.get("multi_step", 1) > 1:
+                how += f", {sv['multi_step']} decode steps a host step"
             lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
                          f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%})")
     return "\n".join(lines)

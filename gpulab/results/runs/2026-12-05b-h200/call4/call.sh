@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# written in the session of 2026-12-05 (eleventh), not run (no machine): the decode windows
+# (EngineConfig.multi_step, gpulab/engine/multi_step.py), built on the CPU this session and
+# never run on a GPU. Their tests compiled (each window one CUDA graph), then the target
+# alone at batch 1 and 64 with 8 steps a window beside the default (overlap) and the
+# speculative k = 8 row, then the server with four API servers and 8 steps a window,
+# in-process and behind HTTP alike (issue 15's >= 90%: 69% without windows).
+set -u
+source tools/gpu-env.sh
+export OMP_NUM_THREADS=1
+R=/tmp/r4; rm -rf $R; mkdir -p $R
+pack() { tar czf $OUT/call4.tgz -C $R .; }
+{ python3 -m gpulab env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; git log --oneline -1; } > $R/env.txt 2>&1
+s=$(date +%s)
+timeout -s INT -k 10 ${T0:-120} python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --junitxml=$R/junit.xml \
+  tests/test_multi_step.py "tests/test_engine.py::test_greedy_matches_reference_under_any_schedule" > $R/tests.txt 2>&1
+echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+tail -4 $R/tests.txt
+pack
+s=$(date +%s)
+timeout -k 5 ${T1:-250} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
+  --multi-step 8 > $R/spec.txt 2>&1; echo "spec rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+cp $R/s/speculative.json $R/speculative_windows.json 2>/dev/null; rm -rf $R/s
+grep -v "near tie" $R/spec.txt | tail -14
+pack
+s=$(date +%s)
+timeout -k 5 ${T2:-150} python3 tools/speculative_bench.py $R/sv --quick --batches "" --server-modes scaleout \
+  --multi-step 8 > $R/server.txt 2>&1; echo "server rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+cp $R/sv/speculative.json $R/speculative_server_windows.json 2>/dev/null; rm -rf $R/sv
+tail -4 $R/server.txt
+pack
+cat $R/times.txt
+true

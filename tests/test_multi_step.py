@@ -1,0 +1,212 @@
+"""Several decode steps per host step (EngineConfig.multi_step, gpulab.engine.multi_step):
+the same tokens as one step at a time, pages and prefix cache kept right when a sequence
+stops inside a window, and the steps a window cannot take run one at a time."""
+import pytest
+import torch
+
+import gpulab
+from gpulab.engine.engine import LLM, EngineConfig
+from gpulab.engine.model import EOS, TINY, TernaryTransformer, encode_prompt, reference_generate
+from gpulab.engine.multi_step import DecodeWindows
+from gpulab.engine.sequence import SamplingParams
+from gpulab.engine.speculative import MLGRUDrafter, SpeculativeLLM
+from gpulab.model import MatMulFreeLM
+from helpers import assert_tokens_match, load_tool
+
+SYSTEM = "You are a poet of the old school. Answer in verse: "
+PROMPTS = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day? Thou art more",
+           SYSTEM + "the sea", SYSTEM + "the moon at night", "0123456789abcde"]
+MAX_TOKENS = [23, 17, 5, 30, 12, 9]      # most not multiples of k: sequences stop inside windows
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(1234)
+    return TernaryTransformer(TINY).pack().to(gpulab.device())   # float32 everywhere
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [reference_generate(model, encode_prompt(p), n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+def count_windows(llm: LLM) -> list:
+    """Record the number of sequences of every window the engine runs."""
+    seen, run = [], llm.windows.run
+    llm.windows.run = lambda seqs: seen.append(len(seqs)) or run(seqs)
+    return seen
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(multi_step=4),
+    dict(multi_step=2, max_num_batched_tokens=7, block_size=4),        # chunked prompts between windows
+    dict(multi_step=5, num_blocks=24, block_size=4, max_num_batched_tokens=16),   # a tight pool: preemption
+    dict(multi_step=3, prefix_caching=False, max_num_seqs=2),
+], ids=["k4", "k2-chunked", "k5-tight-pool", "k3-two-seqs"])
+def test_windows_give_the_reference_tokens_under_any_schedule(model, expected, cfg):
+    llm = LLM(model, EngineConfig(**cfg))
+    windows = count_windows(llm)
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])
+    assert_tokens_match(model, PROMPTS, [o.token_ids for o in outs], expected)
+    assert windows, "no window ran"
+    assert llm.idle(), "pages or requests left over after serving"
+    k = cfg["multi_step"]
+    window_steps = [r for r in llm.metrics.steps if r.tokens and set(r.tokens) == {k} and not r.prefill_tokens]
+    assert len(window_steps) == len(windows), "each window is one step record, k tokens per sequence"
+    assert all(r.decode_tokens == k * r.num_seqs for r in window_steps)
+    if "num_blocks" in cfg:
+        assert llm.summary()["preemptions"] > 0, "the tight pool did not preempt"
+
+
+def test_windows_on_gpulabs_paged_decode_kernel(model, expected):
+    """The window's steps through the Triton decode kernel (as on a GPU, where the window
+    is one CUDA graph; here the interpreter): the reference's tokens."""
+    llm = LLM(model, EngineConfig(multi_step=3, attention="triton", block_size=8))
+    windows = count_windows(llm)
+    outs = llm.generate(PROMPTS[4:6], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[4:6]])
+    assert_tokens_match(model, PROMPTS[4:6], [o.token_ids for o in outs], expected[4:6])
+    assert windows and llm.idle()
+
+
+def test_a_sequence_that_stops_inside_a_window_keeps_only_its_tokens(model, monkeypatch):
+    """EOS as request "1"'s fifth token, in the middle of a window: it stops there, what
+    the window computed after it is dropped, its pages are freed, and the other requests'
+    tokens are the one-step engine's."""
+    import gpulab.engine.engine as engine_module
+    import gpulab.engine.sampling as sampling_module
+    real_sample = sampling_module.sample_on_device
+
+    def eos_fifth(logits, seqs):
+        tokens = real_sample(logits, seqs)
+        for i, s in enumerate(seqs):
+            if s.request_id == "1" and s.num_output_tokens == 4:
+                tokens = tokens.clone()
+                tokens[i] = EOS
+        return tokens
+
+    monkeypatch.setattr(sampling_module, "sample_on_device", eos_fifth)
+    monkeypatch.setattr(engine_module, "sample_on_device", eos_fifth)
+    real_run = DecodeWindows.run
+
+    def run_with_eos(self, seqs):
+        tokens = real_run(self, seqs)
+        for s, row in zip(seqs, tokens):
+            if s.request_id == "1" and s.num_output_tokens <= 4 < s.num_output_tokens + len(row):
+                row[4 - s.num_output_tokens] = EOS
+        return tokens
+
+    monkeypatch.setattr(DecodeWindows, "run", run_with_eos)
+    runs = []
+    for k in (1, 3):
+        llm = LLM(model, EngineConfig(multi_step=k, block_size=4))
+        outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=20) for _ in range(3)])
+        runs.append([o.token_ids for o in outs])
+        assert outs[1].token_ids[-1] == EOS and len(outs[1].token_ids) == 5
+        assert outs[1].completions[0].finish_reason == "eos" and llm.idle()
+    assert runs[0] == runs[1]
+
+
+def test_pages_a_window_filled_are_cached_with_their_own_tokens(model):
+    """A later prompt that continues a finished request's text finds the pages that
+    windows filled in the prefix cache, and its tokens are still the reference's."""
+    llm = LLM(model, EngineConfig(multi_step=4, block_size=4))
+    windows = count_windows(llm)
+    first = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=30))[0]
+    assert windows
+    follow = encode_prompt(PROMPTS[1]) + first.token_ids[:25]
+    again = llm.generate([follow], SamplingParams(max_tokens=10))[0]
+    assert again.metrics.num_cached_tokens >= len(follow) // 4 * 4 - 4 > len(encode_prompt(PROMPTS[1]))
+    assert again.token_ids == reference_generate(model, follow, 10)
+    assert llm.idle()
+
+
+def test_sampled_requests_take_single_steps_and_keep_their_text(model):
+    """A batch with a sampled request runs one step at a time; the seeded text is the
+    one-step engine's, and the greedy requests run windows once it has finished."""
+    params = [SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=3), SamplingParams(max_tokens=25),
+              SamplingParams(max_tokens=4, temperature=1.2, top_p=0.9, seed=5), SamplingParams(max_tokens=3, n=2)]
+    runs = []
+    for k in (1, 4):
+        llm = LLM(model, EngineConfig(multi_step=k, block_size=4))
+        windows = count_windows(llm) if k > 1 else None
+        outs = llm.generate(PROMPTS[:4], params)
+        runs.append([[c.token_ids for c in o.completions] for o in outs])
+        assert llm.idle()
+    assert runs[0] == runs[1]
+    assert windows, "the greedy request never ran a window after the sampled ones finished"
+
+
+def test_windows_stop_short_of_the_context_end(model):
+    prompt = encode_prompt("x" * (TINY.max_seq_len - 14))
+    want = reference_generate(model, prompt, 50, stop_at_eos=False)
+    llm = LLM(model, EngineConfig(multi_step=4, block_size=16, max_num_batched_tokens=100))
+    windows = count_windows(llm)
+    out = llm.generate([prompt], SamplingParams(max_tokens=50, stop_at_eos=False))[0]
+    assert out.token_ids == want and len(prompt) + len(want) == TINY.max_seq_len
+    assert out.completions[0].finish_reason == "length" and windows and llm.idle()
+
+
+def test_a_server_step_reports_first_tokens_at_once_and_windows_in_between(model, expected):
+    """As the server steps the engine (``finished_only``, ``first_tokens``): the first
+    token comes with its prompt's step, the rest in windows, everything by the end."""
+    llm = LLM(model, EngineConfig(multi_step=4, block_size=4))
+    windows = count_windows(llm)
+    rid = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS[3]))
+    first = llm.step(finished_only=True, first_tokens=True)
+    assert [o.request_id for o in first] == [rid] and first[0].token_ids == expected[3][:1]
+    last = []
+    while llm.has_unfinished():
+        last = llm.step(finished_only=True, first_tokens=True) or last
+    assert last[0].finished and last[0].token_ids == expected[3]
+    assert len(windows) == -(-(MAX_TOKENS[3] - 1) // 4) and llm.idle()
+
+
+def test_the_benchmarks_table_names_window_rows(model):
+    from gpulab.engine.speculative import format_results
+    row = dict(batch=64, draft="none", k=0, graphs=True, overlap=False, tokens_per_s=1.0, acceptance=float("nan"),
+               tokens_per_pass=1.0, speedup=1.0)
+    server = dict(clients=64, http_tokens_per_s=1.0, engine_tokens_per_s=2.0, ratio=0.5, api_servers=4,
+                  multi_step=8)
+    text = format_results(dict(gpu="GPU", date="today", versions={}, max_tokens=8,
+                               rows=[row, dict(row, multi_step=8)], server_api_servers=server))
+    assert "none (8 steps)" in text and "8 decode steps a host step" in text
+
+
+def test_the_benchmark_times_the_target_alone_with_windows_too(model, monkeypatch):
+    """tools/speculative_bench.py --multi-step k: a third target-alone row, its engine
+    built with k steps a window, in the baseline like the other two."""
+    from types import SimpleNamespace
+    bench = load_tool("speculative_bench")
+    outs = [SimpleNamespace(prompt_token_ids=[1], token_ids=[2, 3])]
+    built = []
+
+    def bench_one(llm, waves, params, repeats):
+        built.append((llm.config.multi_step, llm.overlap))
+        return outs, 100.0 * llm.config.multi_step, 0
+
+    monkeypatch.setattr(bench, "bench_one", bench_one)
+    monkeypatch.setattr(bench, "engine_config",
+                        lambda batch, multi_step=1: EngineConfig(block_size=4, multi_step=multi_step))
+    rows = bench.bench_speculation(model, {}, 1, 4, (), repeats=1, wrong=[], errors=[], multi_step=4)
+    assert built == [(1, False), (1, False), (4, False)]       # (a CPU: no overlap by default)
+    assert [r.get("multi_step", 1) for r in rows] == [1, 1, 4]
+    assert [r["speedup"] for r in rows] == [0.25, 0.25, 1.0]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_multi_step_must_be_a_whole_number_of_steps(model, bad):
+    with pytest.raises(ValueError, match="multi_step"):
+        LLM(model, EngineConfig(multi_step=bad))
+
+
+def test_multi_step_runs_without_overlap_and_not_under_speculation(model):
+    with pytest.raises(ValueError, match="without overlap"):
+        LLM(model, EngineConfig(multi_step=2, overlap=True))
+    assert LLM(model, EngineConfig(multi_step=2)).overlap is False
+    with pytest.raises(ValueError, match="multi_step must be 1"):
+        SpeculativeLLM(model, EngineConfig(multi_step=2), drafter=MLGRUDrafter(_tiny_draft()), k=2)
+
+
+def _tiny_draft():
+    torch.manual_seed(0)
+    return MatMulFreeLM(d_model=32, n_layers=1, scan="torch").pack().to(gpulab.device())
