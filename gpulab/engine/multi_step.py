@@ -18,7 +18,8 @@ then reads the k × B tokens back in one copy. Its host work is paid once per k 
 What it costs: a request that arrives meanwhile waits for the window (k steps) before its
 prompt is scheduled, and a sequence that stops inside a window (EOS, ``max_tokens``) has
 computed up to k − 1 tokens for nothing, which the engine drops (its pages are freed
-when it finishes).
+when it finishes; a page it filled inside that window is not added to the prefix cache,
+since its pages are freed before the window's tokens are registered).
 
 Only greedy batches take windows (a sampled token needs its seeded noise from the host,
 :mod:`.sampling`); a step with prompt tokens, a sampled request, a request about to fork
