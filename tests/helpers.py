@@ -2,11 +2,22 @@
 import torch
 
 import gpulab
-from gpulab.engine.model import NEAR_TIE, encode_prompt, first_flip
+from gpulab.engine.model import NEAR_TIE, TINY, TernaryTransformer, encode_prompt, first_flip
+
+# the engine's test prompts: a one-byte one, a long one, two sharing a system prompt
+SYSTEM = "You are a poet of the old school. Answer in verse: "
+PROMPTS = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day? Thou art more",
+           SYSTEM + "the sea", SYSTEM + "the moon at night", "0123456789abcde"]
 
 
 def on_gpu() -> bool:
     return gpulab.mode() == "compiled"
+
+
+def tiny_transformer() -> TernaryTransformer:
+    """The engine tests' model: the tiny configuration, seeded, packed, float32."""
+    torch.manual_seed(1234)
+    return TernaryTransformer(TINY).pack().to(gpulab.device())
 
 
 def few(name: str, labels: tuple) -> dict:

@@ -12,25 +12,21 @@ import gpulab
 from gpulab.engine.block_manager import BlockManager
 from gpulab.engine.engine import LLM, PLACEHOLDER, EngineConfig
 from gpulab.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
-from gpulab.engine.model import (EOS, TINY, TernaryTransformer, encode_prompt, reference_generate,
+from gpulab.engine.model import (EOS, TINY, encode_prompt, reference_generate,
                                  attention_with_history)
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sampling import filter_top_k_top_p
 from gpulab.engine.scheduler import Scheduler
 from gpulab.engine.sequence import RequestError, SamplingParams, Sequence
 from gpulab.engine.static import StaticBatchLLM
-from helpers import assert_tokens_match
+from helpers import PROMPTS, SYSTEM, assert_tokens_match, tiny_transformer
 
-SYSTEM = "You are a poet of the old school. Answer in verse: "
-PROMPTS = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day? Thou art more",
-           SYSTEM + "the sea", SYSTEM + "the moon at night", "0123456789abcde"]
 MAX_TOKENS = [9, 6, 5, 8, 7, 6]
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(1234)
-    return TernaryTransformer(TINY).pack().to(gpulab.device())   # float32 everywhere
+    return tiny_transformer()   # float32 everywhere
 
 
 @pytest.fixture(scope="module")

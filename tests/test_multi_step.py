@@ -6,23 +6,19 @@ import torch
 
 import gpulab
 from gpulab.engine.engine import LLM, EngineConfig
-from gpulab.engine.model import EOS, TINY, TernaryTransformer, encode_prompt, reference_generate
+from gpulab.engine.model import EOS, TINY, encode_prompt, reference_generate
 from gpulab.engine.multi_step import DecodeWindows
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.speculative import MLGRUDrafter, SpeculativeLLM
 from gpulab.model import MatMulFreeLM
-from helpers import assert_tokens_match, load_tool
+from helpers import PROMPTS, assert_tokens_match, load_tool, tiny_transformer
 
-SYSTEM = "You are a poet of the old school. Answer in verse: "
-PROMPTS = ["a", "Tyger Tyger, burning bright", "Shall I compare thee to a summer's day? Thou art more",
-           SYSTEM + "the sea", SYSTEM + "the moon at night", "0123456789abcde"]
 MAX_TOKENS = [23, 17, 5, 30, 12, 9]      # most not multiples of k: sequences stop inside windows
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(1234)
-    return TernaryTransformer(TINY).pack().to(gpulab.device())   # float32 everywhere
+    return tiny_transformer()   # float32 everywhere
 
 
 @pytest.fixture(scope="module")
