@@ -20,6 +20,26 @@ def tiny_transformer() -> TernaryTransformer:
     return TernaryTransformer(TINY).pack().to(gpulab.device())
 
 
+def force_eos(monkeypatch, request_id: str, index: int) -> None:
+    """Make token number ``index`` (from 0) of request ``request_id`` EOS wherever the
+    engine samples a step's tokens on the device."""
+    import gpulab.engine.engine as engine_module
+    import gpulab.engine.sampling as sampling_module
+    from gpulab.engine.model import EOS
+    real = sampling_module.sample_on_device
+
+    def sample(logits, seqs):
+        tokens = real(logits, seqs)
+        for i, s in enumerate(seqs):
+            if s.request_id == request_id and s.num_output_tokens == index:
+                tokens = tokens.clone()
+                tokens[i] = EOS
+        return tokens
+
+    monkeypatch.setattr(sampling_module, "sample_on_device", sample)
+    monkeypatch.setattr(engine_module, "sample_on_device", sample)
+
+
 def few(name: str, labels: tuple) -> dict:
     """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
     cases = gpulab.get_spec(name).cases["gpu" if on_gpu() else "cpu"]

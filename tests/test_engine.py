@@ -19,7 +19,7 @@ from gpulab.engine.sampling import filter_top_k_top_p
 from gpulab.engine.scheduler import Scheduler
 from gpulab.engine.sequence import RequestError, SamplingParams, Sequence
 from gpulab.engine.static import StaticBatchLLM
-from helpers import PROMPTS, SYSTEM, assert_tokens_match, tiny_transformer
+from helpers import PROMPTS, SYSTEM, assert_tokens_match, force_eos, tiny_transformer
 
 MAX_TOKENS = [9, 6, 5, 8, 7, 6]
 
@@ -207,20 +207,7 @@ def test_overlap_sampling_and_n_completions_equal_the_plain_step(model):
 def test_overlap_finds_eos_a_step_late_and_drops_the_row_after_it(model, monkeypatch):
     """EOS is seen only when the step after it is already launched: that step's token for
     the sequence is dropped, its pages are freed, the text is the plain step's."""
-    import gpulab.engine.engine as engine_module
-    import gpulab.engine.sampling as sampling_module
-    real = sampling_module.sample_on_device
-
-    def eos_third(logits, seqs):           # request "1"'s third token is EOS
-        tokens = real(logits, seqs)
-        for i, s in enumerate(seqs):
-            if s.request_id == "1" and s.num_output_tokens == 2:
-                tokens = tokens.clone()
-                tokens[i] = EOS
-        return tokens
-
-    monkeypatch.setattr(sampling_module, "sample_on_device", eos_third)
-    monkeypatch.setattr(engine_module, "sample_on_device", eos_third)
+    force_eos(monkeypatch, "1", 2)         # request "1"'s third token is EOS
     runs = []
     for overlap in (False, True):
         llm = LLM(model, EngineConfig(overlap=overlap, block_size=4))

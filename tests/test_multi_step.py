@@ -11,7 +11,7 @@ from gpulab.engine.multi_step import DecodeWindows
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.speculative import MLGRUDrafter, SpeculativeLLM
 from gpulab.model import MatMulFreeLM
-from helpers import PROMPTS, assert_tokens_match, load_tool, tiny_transformer
+from helpers import PROMPTS, assert_tokens_match, force_eos, load_tool, tiny_transformer
 
 MAX_TOKENS = [23, 17, 5, 30, 12, 9]      # most not multiples of k: sequences stop inside windows
 
@@ -68,20 +68,7 @@ def test_a_sequence_that_stops_inside_a_window_keeps_only_its_tokens(model, monk
     """EOS as request "1"'s fifth token, in the middle of a window: it stops there, what
     the window computed after it is dropped, its pages are freed, and the other requests'
     tokens are the one-step engine's."""
-    import gpulab.engine.engine as engine_module
-    import gpulab.engine.sampling as sampling_module
-    real_sample = sampling_module.sample_on_device
-
-    def eos_fifth(logits, seqs):
-        tokens = real_sample(logits, seqs)
-        for i, s in enumerate(seqs):
-            if s.request_id == "1" and s.num_output_tokens == 4:
-                tokens = tokens.clone()
-                tokens[i] = EOS
-        return tokens
-
-    monkeypatch.setattr(sampling_module, "sample_on_device", eos_fifth)
-    monkeypatch.setattr(engine_module, "sample_on_device", eos_fifth)
+    force_eos(monkeypatch, "1", 4)         # one step at a time
     real_run = DecodeWindows.run
 
     def run_with_eos(self, seqs):
