@@ -339,7 +339,8 @@ class LLM:
             return False
         need = 0
         for seq, n in batch.items:
-            if n != 1 or seq.num_output_tokens == 0 or not seq.params.greedy or seq.num_tokens + k > self.max_model_len:
+            if (n != 1 or seq.num_output_tokens == 0 or not seq.params.greedy
+                    or seq.num_tokens + k > self.max_model_len):
                 return False
             need += max(0, bm.blocks_for(seq.num_computed_tokens + k) - len(seq.block_table))
         return need <= bm.num_free
