@@ -386,6 +386,28 @@ def test_timing_wall_clock_survives_another_process_taking_a_turn(tmp_path):
     assert calls[0] > 2 + 20 + 2 and r["wall_ms"] < 2 * r["ms"] + 0.1, r
 
 
+def test_timing_measures_again_before_a_busy_machine_looks_like_an_async_launch(tmp_path):
+    """A machine busy through all of the wall clock's first batches (not one of them, as
+    above) but not before: the worker times events and wall clock again, back to back,
+    and the candidate is not taken for one that leaves its work running."""
+    task = get_task("softmax")
+    params = dict(rows=2, cols=16)
+    torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
+               tmp_path / "t.pt")
+    timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 20}
+    honest, calls = task.seed_module().launch, [0]
+    first_walls = range(2 + 20 + 1, 2 + 20 + worker.WALL_BATCHES * 4 + 1)    # 4 calls a batch at 20 reps
+
+    def busy_once(x, y):
+        calls[0] += 1
+        if calls[0] in first_walls:
+            time.sleep(0.02)
+        honest(x, y)
+    r = worker.time_candidate(task.spec, busy_once, timing, gpulab.device())
+    assert calls[0] > first_walls[-1] + 20, "it did not time again"
+    assert r["wall_ms"] < worker.ASYNC_WALL_RATIO * r["ms"] + worker.ASYNC_WALL_SLACK_MS, r
+
+
 def test_gpu_memory_limit_holds_on_any_gpu():
     """The memory-hog asks for 64 GiB: with one worker on a 141 GiB H200 its share of the
     device alone (80 %) would let it through, the evaluator's memory limit does not."""

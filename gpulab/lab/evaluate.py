@@ -22,7 +22,8 @@ reference. Then the defences, each naming the cheat it caught (:data:`REASONS`):
 * output re-pointed at other memory (``aliased-output``) or written into the inputs
   (``input-modified``); stores outside the output (``out-of-bounds-write``);
 * work left running after the call returns (``async-launch``): threads still alive, and
-  on a GPU a wall-clock run with a device-wide synchronise far slower than the events;
+  on a GPU a wall-clock run with a device-wide synchronise far slower than the events
+  (twice over: the worker times both again before reporting such a gap);
   timed calls that do not reproduce the untimed result (``timing-mismatch``);
 * reading the evaluator's frames or objects (``reads-evaluator-memory``), replacing
   functions of torch, triton or gpulab (``monkeypatch``), network, subprocesses,
@@ -888,7 +889,7 @@ def _name_wrong_answer(task, trial, out_name, got, dtype, answers, atol, rtol):
 
 def _judge_timing(task, c, v: Verdict, timing: dict, ev: Evaluator) -> Verdict:
     ms, wall = timing["ms"], timing["wall_ms"]
-    if wall > 2.0 * ms + 0.1:
+    if wall > worker.ASYNC_WALL_RATIO * ms + worker.ASYNC_WALL_SLACK_MS:
         return _reject(task, c, "async-launch",
                        f"with a device-wide synchronise after the calls it takes {wall * 1e3:.1f} µs per "
                        f"call, but only {ms * 1e3:.1f} µs between the CUDA events around each call: its "
