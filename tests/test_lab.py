@@ -366,15 +366,21 @@ def test_parallel_evaluation_isolates_each_candidate(tmp_path):
     assert [v.reason for v in verdicts] == ["correct", "timeout", "cached-output", "crash"]
 
 
-def test_timing_wall_clock_survives_another_process_taking_a_turn(tmp_path):
-    """The wall clock that catches work left running (async-launch) compares the fastest
-    of a few batches with the events: a pause in one batch, as when another process
-    takes its turn on a shared GPU or CPU, is not taken for a cheat."""
+def small_softmax_timing(tmp_path):
+    """The softmax task and a worker timing job on a 2 x 16 input, 20 timed calls."""
     task = get_task("softmax")
     params = dict(rows=2, cols=16)
     torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
                tmp_path / "t.pt")
-    timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 20}
+    return task, {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5,
+                  "reps": 20}
+
+
+def test_timing_wall_clock_survives_another_process_taking_a_turn(tmp_path):
+    """The wall clock that catches work left running (async-launch) compares the fastest
+    of a few batches with the events: a pause in one batch, as when another process
+    takes its turn on a shared GPU or CPU, is not taken for a cheat."""
+    task, timing = small_softmax_timing(tmp_path)
     honest, calls = task.seed_module().launch, [0]
 
     def paused_once(x, y):       # 2 untimed calls, 20 timed ones, then the wall clock's batches
@@ -390,11 +396,7 @@ def test_timing_measures_again_before_a_busy_machine_looks_like_an_async_launch(
     """A machine busy through all of the wall clock's first batches (not one of them, as
     above) but not before: the worker times events and wall clock again, back to back,
     and the candidate is not taken for one that leaves its work running."""
-    task = get_task("softmax")
-    params = dict(rows=2, cols=16)
-    torch.save(task.spec.make_inputs(params, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(5)),
-               tmp_path / "t.pt")
-    timing = {"inputs_path": str(tmp_path / "t.pt"), "params": params, "dtype": "float32", "seed": 5, "reps": 20}
+    task, timing = small_softmax_timing(tmp_path)
     honest, calls = task.seed_module().launch, [0]
     first_walls = range(2 + 20 + 1, 2 + 20 + worker.WALL_BATCHES * 4 + 1)    # 4 calls a batch at 20 reps
 
