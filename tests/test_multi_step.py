@@ -176,14 +176,17 @@ def test_the_benchmark_times_the_target_alone_with_windows_too(model, monkeypatc
     assert [r["speedup"] for r in rows] == [0.25, 0.25, 1.0]
 
 
-def test_the_host_cost_tool_times_steps_and_windows(tmp_path, capsys):
+def test_the_host_overhead_tool_times_windows_too(tmp_path, capsys):
+    """tools/engine_host_overhead.py --multi-step k: whole window steps beside the one-step
+    phases, per window and per token-step."""
     import json
-    tool = load_tool("window_host_cost")
-    assert tool.main(["--batch", "2", "--k", "3", "--steps", "3", "--json", str(tmp_path / "w.json")]) == 0
-    rows = json.loads((tmp_path / "w.json").read_text())["rows"]
-    assert [(r["batch"], r["k"]) for r in rows] == [(2, 1), (2, 3)]
-    assert rows[1]["per_token_step_ms"] == pytest.approx(rows[1]["step_ms"] / 3) and rows[0]["step_ms"] > 0
-    assert "windows of 3" in capsys.readouterr().out
+    tool = load_tool("engine_host_overhead")
+    assert tool.main(["--batch", "2", "--ctx", "256", "--prompt", "20", "--steps", "3", "--device", "cpu",
+                      "--multi-step", "3", "--json", str(tmp_path / "h.json")]) == 0
+    r = json.loads((tmp_path / "h.json").read_text())["results"][0]
+    assert r["multi_step"] == 3 and r["window_ms"] > 0
+    assert r["window_per_token_step_ms"] == pytest.approx(r["window_ms"] / 3)
+    assert "windows of 3 steps" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])

@@ -4,6 +4,7 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
     PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--prompt 128]
                                                       [--finished-only] [--profile] [--json OUT.json]
                                                       [--model SPEC] [--device auto|cpu|cuda]
+                                                      [--multi-step K]
 
 * On a CPU (or with ``--device cpu``) no kernel runs: the forward is left out (fixed
   logits stand in) and the PyTorch paths are used, so every phase is host work.
@@ -13,6 +14,10 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
   the phases are timed without extra synchronisation, so ``forward`` is the host's cost
   of launching (replaying) it and ``sample`` includes waiting for the device (its one
   device -> host copy). ``engine_step`` is a whole :meth:`LLM.step`, timed alone.
+* ``--multi-step K``: also whole steps of an engine that runs K decode steps per host step
+  (``EngineConfig.multi_step``, :mod:`gpulab.engine.multi_step`), per window and per
+  token-step: the host's work that windows spread over K tokens (on a CPU the window's K
+  forwards are the stand-in logits too; on a GPU its one graph replay).
 
 The default model is a one-layer random model (host costs do not depend on its size);
 ``--model random:2048,16,16,4,128,5632,4096`` is engine_bench's, to see the forward too.
@@ -81,7 +86,7 @@ def cpu_name() -> str:
 
 
 def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: bool,
-            finished_only: bool = False) -> dict:
+            finished_only: bool = False, multi_step: int = 1) -> dict:
     if on_gpu:    # as the engine serves: Triton kernels and CUDA graphs
         llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=True)
         logits = None
@@ -111,12 +116,33 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
                 walls.append(time.perf_counter() - t)
         res["engine_step_ms"] = med(walls)
         res["engine_step_mean_ms"] = statistics.fmean(walls) * 1e3
+    if multi_step > 1:
+        res.update(window_step_ms(model, batch, prompt, steps, on_gpu, multi_step, logits, finished_only))
     if profile:
         prof = cProfile.Profile()
         prof.runctx("for _ in range(10): host_step(llm, logits, finished_only)", globals(),
                     {"host_step": host_step, "llm": llm, "logits": logits, "finished_only": finished_only})
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     return res
+
+
+def window_step_ms(model, batch: int, prompt: int, steps: int, on_gpu: bool, k: int, logits,
+                   finished_only: bool) -> dict:
+    """Whole steps of an engine running ``k`` decode steps per host step (the window's
+    forwards the stand-in ``logits`` on a CPU), the median per window and per token-step."""
+    opts = {} if on_gpu else dict(cuda_graphs=False, attention="torch", linear="torch")
+    llm = decoding_engine(model, batch, prompt, max_tokens=250, multi_step=k, **opts)
+    if logits is not None:
+        llm.runner.forward = lambda plan: logits[:plan.sample_rows.shape[0]]
+    llm.step(finished_only)
+    walls = []
+    with frozen_heap():
+        for _ in range(max(3, min(steps, 240 // k - 1))):        # every sequence has 250 tokens of room
+            t = time.perf_counter()
+            llm.step(finished_only)
+            walls.append(time.perf_counter() - t)
+    window = statistics.median(walls) * 1e3
+    return {"multi_step": k, "window_ms": window, "window_per_token_step_ms": window / k}
 
 
 def static_step_ms(model, batch: int, prompt: int, steps: int, on_gpu: bool) -> float:
@@ -157,6 +183,8 @@ def main(argv=None) -> int:
                     help="report finished requests only, as generate() and serve_bench do (default: an "
                          "output per request per step, as a streaming server gets)")
     ap.add_argument("--static", action="store_true", help="also time the static-batching baseline's decode step")
+    ap.add_argument("--multi-step", type=int, default=1,
+                    help="also time an engine running this many decode steps per host step (its windows)")
     ap.add_argument("--profile", action="store_true", help="cProfile 10 steps per batch size")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
@@ -185,7 +213,7 @@ def report(a, model, spec: str, on_gpu: bool) -> int:
            "finished_only": a.finished_only, "results": []}
     print(f"{'GPU ' + out['device'] if on_gpu else 'CPU only (no forward)'}; host CPU: {out['cpu']}")
     for b in a.batch:
-        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only)
+        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only, a.multi_step)
         out["results"].append(r)
         ms = r["host_ms"]
         what = "decode step (all phases, forward included)" if on_gpu else "host part of a decode step"
@@ -193,6 +221,9 @@ def report(a, model, spec: str, on_gpu: bool) -> int:
               f"({ms / b * 1e3:5.1f} µs per sequence), {r['step_mean_ms']:6.2f} ms mean")
         print("    " + ", ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items()) + " ms"
               + (f"; whole engine step {r['engine_step_ms']:.3f} ms" if on_gpu else ""), flush=True)
+        if a.multi_step > 1:
+            print(f"    windows of {a.multi_step} steps: {r['window_ms']:.3f} ms a window, "
+                  f"{r['window_per_token_step_ms']:.3f} ms a token-step", flush=True)
         if a.static:
             r["static_step_ms"] = static_step_ms(model, b, a.prompt, a.steps, on_gpu)
             print(f"    static batching, same batch: {r['static_step_ms']:.3f} ms per decode step", flush=True)
