@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # written in the session of 2026-12-05 (eleventh), not run (no machine): the decode windows
 # (EngineConfig.multi_step, gpulab/engine/multi_step.py), built on the CPU this session and
-# never run on a GPU. Their tests compiled (each window one CUDA graph), then the target
-# alone at batch 1 and 64 with 8 steps a window beside the default (overlap) and the
-# speculative k = 8 row, then the server with four API servers and 8 steps a window,
-# in-process and behind HTTP alike (issue 15's >= 90%: 69% without windows). Beside the
-# windows' tests, the lab's planted kernels (the worker now times a suspect wall clock again
-# before an async-launch verdict: the side-stream cheat must still be caught).
+# never run on a GPU. Their tests compiled (each window one CUDA graph) beside the lab's
+# planted kernels (the worker now times a suspect wall clock again before an async-launch
+# verdict: the side-stream cheat must still be caught); a whole engine step against a
+# window of 8 on engine_bench's model (tools/engine_host_overhead.py); the target alone at
+# batch 1 and 64 with 8 steps a window beside the default (overlap) and the speculative
+# k = 8 row; then the server with four API servers and 8 steps a window, in-process and
+# behind HTTP alike (issue 15's >= 90%: 69% without windows).
 set -u
 source tools/gpu-env.sh
 export OMP_NUM_THREADS=1
@@ -19,6 +20,12 @@ timeout -s INT -k 10 ${T0:-120} python3 -m pytest -o addopts="" -p no:cacheprovi
   "tests/test_lab.py::test_every_planted_kernel_is_rejected_and_named" > $R/tests.txt 2>&1
 echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 tail -4 $R/tests.txt
+pack
+s=$(date +%s)
+timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --multi-step 8 --finished-only \
+  --model random:2048,16,16,4,128,5632,4096 --json $R/host.json > $R/host.txt 2>&1
+echo "host rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+grep -E "batch|windows" $R/host.txt
 pack
 s=$(date +%s)
 timeout -k 5 ${T1:-250} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
