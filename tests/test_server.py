@@ -22,6 +22,7 @@ from gpulab.engine.engine import LLM, EngineConfig
 from gpulab.engine.model import TINY, TernaryTransformer
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.server import MODEL_NAME, EngineProcess, create_app
+from helpers import load_tool
 
 CONFIG = dict(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
 
@@ -601,25 +602,48 @@ def test_api_servers_drop_only_the_log_record_of_a_cancelled_lifespan():
 def test_the_benchmarks_clients_read_every_event():
     """tools/speculative_bench.py's load generator (aiohttp, a closed loop per client)
     against an engine of one byte per step and an event per step: every event counted."""
-    import importlib.util
     import queue
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "tools" / "speculative_bench.py"
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("speculative_bench")
     srv, thread, url = serve_in_thread(create_app(_InstantEngine(0.001), stream_interval=0.0))
     try:
-        ready, go, results = queue.Queue(), threading.Event(), queue.Queue()
-        go.set()
-        bench.stream_clients(url + "/v1/completions", ["a", "b", "c"], 7, 2, ready, go, results)
-        t0, t1, events, tokens, cpu = results.get_nowait()
-        # tokens from each completion's usage chunk; events: at least one per request
-        assert ready.get_nowait() and tokens == 3 * 2 * 7 and 3 * 2 <= events <= 3 * 2 * 7
-        assert t1 > t0 and cpu > 0
+        ready, gos, results = queue.Queue(), [threading.Event(), threading.Event()], queue.Queue()
+        for go in gos:
+            go.set()
+        bench.stream_clients(url + "/v1/completions", ["a", "b", "c"], 7, 2, ready, gos, results)
+        assert ready.get_nowait()
+        for run in range(2):                          # a result per timed run, in order
+            r, t0, t1, events, tokens, cpu = results.get_nowait()
+            # tokens from each completion's usage chunk; events: at least one per request
+            assert r == run and tokens == 3 * 2 * 7 and 3 * 2 <= events <= 3 * 2 * 7
+            assert t1 > t0 and cpu > 0
+        assert results.empty()
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+def test_the_benchmarks_server_row_compares_the_best_run_each_way():
+    """tools/speculative_bench.py: the ratio is of the best HTTP run to the best in-process
+    run (not of a single HTTP run to the best of several), the medians' ratio beside it,
+    and the steps reported are the best runs' own."""
+    from gpulab.engine.speculative import format_results
+    bench = load_tool("speculative_bench")
+    gauges = lambda steps, busy, prompts: dict(steps=steps, busy_seconds=busy, prompt_steps=prompts)
+    # (run, start, end, events, tokens, cpu) from two client processes
+    slow = bench.http_run([(0, 10.0, 12.0, 50, 100, 0.1), (0, 10.5, 11.0, 40, 100, 0.1)],
+                          gauges(0, 0, 0), gauges(90, 1.5, 9))
+    fast = bench.http_run([(1, 20.0, 21.0, 60, 100, 0.2), (1, 20.0, 20.5, 30, 100, 0.1)],
+                          gauges(90, 1.5, 9), gauges(170, 2.4, 12))
+    assert slow["tokens_per_s"] == 100.0 and fast["tokens_per_s"] == 200.0 and fast["steps"] == 80
+    runs = [dict(tokens_per_s=t, steps=s, busy_s=0.1, wall_s=1.0, prompt_steps=2)
+            for t, s in ((300.0, 70), (250.0, 71), (100.0, 72))]
+    row = bench.compare_runs(runs, [slow, fast])
+    assert row["ratio"] == pytest.approx(200 / 300) and row["ratio_of_medians"] == pytest.approx(150 / 250)
+    assert row["http_steps"] == 80 and row["http_prompt_steps"] == 3 and row["events"] == 90
+    assert row["engine_steps"] == 70 and row["http_runs_tokens_per_s"] == [100.0, 200.0]
+    text = format_results(dict(gpu="GPU", date="today", versions={}, max_tokens=8, rows=[],
+                               server_api_servers=dict(row, clients=64, api_servers=4, repeats=2)))
+    assert "best of 2 runs each way, medians 60%" in text
 
 
 def test_a_served_engine_keeps_a_bounded_history(model):

@@ -2,7 +2,7 @@
 
 usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--transformer] [--no-server]
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
-                                             [--api-servers 4] [--server-rounds 4]
+                                             [--api-servers 4] [--server-rounds 4] [--server-repeats 3]
                                              [--client-processes N] [--eager-k 4] [--profile]
                                              [--multi-step K]
 
@@ -35,6 +35,9 @@ the run once the other configurations are measured):
   ``gpulab serve --api-servers N`` runs it (N HTTP processes feeding one engine process;
   ``--server-modes`` picks among ``thread``, ``switch``, ``process``, ``scaleout``, and
   ``profile``: scaleout with cProfile in the engine process and over an in-process run).
+  Three timed runs each way (``--server-repeats``), alternating where the server's engine
+  is another process; the row compares the best run each way (the medians beside it:
+  before 2026-12-06 the best of three in-process runs met a single HTTP run).
   Each server row also has the engine's steps and the seconds spent in them, behind HTTP
   and in-process: fewer tokens a step means the clients starve it, longer steps that the
   engine process is the limit;
@@ -56,6 +59,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -262,14 +266,16 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
     return rows
 
 
-def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
+def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
     """Some of the HTTP clients, in a process of their own (a server's clients are not in
     its process, and one process of 64 clients was slower than the server it measured).
-    After a warm-up request from every client they wait for ``go``; then every client streams ``rounds``
-    requests one after another (a closed loop: its next request when the last one ends),
-    so that the server is measured in a steady state, not in its first and last steps.
-    Puts (start, end, events, tokens (from each completion's usage), client CPU seconds) on
-    ``results``, wall-clock times comparable across processes. aiohttp, not httpx: on a
+    After a warm-up request from every client they wait for ``gos[0]``; then every client
+    streams ``rounds`` requests one after another (a closed loop: its next request when the
+    last one ends), so that the server is measured in a steady state, not in its first and
+    last steps; then the next timed run waits for ``gos[1]``, and so on.
+    Puts (run, start, end, events, tokens (from each completion's usage), client CPU
+    seconds) on ``results`` per timed run, wall-clock times comparable across processes.
+    aiohttp, not httpx: on a
     2-core CPU, against an engine process of 0.6 ms steps, httpx spent 9.6 ms of CPU per
     streamed request of 128 tokens and aiohttp 1.1 ms, and HTTP throughput doubled (the
     H200 runs of 2026-12-03 used httpx)."""
@@ -300,13 +306,14 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, go, results):
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
             await asyncio.gather(*(one(session, p) for p in prompts))  # warm-up: every client once
             ready.put(True)
-            await asyncio.get_running_loop().run_in_executor(None, go.wait)
-            t0, cpu0 = time.time(), time.process_time()
-            counts = await asyncio.gather(*(loop(session, p) for p in prompts))
-            return (t0, time.time(), sum(e for e, _ in counts), sum(t for _, t in counts),
-                    time.process_time() - cpu0)
+            for r, go in enumerate(gos):
+                await asyncio.get_running_loop().run_in_executor(None, go.wait)
+                t0, cpu0 = time.time(), time.process_time()
+                counts = await asyncio.gather(*(loop(session, p) for p in prompts))
+                results.put((r, t0, time.time(), sum(e for e, _ in counts), sum(t for _, t in counts),
+                             time.process_time() - cpu0))
 
-    results.put(asyncio.run(run()))
+    asyncio.run(run())
 
 
 def closed_loop(llm, prompts, params, rounds) -> dict:
@@ -344,10 +351,16 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
                 prompt_steps=llm.metrics.prompt_steps - prompt_steps)
 
 
-def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, engine_process=False, api_servers=0,
-                 profile=None, client_processes=None, multi_step=1):
+def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interval=None, engine_process=False,
+                 api_servers=0, profile=None, client_processes=None, multi_step=1):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
-    ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another.
+    ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another,
+    ``repeats`` timed runs each way; the ratio is of the best run each way (and, beside it,
+    of the medians). Where the server's engine is another process (idle between runs), the
+    in-process runs alternate with the HTTP runs, so that a host that drifts (the same
+    in-process run gave 57 to 127 K tok/s between processes on one H200 host) moves both
+    sides alike; with the engine in the server's thread (which steps ``llm`` itself) they
+    run before the server starts.
     ``switch_interval``: the interpreter's GIL switch interval while the server runs
     (``sys.setswitchinterval``; None leaves Python's 5 ms): the engine's thread and the
     event loop's share the GIL. ``engine_process``: the server's engine steps in a process of
@@ -368,11 +381,8 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
     llm = LLM(target, engine_config(clients, multi_step))
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
-    # the best of two runs (and, with an engine process, one after the HTTP run): from one
-    # H200 host to the next the same run gave 53 to 130 K tok/s
-    in_process = [closed_loop(llm, prompts, params, rounds) for _ in range(2)]
-    best = max(in_process, key=lambda r: r["tokens_per_s"])
-    engine_tps = best["tokens_per_s"]
+    apart = engine_process or bool(api_servers)              # the server's engine is another process
+    in_process = [] if apart else [closed_loop(llm, prompts, params, rounds) for _ in range(repeats)]
     profiles = {}
     if profile:
         import cProfile
@@ -417,28 +427,31 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         threading.Thread(target=server.run, daemon=True).start()
         while not server.started:
             time.sleep(0.05)
-    if engine_process or api_servers:                       # the engine process warms up too
+    if apart:                                               # the engine process warms up too
         status = httpx_post(f"http://127.0.0.1:{port}/v1/completions", prompts[0], max_tokens)
         assert status == 200, f"the engine process's warm-up request failed ({status})"
     ctx = multiprocessing.get_context("spawn")              # never fork a process that holds CUDA
     n_procs = client_processes or max(1, min(8, (os.cpu_count() or 2) // 2, clients))
-    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    ready, gos, results = ctx.Queue(), [ctx.Event() for _ in range(repeats)], ctx.Queue()
     url = f"http://127.0.0.1:{port}/v1/completions"
-    procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, rounds, ready, go,
+    procs = [ctx.Process(target=stream_clients, args=(url, prompts[i::n_procs], max_tokens, rounds, ready, gos,
                                                       results))
              for i in range(n_procs)]
     for proc in procs:
         proc.start()
     for _ in procs:
         ready.get(timeout=600)
-    before = engine_gauges(port)
-    go.set()                                                # every client process starts at once
-    runs = [results.get(timeout=600) for _ in procs]
-    after = engine_gauges(port)
+    http = []
+    for go in gos:
+        if apart:
+            in_process.append(closed_loop(llm, prompts, params, rounds))
+        before = engine_gauges(port)
+        go.set()                                            # every client process starts at once
+        http.append(http_run([results.get(timeout=600) for _ in procs], before, engine_gauges(port)))
     for proc in procs:
         proc.join()
     pages_free = llm.idle()
-    if engine_process or api_servers:                       # its last step's report may still be on its way
+    if apart:                                               # its last step's report may still be on its way
         deadline = time.time() + 10
         while not (pages_free := "gpulab_kv_pages_used 0.0" in httpx_get(f"http://127.0.0.1:{port}/metrics")) \
                 and time.time() < deadline:
@@ -452,38 +465,47 @@ def bench_server(target, clients, max_tokens, rounds=4, switch_interval=None, en
         except subprocess.TimeoutExpired:
             cli.kill()
     sys.setswitchinterval(default_interval)
-    if engine_process or api_servers:
-        # once more after the HTTP run (its server's engine is another process): the same
-        # in-process run went from 57 to 127 K tok/s between processes on one H200 host,
-        # and a ratio against a baseline that drifted says little
-        in_process.append(closed_loop(llm, prompts, params, rounds))
-        best = max(in_process, key=lambda r: r["tokens_per_s"])
-        engine_tps = best["tokens_per_s"]
     if profile and api_servers:
         import pstats
         path = os.path.join(profile, "engine.prof")
         if os.path.exists(path):              # written when the engine process stops
-            profiles["engine_process"] = per_step_profile(pstats.Stats(path), int(after["steps"]),
+            profiles["engine_process"] = per_step_profile(pstats.Stats(path), int(http[-1]["after_steps"]),
                                                           "engine process (its whole life)")
-    dt = max(r[1] for r in runs) - min(r[0] for r in runs)
-    http_tps = sum(r[3] for r in runs) / dt
-    return dict(clients=clients, rounds=rounds, client_processes=n_procs, client_cpu_s=sum(r[4] for r in runs),
-                client=f"aiohttp {aiohttp_version()}", engine_process=engine_process or bool(api_servers),
-                multi_step=multi_step,
-                api_servers=api_servers or 1,
-                switch_interval=switch_interval or default_interval, engine_tokens_per_s=engine_tps,
+    return dict(clients=clients, rounds=rounds, repeats=repeats, client_processes=n_procs,
+                client=f"aiohttp {aiohttp_version()}", engine_process=apart, multi_step=multi_step,
+                api_servers=api_servers or 1, switch_interval=switch_interval or default_interval,
+                max_tokens=max_tokens, all_pages_free=pages_free,
+                **compare_runs(in_process, http), **({"profiles": profiles} if profile else {}))
+
+
+def http_run(got: list[tuple], before: dict, after: dict) -> dict:
+    """One timed HTTP run from its client processes' results (run, start, end, events,
+    tokens, CPU seconds) and the engine's /metrics counters around it (the first report
+    after the run may lag by a step)."""
+    t0, t1 = min(g[1] for g in got), max(g[2] for g in got)
+    return dict(tokens_per_s=sum(g[4] for g in got) / (t1 - t0), wall_s=t1 - t0, events=sum(g[3] for g in got),
+                client_cpu_s=sum(g[5] for g in got), steps=after["steps"] - before["steps"],
+                busy_s=after["busy_seconds"] - before["busy_seconds"],
+                prompt_steps=after["prompt_steps"] - before["prompt_steps"], after_steps=after["steps"])
+
+
+def compare_runs(in_process: list[dict], http: list[dict]) -> dict:
+    """The server row's figures: the best run each way (their ratio is the headline), every
+    run's tok/s, the ratio of the medians, and where the best runs' time went (steps, the
+    seconds inside them, steps with prompt tokens: fewer tokens a step means the clients
+    starve the engine, longer steps that the engine process is the limit)."""
+    e = max(in_process, key=lambda r: r["tokens_per_s"])
+    h = max(http, key=lambda r: r["tokens_per_s"])
+    median = statistics.median
+    return dict(engine_tokens_per_s=e["tokens_per_s"], http_tokens_per_s=h["tokens_per_s"],
+                ratio=h["tokens_per_s"] / e["tokens_per_s"],
+                ratio_of_medians=median(r["tokens_per_s"] for r in http) / median(r["tokens_per_s"] for r in in_process),
                 engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
-                # where the time went: steps and seconds inside them, in-process and behind HTTP
-                # (the HTTP figures are the engine's /metrics counters around the timed run;
-                # the first report after the run may lag by a step)
-                engine_steps=best["steps"], engine_busy_s=best["busy_s"], engine_wall_s=best["wall_s"],
-                engine_prompt_steps=best["prompt_steps"],
-                http_steps=after["steps"] - before["steps"], http_busy_s=after["busy_seconds"] - before["busy_seconds"],
-                http_prompt_steps=after["prompt_steps"] - before["prompt_steps"],
-                http_wall_s=dt,
-                http_tokens_per_s=http_tps, ratio=http_tps / engine_tps, max_tokens=max_tokens,
-                events=sum(r[2] for r in runs), all_pages_free=pages_free,
-                **({"profiles": profiles} if profile else {}))
+                http_runs_tokens_per_s=[r["tokens_per_s"] for r in http],
+                engine_steps=e["steps"], engine_busy_s=e["busy_s"], engine_wall_s=e["wall_s"],
+                engine_prompt_steps=e["prompt_steps"],
+                http_steps=h["steps"], http_busy_s=h["busy_s"], http_prompt_steps=h["prompt_steps"],
+                http_wall_s=h["wall_s"], events=h["events"], client_cpu_s=h["client_cpu_s"])
 
 
 def httpx_post(url, prompt, max_tokens) -> int:
@@ -569,6 +591,9 @@ def main(argv=None) -> int:
                     help="processes the 64 HTTP clients run in (default: half the cores, at most 8)")
     ap.add_argument("--server-rounds", type=int, default=4,
                     help="requests each of the 64 server clients sends one after another")
+    ap.add_argument("--server-repeats", type=int, default=3,
+                    help="timed runs each way, in-process and behind HTTP, per server row (the best of each "
+                         "is compared)")
     ap.add_argument("--eager-k", type=int, default=4,
                     help="k of the batch-1 variants drafting after reading, stepped and eager (0: none)")
     ap.add_argument("--profile", action="store_true",
@@ -627,10 +652,14 @@ def main(argv=None) -> int:
              f"gpulab serve --api-servers {args.api_servers}, profiled")):
         if mode in modes:
             r = result[key] = bench_server(target, 64, args.max_tokens, rounds=args.server_rounds,
+                                           repeats=args.server_repeats,
                                            client_processes=args.client_processes, multi_step=args.multi_step,
                                            **kwargs)
-            print(f"{what}: {r['ratio']:.0%} of in-process ({r['http_tokens_per_s']:.0f} vs "
-                  f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events); steps: "
+            print(f"{what}: {r['ratio']:.0%} of in-process, best run each way ({r['http_tokens_per_s']:.0f} vs "
+                  f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events; medians "
+                  f"{r['ratio_of_medians']:.0%}; runs " + ", ".join(f"{t / 1e3:.1f}" for t in r['http_runs_tokens_per_s'])
+                  + " K behind HTTP, " + ", ".join(f"{t / 1e3:.1f}" for t in r['engine_runs_tokens_per_s'])
+                  + f" K in-process); best runs' steps: "
                   f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, "
                   f"{r['http_prompt_steps']:.0f} with prompt tokens, behind HTTP; "
                   f"{r['engine_steps']} in {r['engine_wall_s']:.3f} s, {r['engine_busy_s']:.3f} s busy, "
