@@ -70,6 +70,8 @@ def test_benchmarks_refuse_interpreter_timings():
 def test_saved_results_are_complete_and_plot(monkeypatch):
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from gpulab.harness import plots
     saved = sorted(bench.RESULTS.glob("*.json"))
     if not saved:
@@ -82,6 +84,7 @@ def test_saved_results_are_complete_and_plot(monkeypatch):
         assert "gpulab is" in bench.format_table(result)
         monkeypatch.setattr("matplotlib.pyplot.show", lambda: None)
         plots.plot(result)
+        plt.close("all")                   # one figure per saved result: keep one open at a time
 
 
 @pytest.mark.skipif(gpulab.mode() != "compiled", reason="needs a GPU")
