@@ -533,9 +533,9 @@ def test_a_narrowed_hint_sees_the_same_part_of_the_output_the_answer_and_the_inp
 
 
 def test_row_slack_forgives_a_few_rows_moved_a_little_and_nothing_more():
-    """KernelSpec.row_slack = (share, bound): up to that share of the rows may miss the
-    tolerance by at most ``bound`` (a cascade of int8 flips); more rows, a larger error, a
-    NaN or a case with too few rows still fail."""
+    """KernelSpec.row_slack = (share, bound): up to that share of the rows, and one in a
+    case of fewer, may miss the tolerance by at most ``bound`` (a cascade of int8 flips);
+    more rows, a larger error, a NaN or a one-row case still fail."""
     e = torch.randn(64, 8, dtype=torch.float64)
     slack = (1 / 32, 1.0)
 
@@ -548,7 +548,8 @@ def test_row_slack_forgives_a_few_rows_moved_a_little_and_nothing_more():
     assert judged([5], 0.5) is None and judged([5, 40], 0.9) is None      # 2 of 64 rows
     assert "8 of 512 elements" in judged([5], 1.5)                          # beyond the bound
     assert judged([5, 9, 40], 0.5) is not None                              # 3 rows > 64 / 32
-    assert judged([0], 0.5, n=31) is not None                               # no slack under 32 rows
+    assert judged([0], 0.5, n=31) is None and judged([0, 3], 0.5, n=31) is not None   # one row under 32
+    assert judged([0], 0.5, n=1) is not None                                # none in a one-row case
     g = e.clone()
     g[5, 0] = float("nan")
     assert diagnose("x_out", g, e, 1e-3, 1e-3, row_slack=slack)[0] is not None
@@ -561,3 +562,12 @@ def test_row_slack_forgives_a_few_rows_moved_a_little_and_nothing_more():
     assert diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack)[0] is None
     g[0, 2] += 0.5
     assert "16 of 320 elements" in diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack)[0]
+    # row_group: consecutive rows one flip moves together (a rollout's k + 1 steps of a
+    # sequence) count as one: steps 1 and 3 of a sequence, of 2 x 4 sequences of 5 steps
+    g = s3.clone()
+    g[1, 6] += 0.5
+    g[1, 8] += 0.3
+    assert diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack)[0] is not None
+    assert diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack, row_group=5)[0] is None
+    g[0, 12] += 0.5                                                         # a second sequence
+    assert "24 of 320 elements" in diagnose("state_out", g, s3, 1e-3, 1e-3, row_slack=slack, row_group=5)[0]

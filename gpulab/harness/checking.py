@@ -841,9 +841,10 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
 
     for k, exp in expected.items():
         custom = (lambda k=k, exp=exp: spec_hint(k, exp)) if spec.hint else None
-        msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k), row_slack=spec.row_slack,
+        group = spec.slack_row_group(k, inputs) if spec.slack_row_group else 1
+        msg, err = diagnose(k, got[k], exp, *spec.tolerance(dtype, k), row_slack=spec.row_slack, row_group=group,
                             unread=_unread_inputs(spec, inputs, k, got[k], exp, *spec.tolerance(dtype, k),
-                                                   spec.row_slack),
+                                                   spec.row_slack, group),
                             custom_hint=custom,
                             axes=spec.axes.get(k), reads_outside=lambda k=k: guards_matter(k),
                             poisoned=spec.outputs is not None, hints=hints)
@@ -912,7 +913,7 @@ def _variant_note(spec, variant) -> str:
 
 
 def _unread_inputs(spec, inputs, out_name, got, expected=None, atol: float = 0.0, rtol: float = 0.0,
-                   row_slack: tuple[float, float] | None = None) -> Callable[[], list[str]]:
+                   row_slack: tuple[float, float] | None = None, row_group: int = 1) -> Callable[[], list[str]]:
     """Lazily: what reproduces the (wrong) output: ["x", ...] for inputs whose zeroing
     does, or one sentence for two inputs swapped or one read in place of the other.
 
@@ -932,10 +933,10 @@ def _unread_inputs(spec, inputs, out_name, got, expected=None, atol: float = 0.0
         ok = torch.isclose(a, b, atol=atol, rtol=rtol)
         if bool(ok.all()):
             return True
-        if row_slack is None or a.dim() < 2 or a[..., 0].numel() < 2:
+        if row_slack is None or a.dim() < 2:
             return False
         near = ok | ((a - b).abs() <= row_slack[1])
-        return _rows_forgiven(ok, near, max(1, int(a[..., 0].numel() * row_slack[0]))) is not None
+        return _rows_forgiven(ok, near, row_slack, row_group) is not None
 
     def same(alt) -> bool:
         if isinstance(expected, torch.Tensor) and close(alt, expected.to(alt.device)):
@@ -977,13 +978,23 @@ def _unread_inputs(spec, inputs, out_name, got, expected=None, atol: float = 0.0
     return find
 
 
-def _rows_forgiven(ok: torch.Tensor, near: torch.Tensor, allowed: int) -> torch.Tensor | None:
+def _rows_forgiven(ok: torch.Tensor, near: torch.Tensor, row_slack: tuple[float, float],
+                   group: int = 1) -> torch.Tensor | None:
     """A row slack's verdict: the rows (every axis but the last: a state [L, B, D] has L·B
-    rows) where ``ok`` fails somewhere, as a mask of ``ok.shape[:-1]``, if they are at most
-    ``allowed`` and ``near`` holds on all of their elements; else None."""
+    rows; ``group`` consecutive ones count as one) where ``ok`` fails somewhere, as a mask of
+    ``ok.shape[:-1]``, if they are at most the slack's share of the rows, and at least one
+    where there are several, and ``near`` holds on all of their elements; else None. At
+    least one: a single int8 flip moved one row of block_step's 17-row case past the
+    tolerance in 3 runs of 300 on a CPU (by up to 0.22); a one-row case has none."""
+    shape = ok.shape[:-1]
+    group = group if group > 1 and shape[-1] % group == 0 else 1
+    if group > 1:
+        ok, near = (t.reshape(*shape[:-1], shape[-1] // group, group * t.shape[-1]) for t in (ok, near))
+    rows = ok[..., 0].numel()
+    allowed = max(1, int(rows * row_slack[0])) if rows > 1 else 0
     rows_off = ~ok.all(-1)
     if int(rows_off.sum()) <= allowed and bool(near.all(-1)[rows_off].all()):
-        return rows_off
+        return rows_off.repeat_interleave(group, -1).reshape(shape) if group > 1 else rows_off
     return None
 
 
@@ -1118,12 +1129,12 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
              axes: tuple[str, ...] | None = None,
              reads_outside: Callable[[], bool | str] | None = None,
              poisoned: bool = True, hints: bool = True,
-             row_slack: tuple[float, float] | None = None) -> tuple[str | None, float]:
+             row_slack: tuple[float, float] | None = None, row_group: int = 1) -> tuple[str | None, float]:
     """Compare one output with its reference. Returns (message or None, max abs error).
     ``poisoned``: the output was allocated by the check and filled with poison (False for
     results a function returns, where no element can be "never written"); ``hints=False``:
-    the message without a hint (none of the probes a hint may run); ``row_slack``: the
-    spec's (:attr:`~gpulab.harness.spec.KernelSpec.row_slack`)."""
+    the message without a hint (none of the probes a hint may run); ``row_slack``, ``row_group``:
+    the spec's (:attr:`~gpulab.harness.spec.KernelSpec.row_slack`, ``slack_row_group``)."""
     if not isinstance(got, torch.Tensor):
         return f"  `{name}` should be a tensor, got {type(got).__name__}.", float("inf")
     if tuple(got.shape) != tuple(exp.shape):
@@ -1141,7 +1152,7 @@ def diagnose(name: str, got: torch.Tensor, exp: torch.Tensor, atol: float, rtol:
     max_err = float(diff[finite].max()) if finite.any() else 0.0
     if row_slack is not None and g.dim() >= 2 and not bool(close.all()):
         near = close | ((diff <= row_slack[1]) & finite & ~unwritten)
-        rows = _rows_forgiven(close, near, int(g[..., 0].numel() * row_slack[0]))
+        rows = _rows_forgiven(close, near, row_slack, row_group)
         if rows is not None:
             close[rows] = True              # a few rows a cascade of int8 flips moved a little
     if bool(close.all()):

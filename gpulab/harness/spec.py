@@ -70,10 +70,14 @@ class KernelSpec:
     read_inputs: tuple[str, ...] = ()
     output_tolerances: dict[str, dict] = field(default_factory=dict)
     # (share, bound): rows (every axis but the last) of an output that may miss the tolerance, by at most
-    # ``bound``, at most that share of a case's rows (none in a case of fewer than 1/share
-    # rows). For kernels that quantize in a chain: one int8 code that float32 rounds the
-    # other way moves the next quantization's inputs, and its codes, and so on, down one row.
+    # ``bound``: that share of a case's rows, and at least one where it has several (none in
+    # a one-row case). For kernels that quantize in a chain: one int8 code that float32 rounds
+    # the other way moves the next quantization's inputs, and its codes, and so on, down one row.
     row_slack: tuple[float, float] | None = None
+    # Consecutive rows of an output that one flip moves together, counted as one row by
+    # ``row_slack``: (output name, inputs) -> how many (a rollout's k + 1 steps of a sequence
+    # in a layer: a flip at step i moves that layer's state at every later step). None: 1.
+    slack_row_group: Callable[[str, dict], int] | None = None
     # Which baselines also run under torch.compile: True (all), False (none: a baseline
     # that is itself a Triton kernel), or the names of those worth compiling (not a
     # Python loop over thousands of steps, which Dynamo unrolls for minutes).
