@@ -178,11 +178,11 @@ def test_stream_concatenates_to_the_same_text(server, model):
 def test_stream_usage_and_ignore_eos(server, model):
     """stream_options.include_usage: a last chunk, without choices, says how many tokens the
     completion had; ignore_eos (vLLM's extension for benchmarks) runs to max_tokens where
-    the model would stop (seed 29: EOS after two tokens)."""
+    the model would stop (seed 148: EOS after two tokens)."""
     url, llm = server
 
     def stream(**extra):
-        req = {"prompt": "Tyger", "max_tokens": 12, "temperature": 1.0, "seed": 29, "stream": True,
+        req = {"prompt": "Tyger", "max_tokens": 12, "temperature": 1.0, "seed": 148, "stream": True,
                "stream_options": {"include_usage": True}, **extra}
         with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
             chunks = sse_chunks(r.iter_lines())
@@ -196,7 +196,7 @@ def test_stream_usage_and_ignore_eos(server, model):
     text, usage = stream(ignore_eos=True)
     assert usage == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12}
     want = LLM(model, EngineConfig(**CONFIG)).generate(
-        ["Tyger"], SamplingParams(max_tokens=12, temperature=1.0, seed=29, stop_at_eos=False))[0]
+        ["Tyger"], SamplingParams(max_tokens=12, temperature=1.0, seed=148, stop_at_eos=False))[0]
     assert text == want.text and len(want.token_ids) == 12
     wait_idle(llm)
 

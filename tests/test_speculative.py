@@ -17,21 +17,11 @@ from gpulab.engine.speculative import (MLGRUDrafter, SpeculativeLLM, Transformer
                                        load_mlgru_draft)
 import gpulab
 from gpulab.model import MatMulFreeLM
+from gpulab.grading.speculative import chi2_pvalue
 from helpers import load_tool
 
 CONFIG = dict(num_blocks=48, block_size=4, max_num_seqs=8, max_num_batched_tokens=48)
 PROMPTS = ["Tyger Tyger", "a", "Shall I compare thee", "The moon", "0123456789"]
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's χ² goodness of fit; p-value from the regularized upper incomplete gamma."""
-    n = counts.sum()
-    keep = probs > 0
-    expected = probs[keep] * n
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    dof = int(keep.sum()) - 1
-    assert counts[~keep].sum() == 0, "tokens of probability 0 were emitted"
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
 def simulate(rule, p, q, k, length, trials, seed=0):

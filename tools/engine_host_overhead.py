@@ -4,7 +4,7 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
     PYTHONPATH=. python3 tools/engine_host_overhead.py [--batch 64 256] [--ctx 4096] [--prompt 128]
                                                       [--finished-only] [--profile] [--json OUT.json]
                                                       [--model SPEC] [--device auto|cpu|cuda]
-                                                      [--multi-step K]
+                                                      [--multi-step K] [--temperature T]
 
 * On a CPU (or with ``--device cpu``) no kernel runs: the forward is left out (fixed
   logits stand in) and the PyTorch paths are used, so every phase is host work.
@@ -18,6 +18,10 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
   (``EngineConfig.multi_step``, :mod:`gpulab.engine.multi_step`), per window and per
   token-step: the host's work that windows spread over K tokens (on a CPU the window's K
   forwards are the stand-in logits too; on a GPU its one graph replay).
+
+* ``--temperature T``: sampled requests (seeded; top-k and top-p off) instead of greedy:
+  a sampled step also makes each row's Gumbel noise (:mod:`gpulab.engine.sampling`).
+  (Windows take greedy requests only: ``--multi-step`` times greedy ones either way.)
 
 The default model is a one-layer random model (host costs do not depend on its size);
 ``--model random:2048,16,16,4,128,5632,4096`` is engine_bench's, to see the forward too.
@@ -86,13 +90,13 @@ def cpu_name() -> str:
 
 
 def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: bool,
-            finished_only: bool = False, multi_step: int = 1) -> dict:
+            finished_only: bool = False, multi_step: int = 1, temperature: float = 0.0) -> dict:
     if on_gpu:    # as the engine serves: Triton kernels and CUDA graphs
-        llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=True)
+        llm = decoding_engine(model, batch, prompt, max_tokens=250, temperature=temperature, cuda_graphs=True)
         logits = None
     else:         # the PyTorch path, no graphs, no forward: only host work is timed
-        llm = decoding_engine(model, batch, prompt, max_tokens=250, cuda_graphs=False, attention="torch",
-                              linear="torch")
+        llm = decoding_engine(model, batch, prompt, max_tokens=250, temperature=temperature, cuda_graphs=False,
+                              attention="torch", linear="torch")
         logits = torch.randn(batch, model.cfg.vocab_size)
     for _ in range(3):
         host_step(llm, logits, finished_only)
@@ -103,7 +107,7 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
         sync()
     totals = [sum(r.values()) for r in rec]
     med = lambda v: statistics.median(v) * 1e3  # noqa: E731   (the median: a shared CPU's stalls and GC left out)
-    res = {"batch": batch, "prompt": prompt, "graph": bool(llm.runner.graphs),
+    res = {"batch": batch, "prompt": prompt, "graph": bool(llm.runner.graphs), "temperature": temperature,
            "phases_ms": {p: med([r[p] for r in rec]) for p in PHASES},
            "step_ms": med(totals), "step_mean_ms": statistics.fmean(totals) * 1e3}
     res["host_ms"] = res["step_ms"] - (res["phases_ms"]["forward"] if not on_gpu else 0.0)
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--static", action="store_true", help="also time the static-batching baseline's decode step")
     ap.add_argument("--multi-step", type=int, default=1,
                     help="also time an engine running this many decode steps per host step (its windows)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled requests at this temperature (default 0: greedy)")
     ap.add_argument("--profile", action="store_true", help="cProfile 10 steps per batch size")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
@@ -213,10 +219,11 @@ def report(a, model, spec: str, on_gpu: bool) -> int:
            "finished_only": a.finished_only, "results": []}
     print(f"{'GPU ' + out['device'] if on_gpu else 'CPU only (no forward)'}; host CPU: {out['cpu']}")
     for b in a.batch:
-        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only, a.multi_step)
+        r = measure(model, b, a.prompt, a.steps, on_gpu, a.profile, a.finished_only, a.multi_step, a.temperature)
         out["results"].append(r)
         ms = r["host_ms"]
         what = "decode step (all phases, forward included)" if on_gpu else "host part of a decode step"
+        what += f", sampled at T = {a.temperature:g}" if a.temperature else ""
         print(f"batch {b:4}, context {model.cfg.max_seq_len}: {what} {ms:6.2f} ms median "
               f"({ms / b * 1e3:5.1f} µs per sequence), {r['step_mean_ms']:6.2f} ms mean")
         print("    " + ", ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items()) + " ms"

@@ -120,16 +120,18 @@ def build_model(name: str, device=None, dtype=None) -> TernaryTransformer:
     return prepare_for_serving(TernaryTransformer(cfg), device, dtype)
 
 
-def decoding_engine(model, batch: int, ctx: int, max_tokens: int = 200, **config) -> LLM:
+def decoding_engine(model, batch: int, ctx: int, max_tokens: int = 200, temperature: float = 0.0,
+                    **config) -> LLM:
     """An engine holding ``batch`` sequences of ``ctx`` prompt tokens, all past their
     prefill, with room for ``max_tokens`` (≤ 256) more each: for timing decode steps.
-    ``config`` sets other :class:`EngineConfig` fields."""
+    ``temperature``: 0 greedy, else sampled (seed i for request i). ``config`` sets other
+    :class:`EngineConfig` fields."""
     cfg = EngineConfig(**{"num_blocks": batch * (-(-(ctx + 256) // 16)) + 16, "block_size": 16,
                           "max_num_seqs": batch, "max_num_batched_tokens": max(8192, ctx + 1), **config})
     llm = LLM(model, cfg)
     for i in range(batch):
         llm.add_request([BOS] + [(i * 7 + j) % 250 for j in range(ctx - 1)],
-                        SamplingParams(max_tokens=max_tokens, stop_at_eos=False))
+                        SamplingParams(max_tokens=max_tokens, stop_at_eos=False, temperature=temperature, seed=i))
     while llm.scheduler.waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
         llm.step()
     return llm

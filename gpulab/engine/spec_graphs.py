@@ -224,8 +224,9 @@ class MLGRUGraphDrafter:
     """:class:`~gpulab.engine.speculative.MLGRUDrafter`'s proposals from one graph replay
     per step (the same ``propose``/``forget`` interface).
 
-    ``noise(seq, position, vocab)``: the Gumbel noise [vocab] (float64) of a sampled
-    sequence's draft at ``position``, from the eager drafter's seeded stream. ``fused``:
+    ``noise(starts, count, vocab)``: the Gumbel noise [len(starts), count, vocab] (float32)
+    of sampled sequences' drafts, ``starts`` their (sequence, first position), from the
+    eager drafter's seeded streams (:func:`~gpulab.engine.speculative.draft_noise`). ``fused``:
     each block's step as one kernel (the eager drafter's choice). ``ahead``: capture the
     graphs of :meth:`launch_ahead` now too (otherwise at their first use)."""
 
@@ -429,8 +430,9 @@ class MLGRUGraphDrafter:
             if not seq.params.greedy:
                 h["greedy"][j], h["temp"][j] = 0, seq.params.temperature
                 h["top_k"][j], h["top_p"][j] = seq.params.top_k, float(seq.params.top_p)
-                for i in range(k):
-                    h["noise"][j, i] = self.noise(seq, seq.num_tokens + i, self.vocab_size).numpy()
+        if sampled:               # every sampled row's k draws' noise in one call
+            rows = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
+            h["noise"][rows] = self.noise([(seqs[j], seqs[j].num_tokens) for j in rows], k, self.vocab_size).numpy()
         counts = dict(src=b, first=b, dst=b * k1, greedy=b)
         if sampled:
             counts.update(temp=b, top_k=b, top_p=b, noise=b)

@@ -42,7 +42,7 @@ from ..paged import fault_flag, raise_recorded_faults
 from .block_manager import BlockManager
 from .engine import LLM, PLACEHOLDER      # drafts still on the device are placeholders too
 from .model import TernaryTransformer, attention_with_history, packed_bitlinear_reference
-from .sampling import filter_top_k_top_p, token_seed
+from .sampling import filter_top_k_top_p, gumbel, token_seed
 from .scheduler import ScheduledBatch
 from .sequence import SamplingParams, Sequence, Status
 from .spec_graphs import GraphStepPlan, MLGRUGraphDrafter, PendingDrafts, VerifyGraphs
@@ -127,11 +127,13 @@ def _stream(seq: Sequence, position: int, salt: int) -> torch.Generator:
     return gen
 
 
-def draft_noise(seq: Sequence, position: int, vocab: int) -> torch.Tensor:
-    """Gumbel noise [vocab] (float64, on the CPU) of ``seq``'s draft token at ``position``,
-    from its own seeded stream: the same noise whether drafting runs eagerly or in a graph."""
-    u = torch.rand(vocab, generator=_stream(seq, position, DRAFT_SALT), dtype=torch.float64)
-    return -torch.log(-torch.log(u.clamp_(1e-12, 1 - 1e-12)))
+def draft_noise(starts: list[tuple[Sequence, int]], count: int, vocab: int, device=None) -> torch.Tensor:
+    """Gumbel noise [len(starts), count, vocab] (float32, on ``device``): row (j, i) for the
+    draft token at position p + i of sequence s, (s, p) = ``starts[j]``, from that token's
+    own seeded stream: the same noise whether drafting runs eagerly or in a graph, for any
+    batch (all rows in one :func:`~gpulab.engine.sampling.gumbel` call)."""
+    keys = [token_seed(s.seed ^ DRAFT_SALT, s.index, p + i) for s, p in starts for i in range(count)]
+    return gumbel(keys, vocab, device).view(len(starts), count, vocab)
 
 
 class Drafter:
@@ -191,8 +193,8 @@ class Drafter:
             return best, None
         q = torch.stack([probabilities(row[None], s.params)[0] if not s.params.greedy else
                          torch.zeros_like(row) for s, row in zip(seqs, logits)])
-        noise = [draft_noise(s, s.num_tokens + pos, logits.shape[-1]) for s in seqs]
-        drawn = (q.log() + torch.stack(noise).float().to(q.device)).argmax(-1)
+        noise = draft_noise([(s, s.num_tokens + pos) for s in seqs], 1, logits.shape[-1], q.device)[:, 0]
+        drawn = (q.log() + noise).argmax(-1)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         return torch.where(greedy, best, drawn), q
 
