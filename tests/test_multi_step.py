@@ -103,20 +103,49 @@ def test_pages_a_window_filled_are_cached_with_their_own_tokens(model):
     assert llm.idle()
 
 
-def test_sampled_requests_take_single_steps_and_keep_their_text(model):
-    """A batch with a sampled request runs one step at a time; the seeded text is the
-    one-step engine's, and the greedy requests run windows once it has finished."""
-    params = [SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=3), SamplingParams(max_tokens=25),
-              SamplingParams(max_tokens=4, temperature=1.2, top_p=0.9, seed=5), SamplingParams(max_tokens=3, n=2)]
+@pytest.mark.parametrize("top", [dict(), dict(top_k=20), dict(top_p=0.9)], ids=["plain", "top-k", "top-p"])
+def test_sampled_requests_run_windows_and_keep_their_text(model, top):
+    """Sampled requests (with greedy ones beside them, and completions of n = 2 once they
+    have forked) run windows, and each seeded text is the one-step engine's: step j of a
+    window draws with the noise of the request's token j further on."""
+    params = [SamplingParams(max_tokens=14, temperature=0.9, seed=3, **top), SamplingParams(max_tokens=25),
+              SamplingParams(max_tokens=11, temperature=1.2, seed=5, **top),
+              SamplingParams(max_tokens=9, temperature=0.7, n=2, seed=8, **top)]
     runs = []
     for k in (1, 4):
         llm = LLM(model, EngineConfig(multi_step=k, block_size=4))
-        windows = count_windows(llm) if k > 1 else None
+        if k > 1:
+            kinds = []
+            graph = llm.windows.graph
+            llm.windows.graph = lambda b, kind: kinds.append(kind) or graph(b, kind)
         outs = llm.generate(PROMPTS[:4], params)
         runs.append([[c.token_ids for c in o.completions] for o in outs])
         assert llm.idle()
     assert runs[0] == runs[1]
-    assert windows, "the greedy request never ran a window after the sampled ones finished"
+    assert ("filtered" if top else "sampled") in kinds, kinds
+    assert len(set(map(tuple, runs[0][3]))) == 2, "n = 2: two different completions"
+
+
+def test_a_window_draws_what_single_steps_draw_on_the_same_logits():
+    """draw(), as a window runs it with each row's key + j, gives sample_on_device's
+    tokens for those rows at their token j further on (greedy, plain and filtered rows)."""
+    from types import SimpleNamespace
+    from gpulab.engine.sampling import KEY_MASK, draw, sample_on_device, token_seed
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40)
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=1), SamplingParams(), SamplingParams(temperature=1.3,
+              seed=2 ** 70 - 3), SamplingParams(temperature=0.5, top_p=0.8, seed=-4), SamplingParams(temperature=2.0)]
+    seqs = [SimpleNamespace(params=x, seed=x.seed if x.seed is not None else 11, index=i % 2, num_output_tokens=7)
+            for i, x in enumerate(params)]
+    keys = torch.tensor([token_seed(s.seed, s.index, s.num_output_tokens) for s in seqs])
+    for j in range(4):
+        for s in seqs:
+            s.num_output_tokens = 7 + j
+        want = sample_on_device(logits, seqs)
+        got = draw(logits, torch.tensor([x.temperature or 1.0 for x in params]), (keys + j) & KEY_MASK,
+                   torch.tensor([x.greedy for x in params]),
+                   (torch.tensor([x.top_k for x in params]), torch.tensor([float(x.top_p) for x in params])))
+        assert torch.equal(got, want), j
 
 
 def test_windows_stop_short_of_the_context_end(model):

@@ -81,7 +81,8 @@ def test_the_distribution_test_fails_a_wrong_noise(monkeypatch):
     want = torch.softmax(logits[0].double(), -1)
 
     def exponential(keys, vocab, device=None):        # -log u: not Gumbel
-        return (-torch.log(uniforms(torch.tensor(keys).to(device), vocab))).float()
+        keys = keys if isinstance(keys, torch.Tensor) else torch.tensor(keys).to(device)
+        return (-torch.log(uniforms(keys, vocab))).float()
 
     monkeypatch.setattr(sampling, "gumbel", exponential)
     counts = torch.bincount(_draws(logits, SamplingParams(temperature=1.0), 6000), minlength=6).double()

@@ -20,8 +20,9 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
   forwards are the stand-in logits too; on a GPU its one graph replay).
 
 * ``--temperature T``: sampled requests (seeded; top-k and top-p off) instead of greedy:
-  a sampled step also makes each row's Gumbel noise (:mod:`gpulab.engine.sampling`).
-  (Windows take greedy requests only: ``--multi-step`` times greedy ones either way.)
+  a sampled step also draws each token with its row's Gumbel noise (:mod:`gpulab.engine.sampling`);
+  with ``--multi-step`` the windows are of sampled requests too (on a CPU their draws, device
+  work on a GPU, are the CPU's as well: that row is not host work alone there).
 
 The default model is a one-layer random model (host costs do not depend on its size);
 ``--model random:2048,16,16,4,128,5632,4096`` is engine_bench's, to see the forward too.
@@ -121,7 +122,8 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
         res["engine_step_ms"] = med(walls)
         res["engine_step_mean_ms"] = statistics.fmean(walls) * 1e3
     if multi_step > 1:
-        res.update(window_step_ms(model, batch, prompt, steps, on_gpu, multi_step, logits, finished_only))
+        res.update(window_step_ms(model, batch, prompt, steps, on_gpu, multi_step, logits, finished_only,
+                                  temperature))
     if profile:
         prof = cProfile.Profile()
         prof.runctx("for _ in range(10): host_step(llm, logits, finished_only)", globals(),
@@ -131,11 +133,11 @@ def measure(model, batch: int, prompt: int, steps: int, on_gpu: bool, profile: b
 
 
 def window_step_ms(model, batch: int, prompt: int, steps: int, on_gpu: bool, k: int, logits,
-                   finished_only: bool) -> dict:
+                   finished_only: bool, temperature: float = 0.0) -> dict:
     """Whole steps of an engine running ``k`` decode steps per host step (the window's
     forwards the stand-in ``logits`` on a CPU), the median per window and per token-step."""
     opts = {} if on_gpu else dict(cuda_graphs=False, attention="torch", linear="torch")
-    llm = decoding_engine(model, batch, prompt, max_tokens=250, multi_step=k, **opts)
+    llm = decoding_engine(model, batch, prompt, max_tokens=250, temperature=temperature, multi_step=k, **opts)
     if logits is not None:
         llm.runner.forward = lambda plan: logits[:plan.sample_rows.shape[0]]
     llm.step(finished_only)

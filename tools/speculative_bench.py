@@ -42,7 +42,7 @@ the run once the other configurations are measured):
   and in-process: fewer tokens a step means the clients starve it, longer steps that the
   engine process is the limit;
 * with ``--multi-step K``: the target alone once more with K decode steps per host step
-  (``EngineConfig.multi_step``, greedy decode-only batches; it joins the baseline), and
+  (``EngineConfig.multi_step``, decode-only batches; it joins the baseline), and
   every server row with it, in-process and behind HTTP alike.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to

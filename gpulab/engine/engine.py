@@ -23,8 +23,8 @@ One :meth:`LLM.step`:
 On a GPU the host runs one step ahead (:meth:`LLM.step_overlapped`, ``EngineConfig.overlap``):
 it schedules, plans and launches the next step before it reads the tokens of the one the
 GPU is running, so its own work no longer leaves the GPU idle between steps. With
-``EngineConfig.multi_step = k`` a greedy decode-only batch instead runs k steps in one
-replay per host step (:mod:`.multi_step`).
+``EngineConfig.multi_step = k`` a decode-only batch instead runs k steps in one replay
+per host step (:mod:`.multi_step`).
 
 Bad requests (empty prompt, prompt longer than the context, invalid sampling
 parameters, more pages than the pool has) are refused by ``add_request`` with a
@@ -138,7 +138,7 @@ class EngineConfig:
     overlap: bool | None = None         # schedule step N+1 while step N runs on the GPU (see
                                         # LLM.step); None: on a GPU, with the package's own
                                         # scheduler and block manager and no decode hook
-    multi_step: int = 1                 # greedy decode-only batches run this many steps per
+    multi_step: int = 1                 # decode-only batches run this many steps per
                                         # host step (see .multi_step; without overlap); 1: off
 
 
@@ -332,15 +332,14 @@ class LLM:
 
     def window_fits(self, batch: ScheduledBatch) -> bool:
         """Can this step run as a window of ``multi_step`` decode steps (:mod:`.multi_step`)?
-        Only decodes of greedy sequences that will not fork, k tokens from the context's
-        end, with pages for k more tokens each."""
+        Only decodes of sequences that will not fork, k tokens from the context's end,
+        with pages for k more tokens each."""
         k, bm = self.config.multi_step, self.block_manager
         if batch.preempted or self.pending_forks:
             return False
         need = 0
         for seq, n in batch.items:
-            if (n != 1 or seq.num_output_tokens == 0 or not seq.params.greedy
-                    or seq.num_tokens + k > self.max_model_len):
+            if n != 1 or seq.num_output_tokens == 0 or seq.num_tokens + k > self.max_model_len:
                 return False
             need += max(0, bm.blocks_for(seq.num_computed_tokens + k) - len(seq.block_table))
         return need <= bm.num_free

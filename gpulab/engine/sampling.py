@@ -18,19 +18,22 @@ five times a greedy step's; the hash takes a few elementwise ops on the whole ba
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 
-from .sequence import Sequence
+from .sequence import SamplingParams, Sequence
 
-_MASK64 = (1 << 63) - 1
+KEY_MASK = (1 << 62) - 1   # a stream key's bits: a window adds up to k to one on the device
 _temperature = operator.attrgetter("params.temperature")    # 0 = greedy
 
 
 def token_seed(seed: int, index: int, position: int) -> int:
-    """The random stream of one token of one completion."""
-    return ((seed * 1_000_003 + index) * 1_000_003 + position) & _MASK64
+    """The random stream of one token of one completion: a key in [0, 2^62), so that
+    ``(token_seed(s, i, p) + j) & KEY_MASK == token_seed(s, i, p + j)`` with no int64
+    overflow (a decode window derives its k tokens' keys so, :mod:`.multi_step`)."""
+    return ((seed * 1_000_003 + index) * 1_000_003 + position) & KEY_MASK
 
 
 _M32 = 0xFFFFFFFF
@@ -54,24 +57,38 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     """[len(keys), n] float64 uniforms in (0, 1), u[b, v] a hash of (keys[b], v) alone
-    (keys: int64 in [0, 2^63)): the same numbers on any device, in any batch."""
+    (keys: int64 in [0, 2^62)): the same numbers on any device, in any batch."""
     row = _mix32(_mix32(keys >> 32) ^ (keys & _M32))                            # [B]
     col = _mix32(torch.arange(n, device=keys.device) * 0x9E3779B9 & _M32)       # [n]
     h = _mix32(row[:, None] ^ col[None, :])
     return (h.double() + 0.5) * 2.0 ** -32
 
 
-def gumbel(keys: list[int], vocab: int, device=None) -> torch.Tensor:
+def gumbel(keys: list[int] | torch.Tensor, vocab: int, device=None) -> torch.Tensor:
     """[len(keys), vocab] float32 Gumbel noise -log(-log u), row b from stream ``keys[b]``
-    (a :func:`token_seed`), computed on ``device``: one small copy, then elementwise ops."""
-    u = uniforms(torch.tensor(keys, dtype=torch.int64).to(device), vocab)
-    return (-torch.log(-torch.log(u))).float()
+    (a :func:`token_seed`), computed on ``device`` (or where ``keys`` is, a tensor): one
+    small copy, then elementwise ops."""
+    if not isinstance(keys, torch.Tensor):
+        keys = torch.tensor(keys, dtype=torch.int64).to(device)
+    return (-torch.log(-torch.log(uniforms(keys, vocab)))).float()
 
 
-def gumbel_noise(seqs: list[Sequence], vocab: int, device=None) -> torch.Tensor:
-    """[len(seqs), vocab] float32 Gumbel noise, each row from its sequence's stream at its
-    next token."""
-    return gumbel([token_seed(s.seed, s.index, s.num_output_tokens) for s in seqs], vocab, device)
+def filters(params: list[SamplingParams]) -> bool:
+    """Does any of these requests restrict its candidates (top-k or top-p)?"""
+    return any(x.top_k or x.top_p < 1 for x in params)
+
+
+def draw(logits: torch.Tensor, temp: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor | None,
+         top: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Tokens [B] from ``logits [B, V]`` on the device: the Gumbel-max draw from
+    softmax(logits / temp) (top-k, top-p applied when ``top`` = (top_k, top_p) is given),
+    the noise of row b from stream ``keys[b]``; the argmax where ``greedy`` (None: no row
+    is). No host work: a decode window's graph runs it for each of its steps."""
+    scaled = logits / temp[:, None]
+    if top is not None:
+        scaled = filter_top_k_top_p(scaled, *top)
+    drawn = (scaled + gumbel(keys, logits.shape[-1])).argmax(-1)
+    return drawn if greedy is None else torch.where(greedy, logits.argmax(-1), drawn)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -96,15 +113,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """:func:`sample`'s tokens left on the device (long [B]): no host sync."""
-    best = logits.argmax(-1)
     if not any(map(_temperature, seqs)):         # all greedy
-        return best
+        return logits.argmax(-1)
     p, dev = [s.params for s in seqs], logits.device
-    scaled = logits / torch.tensor([x.temperature if x.temperature > 0 else 1.0 for x in p], device=dev)[:, None]
-    if any(x.top_k or x.top_p < 1 for x in p):   # the sort only where a request filters
-        scaled = filter_top_k_top_p(scaled, torch.tensor([x.top_k for x in p], device=dev),
-                                    torch.tensor([float(x.top_p) for x in p], device=dev))
-    drawn = (scaled + gumbel_noise(seqs, logits.shape[-1], dev)).argmax(-1)
-    if all(map(_temperature, seqs)):             # all sampled
-        return drawn
-    return torch.where(torch.tensor([x.greedy for x in p], device=dev), best, drawn)
+    tensor = functools.partial(torch.tensor, device=dev)
+    top = (tensor([x.top_k for x in p]), tensor([float(x.top_p) for x in p])) if filters(p) else None  # sort only then
+    keys = tensor([token_seed(s.seed, s.index, s.num_output_tokens) for s in seqs])
+    greedy = None if all(map(_temperature, seqs)) else tensor([x.greedy for x in p])
+    return draw(logits, tensor([x.temperature if x.temperature > 0 else 1.0 for x in p]), keys, greedy, top)

@@ -969,7 +969,7 @@ def main(argv=None) -> int:
                     help="HTTP processes feeding one engine process (more than 1 implies --engine-process): "
                          "one event loop handles a few hundred requests a second")
     ap.add_argument("--multi-step", type=int, default=1,
-                    help="decode steps per host step for greedy decode-only batches (default 1: one; "
+                    help="decode steps per host step for decode-only batches (default 1: one; "
                          "see gpulab.engine.multi_step)")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:

@@ -7,7 +7,9 @@
 # window of 8 on engine_bench's model (tools/engine_host_overhead.py); the target alone at
 # batch 1 and 64 with 8 steps a window beside the default (overlap) and the speculative
 # k = 8 row; then the server with four API servers and 8 steps a window, in-process and
-# behind HTTP alike (issue 15's >= 90%: 69% without windows).
+# behind HTTP alike (issue 15's >= 90%: 69% without windows). Added in the twelfth session:
+# the sampler's tests compiled and a sampled decode step's host work; the server rows now
+# time three runs each way.
 set -u
 source tools/gpu-env.sh
 export OMP_NUM_THREADS=1
@@ -16,7 +18,8 @@ pack() { tar czf $OUT/call4.tgz -C $R .; }
 { python3 -m gpulab env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; git log --oneline -1; } > $R/env.txt 2>&1
 s=$(date +%s)
 timeout -s INT -k 10 ${T0:-120} python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --junitxml=$R/junit.xml \
-  tests/test_multi_step.py "tests/test_engine.py::test_greedy_matches_reference_under_any_schedule" \
+  tests/test_multi_step.py tests/test_sampling.py "tests/test_engine.py::test_greedy_matches_reference_under_any_schedule" \
+  "tests/test_engine.py::test_seeded_sampling_is_the_same_under_any_schedule" \
   "tests/test_lab.py::test_every_planted_kernel_is_rejected_and_named" > $R/tests.txt 2>&1
 echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 tail -4 $R/tests.txt
@@ -26,6 +29,12 @@ timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --mult
   --model random:2048,16,16,4,128,5632,4096 --json $R/host.json > $R/host.txt 2>&1
 echo "host rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 grep -E "batch|windows" $R/host.txt
+# sampled decode (the server's default, temperature 1): the noise hashed on the device since
+# the twelfth session (on a 2-core CPU the host's work of a batch-64 step went 2.58 -> 1.10 ms)
+timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --temperature 1 --finished-only \
+  --model random:2048,16,16,4,128,5632,4096 --json $R/host_sampled.json > $R/host_sampled.txt 2>&1
+echo "host sampled rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+grep -E "batch" -A1 $R/host_sampled.txt
 pack
 s=$(date +%s)
 timeout -k 5 ${T1:-250} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
