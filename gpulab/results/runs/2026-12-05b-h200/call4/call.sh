@@ -30,11 +30,12 @@ timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --mult
 echo "host rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 grep -E "batch|windows" $R/host.txt
 # sampled decode (the server's default, temperature 1): the noise hashed on the device since
-# the twelfth session (on a 2-core CPU the host's work of a batch-64 step went 2.58 -> 1.10 ms)
-timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --temperature 1 --finished-only \
+# the twelfth session (on a 2-core CPU the host's work of a batch-64 step went 2.58 -> 1.10 ms),
+# and windows of sampled requests (drawn inside the window's graph since then)
+timeout -k 5 ${TH:-90} python3 tools/engine_host_overhead.py --batch 1 64 --temperature 1 --multi-step 8 --finished-only \
   --model random:2048,16,16,4,128,5632,4096 --json $R/host_sampled.json > $R/host_sampled.txt 2>&1
 echo "host sampled rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
-grep -E "batch" -A1 $R/host_sampled.txt
+grep -E "batch" -A2 $R/host_sampled.txt
 pack
 s=$(date +%s)
 timeout -k 5 ${T1:-250} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
