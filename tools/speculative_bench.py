@@ -37,7 +37,7 @@ the run once the other configurations are measured):
   ``profile``: scaleout with cProfile in the engine process and over an in-process run).
   Three timed runs each way (``--server-repeats``), alternating where the server's engine
   is another process; the row compares the best run each way (the medians beside it:
-  before 2026-12-06 the best of three in-process runs met a single HTTP run).
+  until the twelfth session (2026-12-05) the best of three in-process runs met one HTTP run).
   Each server row also has the engine's steps and the seconds spent in them, behind HTTP
   and in-process: fewer tokens a step means the clients starve it, longer steps that the
   engine process is the limit;

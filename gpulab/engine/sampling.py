@@ -12,9 +12,10 @@ r"""Choosing each sequence's next token from its logits, per request, reproducib
 The uniforms u of a token are a hash of (request seed, completion index, token index)
 and the vocabulary index v alone, computed where the logits are (:func:`uniforms`). So
 a request's text depends only on its seed and its logits: not on the batch it shares,
-the step it lands in, chunk sizes or preemptions. (Until 2026-12-06 each row came from a
-CPU generator seeded per token: 1.6 ms of host work a step at batch 64 on a 2-core CPU,
-five times a greedy step's; the hash takes a few elementwise ops on the whole batch.)
+the step it lands in, chunk sizes or preemptions. (Before 2026-12-05 each row came from
+a CPU generator seeded per token: 1.6 ms of host work a step at batch 64 on a 2-core
+CPU, five times a greedy step's; the hash is a few elementwise ops on the whole batch,
+which a decode window's graph can run too.)
 """
 from __future__ import annotations
 

@@ -712,5 +712,5 @@ def format_results(result: dict) -> str:
             lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
                          f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%}"
                          + (f"; best of {sv['repeats']} runs each way, medians {sv['ratio_of_medians']:.0%})"
-                            if "repeats" in sv else ")"))   # rows before 2026-12-06: one HTTP run
+                            if "repeats" in sv else ")"))   # older rows: one HTTP run
     return "\n".join(lines)

@@ -109,7 +109,7 @@ BLOCK_STEP = KernelSpec(
 # row slack, over state_out's L·B rows of (k+1)·D: a flip at step i moves its layer's state
 # at every later step of that sequence, so the k + 1 rows of a sequence in a layer count as
 # one (the wide tiles, compiled on the H200, 2026-12-05: one bfloat16 state row of 200 off
-# by 0.164 in one run of ten, drafts exact; on a CPU, 2026-12-06, a flip at step 1 moved
+# by 0.164 in one run of ten, drafts exact; on a CPU, 2026-12-05, a flip at step 1 moved
 # steps 1 and 3 of one sequence, past the tolerance by 0.02, in one check of 150).
 def draft_rollout_inputs(p: dict, dtype: torch.dtype, device, gen: torch.Generator) -> dict:
     """L blocks' weights (as block_step's, stacked), an embedding and a head in ``dtype``,
