@@ -103,17 +103,20 @@ def test_pages_a_window_filled_are_cached_with_their_own_tokens(model):
     assert llm.idle()
 
 
-@pytest.mark.parametrize("top", [dict(), dict(top_k=20), dict(top_p=0.9)], ids=["plain", "top-k", "top-p"])
-def test_sampled_requests_run_windows_and_keep_their_text(model, top):
+@pytest.mark.parametrize("top, pool", [(dict(), {}), (dict(top_k=20), {}), (dict(top_p=0.9), {}),
+                                       (dict(), dict(num_blocks=20, max_num_batched_tokens=16))],
+                         ids=["plain", "top-k", "top-p", "tight-pool"])
+def test_sampled_requests_run_windows_and_keep_their_text(model, top, pool):
     """Sampled requests (with greedy ones beside them, and completions of n = 2 once they
     have forked) run windows, and each seeded text is the one-step engine's: step j of a
-    window draws with the noise of the request's token j further on."""
+    window draws with the noise of the request's token j further on; also where a tight
+    pool preempts and recomputes."""
     params = [SamplingParams(max_tokens=14, temperature=0.9, seed=3, **top), SamplingParams(max_tokens=25),
               SamplingParams(max_tokens=11, temperature=1.2, seed=5, **top),
               SamplingParams(max_tokens=9, temperature=0.7, n=2, seed=8, **top)]
     runs = []
     for k in (1, 4):
-        llm = LLM(model, EngineConfig(multi_step=k, block_size=4))
+        llm = LLM(model, EngineConfig(multi_step=k, block_size=4, **pool))
         if k > 1:
             kinds = []
             graph = llm.windows.graph
@@ -121,6 +124,8 @@ def test_sampled_requests_run_windows_and_keep_their_text(model, top):
         outs = llm.generate(PROMPTS[:4], params)
         runs.append([[c.token_ids for c in o.completions] for o in outs])
         assert llm.idle()
+        if pool and k > 1:
+            assert llm.summary()["preemptions"] > 0, "the tight pool did not preempt"
     assert runs[0] == runs[1]
     assert ("filtered" if top else "sampled") in kinds, kinds
     assert len(set(map(tuple, runs[0][3]))) == 2, "n = 2: two different completions"
