@@ -40,6 +40,24 @@ def force_eos(monkeypatch, request_id: str, index: int) -> None:
     monkeypatch.setattr(engine_module, "sample_on_device", sample)
 
 
+def assert_same_text_stopping_at_eos(model, configs, max_tokens: int, stop_len: int) -> None:
+    """Serve PROMPTS[:3] under each EngineConfig of ``configs``, request "1" made to stop at
+    EOS as its token ``stop_len`` (:func:`force_eos` with the engine's own sampling, or a
+    patch of its own): it stops there with reason "eos", every page is free afterwards,
+    and every config gives the same tokens."""
+    from gpulab.engine.engine import LLM
+    from gpulab.engine.model import EOS
+    from gpulab.engine.sequence import SamplingParams
+    runs = []
+    for cfg in configs:
+        llm = LLM(model, cfg)
+        outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=max_tokens) for _ in range(3)])
+        runs.append([o.token_ids for o in outs])
+        assert outs[1].token_ids[-1] == EOS and len(outs[1].token_ids) == stop_len, cfg
+        assert outs[1].completions[0].finish_reason == "eos" and llm.idle(), cfg
+    assert all(r == runs[0] for r in runs[1:])
+
+
 def few(name: str, labels: tuple) -> dict:
     """A wrong kernel needs only the cases that expose it (keeps the CPU run short)."""
     cases = gpulab.get_spec(name).cases["gpu" if on_gpu() else "cpu"]

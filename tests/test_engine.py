@@ -12,14 +12,15 @@ import gpulab
 from gpulab.engine.block_manager import BlockManager
 from gpulab.engine.engine import LLM, PLACEHOLDER, EngineConfig
 from gpulab.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
-from gpulab.engine.model import (EOS, TINY, encode_prompt, reference_generate,
+from gpulab.engine.model import (TINY, encode_prompt, reference_generate,
                                  attention_with_history)
 from gpulab.engine.runner import ModelRunner
 from gpulab.engine.sampling import filter_top_k_top_p
 from gpulab.engine.scheduler import Scheduler
 from gpulab.engine.sequence import RequestError, SamplingParams, Sequence
 from gpulab.engine.static import StaticBatchLLM
-from helpers import PROMPTS, SYSTEM, assert_tokens_match, force_eos, tiny_transformer
+from helpers import (PROMPTS, SYSTEM, assert_same_text_stopping_at_eos, assert_tokens_match, force_eos,
+                     tiny_transformer)
 
 MAX_TOKENS = [9, 6, 5, 8, 7, 6]
 
@@ -208,14 +209,8 @@ def test_overlap_finds_eos_a_step_late_and_drops_the_row_after_it(model, monkeyp
     """EOS is seen only when the step after it is already launched: that step's token for
     the sequence is dropped, its pages are freed, the text is the plain step's."""
     force_eos(monkeypatch, "1", 2)         # request "1"'s third token is EOS
-    runs = []
-    for overlap in (False, True):
-        llm = LLM(model, EngineConfig(overlap=overlap, block_size=4))
-        outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=8) for _ in range(3)])
-        runs.append([o.token_ids for o in outs])
-        assert outs[1].token_ids[-1] == EOS and len(outs[1].token_ids) == 3
-        assert outs[1].completions[0].finish_reason == "eos" and llm.idle()
-    assert runs[0] == runs[1]
+    assert_same_text_stopping_at_eos(model, [EngineConfig(overlap=o, block_size=4) for o in (False, True)],
+                                     max_tokens=8, stop_len=3)
 
 
 def test_overlap_abort_in_flight_frees_pages_and_reports_no_placeholder(model):

@@ -11,7 +11,8 @@ from gpulab.engine.multi_step import DecodeWindows
 from gpulab.engine.sequence import SamplingParams
 from gpulab.engine.speculative import MLGRUDrafter, SpeculativeLLM
 from gpulab.model import MatMulFreeLM
-from helpers import PROMPTS, assert_tokens_match, force_eos, load_tool, tiny_transformer
+from helpers import (PROMPTS, assert_same_text_stopping_at_eos, assert_tokens_match, force_eos, load_tool,
+                     tiny_transformer)
 
 MAX_TOKENS = [23, 17, 5, 30, 12, 9]      # most not multiples of k: sequences stop inside windows
 
@@ -79,14 +80,8 @@ def test_a_sequence_that_stops_inside_a_window_keeps_only_its_tokens(model, monk
         return tokens
 
     monkeypatch.setattr(DecodeWindows, "run", run_with_eos)
-    runs = []
-    for k in (1, 3):
-        llm = LLM(model, EngineConfig(multi_step=k, block_size=4))
-        outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=20) for _ in range(3)])
-        runs.append([o.token_ids for o in outs])
-        assert outs[1].token_ids[-1] == EOS and len(outs[1].token_ids) == 5
-        assert outs[1].completions[0].finish_reason == "eos" and llm.idle()
-    assert runs[0] == runs[1]
+    assert_same_text_stopping_at_eos(model, [EngineConfig(multi_step=k, block_size=4) for k in (1, 3)],
+                                     max_tokens=20, stop_len=5)
 
 
 def test_pages_a_window_filled_are_cached_with_their_own_tokens(model):

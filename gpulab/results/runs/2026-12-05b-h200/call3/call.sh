@@ -5,11 +5,7 @@
 # against 0.34 ms of replays: 0.40x); then the server with four API servers once more (the
 # in-process baseline moved between 77 and 104 K tok/s within call 1).
 set -u
-source tools/gpu-env.sh
-export OMP_NUM_THREADS=1
-R=/tmp/r3; rm -rf $R; mkdir -p $R
-pack() { tar czf $OUT/call3.tgz -C $R .; }
-{ python3 -m gpulab env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; git log --oneline -1; } > $R/env.txt 2>&1
+source tools/gpu-call.sh call3
 s=$(date +%s)
 timeout -k 5 ${T1:-230} python3 tools/speculative_bench.py $R/s64 --quick --batches 64 --no-server --ks 4 --eager-k 0 > $R/spec_b64.txt 2>&1; echo "spec b64 rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 cp $R/s64/speculative.json $R/speculative_b64.json 2>/dev/null; rm -rf $R/s64

@@ -11,11 +11,7 @@
 # the sampler's tests compiled and a sampled decode step's host work; the server rows now
 # time three runs each way.
 set -u
-source tools/gpu-env.sh
-export OMP_NUM_THREADS=1
-R=/tmp/r4; rm -rf $R; mkdir -p $R
-pack() { tar czf $OUT/call4.tgz -C $R .; }
-{ python3 -m gpulab env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; git log --oneline -1; } > $R/env.txt 2>&1
+source tools/gpu-call.sh call4
 s=$(date +%s)
 timeout -s INT -k 10 ${T0:-120} python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --junitxml=$R/junit.xml \
   tests/test_multi_step.py tests/test_sampling.py "tests/test_engine.py::test_greedy_matches_reference_under_any_schedule" \
