@@ -8,7 +8,7 @@ import torch
 
 import gpulab
 from gpulab.engine import sampling
-from gpulab.engine.sampling import _mul32, gumbel, sample, token_seed, uniforms
+from gpulab.engine.sampling import mul32, gumbel, sample, token_seed, uniforms
 from gpulab.engine.sequence import SamplingParams
 from gpulab.grading.speculative import chi2_pvalue
 
@@ -35,7 +35,7 @@ def test_the_hash_is_exact_32_bit_arithmetic_on_any_device():
     rng = random.Random(0)
     xs = [0, 1, 0xFFFF, 0x10000, 0xFFFFFFFF] + [rng.getrandbits(32) for _ in range(2000)]
     for c in (0x7FEB352D, 0x846CA68B, 0xFFFFFFFF):
-        assert _mul32(torch.tensor(xs), c).tolist() == [(x * c) % 2 ** 32 for x in xs]
+        assert mul32(torch.tensor(xs), c).tolist() == [(x * c) % 2 ** 32 for x in xs]
     keys = [0, 1, 2 ** 63 - 1] + [rng.getrandbits(63) for _ in range(20)]
     want = torch.tensor([[_uniform_int(k, v) for v in range(37)] for k in keys], dtype=torch.float64)
     for device in {"cpu", str(gpulab.device())}:

@@ -18,7 +18,6 @@ index arrays and their copy to the device), forward, sample, postprocess + emit.
   (``EngineConfig.multi_step``, :mod:`gpulab.engine.multi_step`), per window and per
   token-step: the host's work that windows spread over K tokens (on a CPU the window's K
   forwards are the stand-in logits too; on a GPU its one graph replay).
-
 * ``--temperature T``: sampled requests (seeded; top-k and top-p off) instead of greedy:
   a sampled step also draws each token with its row's Gumbel noise (:mod:`gpulab.engine.sampling`);
   with ``--multi-step`` the windows are of sampled requests too (on a CPU their draws, device

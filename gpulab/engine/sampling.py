@@ -40,28 +40,28 @@ def token_seed(seed: int, index: int, position: int) -> int:
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x · c) mod 2^32 for int64 x in [0, 2^32): in 16-bit halves, so that no product
     leaves int64's range (signed overflow is not something to rely on)."""
     return (((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (Wellons' lowbias32: each input bit flips about half of the
     output bits) of int64 x in [0, 2^32)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
 def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     """[len(keys), n] float64 uniforms in (0, 1), u[b, v] a hash of (keys[b], v) alone
     (keys: int64 in [0, 2^62)): the same numbers on any device, in any batch."""
-    row = _mix32(_mix32(keys >> 32) ^ (keys & _M32))                            # [B]
-    col = _mix32(torch.arange(n, device=keys.device) * 0x9E3779B9 & _M32)       # [n]
-    h = _mix32(row[:, None] ^ col[None, :])
+    row = mix32(mix32(keys >> 32) ^ (keys & _M32))                            # [B]
+    col = mix32(torch.arange(n, device=keys.device) * 0x9E3779B9 & _M32)       # [n]
+    h = mix32(row[:, None] ^ col[None, :])
     return (h.double() + 0.5) * 2.0 ** -32
 
 
