@@ -380,3 +380,53 @@ def test_weights_the_gpu_cannot_dot_are_refused_clearly(monkeypatch):
     mixed = replace(w, w_o=w.w_o.to(torch.int8))
     with pytest.raises(TypeError, match=r"the ternary weights must be all float16 or all int8, got \['float16', 'int8'\]"):
         block_step(x, h, mixed)
+
+
+def test_the_rollout_check_follows_a_near_tie_the_kernel_took_the_other_way():
+    """A draft that takes the runner-up where the reference's top two are within the
+    tolerance is followed (the rest of that sequence checked on its path); one past the
+    tolerance, or near ties taken in more sequences than one in 32, are not."""
+    from gpulab.grading.block_step import draft_rollout_follow_ties, rollout_path
+    spec = gpulab.harness.spec.get("draft_rollout")
+    case = Case("t", dict(L=2, B=5, D=32, H=64, V=64, K=3))
+    inputs = spec.inputs(case, torch.float32, seed=3)
+    expected = spec.reference(**inputs)
+    gaps = {}
+
+    def runner_up(at):
+        def choose(i, logits):
+            top = logits.topk(2, dim=-1)
+            tokens = top.indices[:, 0].clone()
+            for b in at.get(i, ()):
+                tokens[b] = top.indices[b, 1]
+                gaps[(i, b)] = float(top.values[b, 0] - top.values[b, 1])
+            return tokens
+        return choose
+
+    drafts, states = rollout_path(inputs, runner_up({1: [2]}))
+    got = {"drafts": drafts, "state_out": states}
+    assert not torch.equal(drafts, expected["drafts"])
+    gap = gaps[(1, 2)]
+    followed = draft_rollout_follow_ties(got, expected, inputs, (1.01 * gap, 0.0))
+    assert torch.equal(followed["drafts"], drafts) and torch.equal(followed["state_out"], states)
+    assert draft_rollout_follow_ties(got, expected, inputs, (0.99 * gap, 0.0)) is expected
+    # near ties in two sequences of five: one is followed, the other stays wrong
+    drafts2, states2 = rollout_path(inputs, runner_up({1: [2], 2: [4]}))
+    two = draft_rollout_follow_ties({"drafts": drafts2, "state_out": states2}, expected, inputs, (1e9, 0.0))
+    assert not torch.equal(two["drafts"], drafts2)
+    # and the check itself: a kernel that took that near tie passes, and fails without following
+    def took_the_tie(first, state_in, embed, final_norm, head, norms, down_norm, scales, w_f, w_c, w_g, w_o,
+                     w_gate, w_down, k, drafts, state_out, launch="one"):
+        inp = dict(first=first, state_in=state_in, embed=embed, final_norm=final_norm, head=head, norms=norms,
+                   down_norm=down_norm, scales=scales, w_f=w_f, w_c=w_c, w_g=w_g, w_o=w_o, w_gate=w_gate,
+                   w_down=w_down, k=k)
+        d, s = rollout_path(inp, runner_up({1: [min(2, first.shape[0] - 1)]}))
+        drafts.copy_(d)
+        state_out.copy_(s.float())
+    wide = spec.variant(tolerances={torch.float32: (1e9, 0.0)}, output_tolerances={
+        "drafts": {torch.float32: (0.0, 0.0)}, "state_out": {torch.float32: (2e-2, 1e-2)}})
+    from gpulab.harness.checking import run_check
+    run_check(wide, took_the_tie, cases=[case], dtypes=[torch.float32], device="cpu", seed=3, quiet=True)
+    with pytest.raises(gpulab.harness.checking.CheckFailure, match="output `drafts` is wrong"):
+        run_check(wide.variant(follow_ties=None), took_the_tie, cases=[case], dtypes=[torch.float32],
+                  device="cpu", seed=3, quiet=True)

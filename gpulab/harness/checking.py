@@ -788,6 +788,8 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
                     f"{spec.name}: output `{k}` is wrong for {where}.\n  `{k}` has dtype "
                     f"{str(v.dtype).replace('torch.', '')}, expected {str(exp_dt).replace('torch.', '')} "
                     f"(convert with .to({exp_dt})).")
+    if spec.follow_ties is not None:          # a near tie the kernel resolved the other way
+        expected = spec.follow_ties(got, expected, inputs, spec.tolerance(dtype))
     worst = 0.0
 
     def guards_matter(name: str) -> bool | str | tuple[str, ...]:

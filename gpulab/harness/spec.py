@@ -78,6 +78,12 @@ class KernelSpec:
     # ``row_slack``: (output name, inputs) -> how many (a rollout's k + 1 steps of a sequence
     # in a layer: a flip at step i moves that layer's state at every later step). None: 1.
     slack_row_group: Callable[[str, dict], int] | None = None
+    # For kernels that choose greedily (an argmax) and go on from their choice: where the
+    # reference's top two were within the dtype's tolerance of each other and the kernel took
+    # the other one, the reference follows the kernel's choice from there, so that what
+    # comes after it is still checked. follow_ties(got, expected, inputs, (atol, rtol)) ->
+    # expected; it follows a few such rows at most (a kernel that chooses wrong often is wrong).
+    follow_ties: Callable[[dict, dict, dict, tuple[float, float]], dict] | None = None
     # Which baselines also run under torch.compile: True (all), False (none: a baseline
     # that is itself a Triton kernel), or the names of those worth compiling (not a
     # Python loop over thousands of steps, which Dynamo unrolls for minutes).
