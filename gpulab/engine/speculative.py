@@ -702,10 +702,11 @@ def format_results(result: dict) -> str:
                      f"{r['speedup']:>7.2f}x {accept} {r['tokens_per_pass']:>8.2f}"
                      + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
     for key, how in (("server", "engine thread"), ("server_switch_interval", "engine thread, GIL switch 0.5 ms"),
-                     ("server_engine_process", "engine process"), ("server_api_servers", "API servers")):
+                     ("server_engine_process", "engine process"), ("server_api_servers", "API servers"),
+                     ("server_api_servers_windows", "API servers")):
         if key in result:
             sv = result[key]
-            if key == "server_api_servers":
+            if key.startswith("server_api_servers"):
                 how = f"{sv['api_servers']} {how} + engine process"
             if sv.get("multi_step", 1) > 1:
                 how += f", {sv['multi_step']} decode steps a host step"
