@@ -385,7 +385,8 @@ def test_weights_the_gpu_cannot_dot_are_refused_clearly(monkeypatch):
 def test_the_rollout_check_follows_a_near_tie_the_kernel_took_the_other_way():
     """A draft that takes the runner-up where the reference's top two are within the
     tolerance is followed (the rest of that sequence checked on its path); one past the
-    tolerance, or near ties taken in more sequences than one in 32, are not."""
+    tolerance, one taken from wrong states, or near ties taken in more sequences than one
+    in 32, are not."""
     from gpulab.grading.block_step import draft_rollout_follow_ties, rollout_path
     spec = gpulab.harness.spec.get("draft_rollout")
     case = Case("t", dict(L=2, B=5, D=32, H=64, V=64, K=3))
@@ -394,7 +395,7 @@ def test_the_rollout_check_follows_a_near_tie_the_kernel_took_the_other_way():
     gaps = {}
 
     def runner_up(at):
-        def choose(i, logits):
+        def choose(i, logits, states):
             top = logits.topk(2, dim=-1)
             tokens = top.indices[:, 0].clone()
             for b in at.get(i, ()):
@@ -410,6 +411,11 @@ def test_the_rollout_check_follows_a_near_tie_the_kernel_took_the_other_way():
     followed = draft_rollout_follow_ties(got, expected, inputs, (1.01 * gap, 0.0))
     assert torch.equal(followed["drafts"], drafts) and torch.equal(followed["state_out"], states)
     assert draft_rollout_follow_ties(got, expected, inputs, (0.99 * gap, 0.0)) is expected
+    # a tie taken from states that were already wrong is the states' mistake: not followed
+    off = states.clone()
+    off[:, 2 * 4 + 1] += 5.0                       # sequence 2's state after step 1 (k + 1 = 4 rows each)
+    assert draft_rollout_follow_ties({"drafts": drafts, "state_out": off}, expected, inputs,
+                                     (1.01 * gap, 0.0)) is expected
     # near ties in two sequences of five: one is followed, the other stays wrong
     drafts2, states2 = rollout_path(inputs, runner_up({1: [2], 2: [4]}))
     two = draft_rollout_follow_ties({"drafts": drafts2, "state_out": states2}, expected, inputs, (1e9, 0.0))
