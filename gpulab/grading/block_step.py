@@ -214,22 +214,28 @@ def draft_rollout_follow_ties(got: dict, expected: dict, inputs: dict, tolerance
     return {**expected, "drafts": path_drafts, "state_out": path_states} if followed else expected
 
 
-def draft_rollout_hint(output, got, expected, inputs):
+def draft_rollout_hint(output, got, expected, inputs, outputs=None):
     """Names a rollout that does not carry a step's results to the next one (recomputed
-    exactly), or that starts wrong after a verify pass; else, if draft 0 alone is right,
-    says where to look."""
-    says = _carry_hint(output, got, inputs)
-    if says is None and inputs.get("launch") == "ahead":
+    exactly; drafts named so only where the kernel's states, in ``outputs``, agree), or
+    that starts wrong after a verify pass (its first step wrong); else, if draft 0 alone is
+    right, says where to look."""
+    says = _carry_hint(output, got, inputs, (outputs or {}).get("state_out"))
+    if output == "drafts":
+        start_wrong = not torch.equal(got[:1].cpu(), expected[:1].cpu())
+    else:       # the states after the first step (row b·(k+1) of each layer)
+        first_step = lambda t: t.double().cpu().unflatten(1, (-1, inputs["k"] + 1))[:, :, 0]  # noqa: E731
+        start_wrong = bool(((first_step(got) - first_step(expected)).abs() > 0.1).any())
+    if says is None and inputs.get("launch") == "ahead" and start_wrong:
         says = ("this case starts each row after a verify pass (the launcher's `ahead`; the same rollout is "
                 "checked without it too): a = the leading drafts equal to the target's argmax best[r + i] (at "
                 "most the n verified), first token best[r + a], state row s + a.")
-    if says is None and output == "drafts" and torch.equal(got[:1].cpu(), expected[:1].cpu()):
+    if says is None and output == "drafts" and not start_wrong:
         says = ("draft 0 is right and later drafts are not: step i + 1 must start from step i's argmax "
                 "and from the states step i wrote (in every layer).")
     return says
 
 
-def _carry_hint(output, got, inputs):
+def _carry_hint(output, got, inputs, states=None):
     if inputs["k"] < 2:
         return None
     index = 0 if output == "drafts" else 1
@@ -244,22 +250,30 @@ def _carry_hint(output, got, inputs):
                            "back as the next step's token (only draft 0 follows `first`)"),
                           (dict(carry_state=False), "every step starts from `state_in`: step i + 1 must "
                            "read the states step i wrote to `state_out` (row dst[b·(k+1) + i])")):
-        alt = rollout_path(inputs, choose if index == 0 else None, **mistake)[index].cpu()
-        if index == 0:
-            same = torch.equal(got, alt)
-        else:               # as the check's row slack: an int8 flip may move one sequence's states
-            diff = (got.double() - alt.double()).abs().unflatten(1, (-1, inputs["k"] + 1))    # [L, B, k + 1, D]
-            if inputs.get("launch", "one") != "one":
-                diff = diff[:, :, :-1]       # the last step's own launch can go wrong its own way
-            moved = (diff > 1e-3).any(-1).any(-1)                                              # [L, B]
-            same = (int(moved.sum()) <= max(1, moved.numel() // 32)
-                    and bool((diff <= DRAFT_ROLLOUT.row_slack[1]).all()))
+        alt = rollout_path(inputs, choose if index == 0 else None, **mistake)
+        if index == 0:      # a few drafts can match by chance: the states must agree too, where given
+            same = torch.equal(got, alt[0].cpu()) and (states is None or _states_match(states, alt[1], inputs))
+        else:
+            same = _states_match(got, alt[1], inputs)
         if same:
             found.append(says)
     if len(found) == 2:     # a few drafts from a small vocabulary can match both (a CPU case: 6 drafts of 64)
         return (f"{output} equals a rollout in which {found[0]}, and also one in which {found[1]}; the drafts "
                 f"alone cannot tell these two apart: compare your `state_out` with the reference's.")
     return f"{output} equals a rollout in which {found[0]}." if found else None
+
+
+def _states_match(got: torch.Tensor, alt: torch.Tensor, inputs: dict) -> bool:
+    """Do a kernel's state_out and a variant's agree, as the check's row slack lets them (an
+    int8 flip may move one sequence's states), the split launches' last step left out (its
+    own launch can go wrong its own way)?"""
+    if tuple(got.shape) != tuple(alt.shape):
+        return False
+    diff = (got.double().cpu() - alt.double().cpu()).abs().unflatten(1, (-1, inputs["k"] + 1))   # [L, B, k + 1, D]
+    if inputs.get("launch", "one") != "one":
+        diff = diff[:, :, :-1]
+    moved = (diff > 1e-3).any(-1).any(-1)                                                      # [L, B]
+    return int(moved.sum()) <= max(1, moved.numel() // 32) and bool((diff <= DRAFT_ROLLOUT.row_slack[1]).all())
 
 
 def verify_pass_for(first: torch.Tensor, src: torch.Tensor, k: int) -> tuple:
@@ -353,6 +367,7 @@ DRAFT_ROLLOUT = KernelSpec(
     bench_dtypes=[torch.bfloat16],
     read_inputs=("first", "state_in", "embed", "head", "w_down"),
     hint=draft_rollout_hint,
+    hint_sees_outputs=True,
     notes="gpulab = draft_rollout_into (one launch for all k drafts); the layered alternative is "
           "(embedding + L block_step launches + norm + head + argmax) per draft, timed in the "
           "speculative benchmark as draft_ms (tools/speculative_bench.py).",

@@ -837,7 +837,8 @@ def _check_one(spec, fn, case, dtype, device, seed, base, variant=None, hints=Tr
     named = []   # the spec's own diagnosis named a cause (it says more than a generic hint)
 
     def spec_hint(k, exp):
-        cause = spec.hint(k, got[k], exp, inputs)
+        cause = (spec.hint(k, got[k], exp, inputs, outputs=got) if spec.hint_sees_outputs else
+                 spec.hint(k, got[k], exp, inputs))
         named.append(bool(cause))
         return cause
 

@@ -91,6 +91,9 @@ class KernelSpec:
     # Spec-specific diagnosis, tried before the generic hints:
     # hint(output_name, got, expected, inputs) -> str | None
     hint: Callable[[str, torch.Tensor, torch.Tensor, dict], str | None] | None = None
+    # hint(..., outputs=every output the kernel wrote) too: where one output alone can match
+    # a wrong variant by chance (a few argmax tokens) and another tells them apart
+    hint_sees_outputs: bool = False
     # Spec-specific diagnosis of stores outside an output, added to the generic message:
     # stray_write_hint(output_name, rows, unwritten, inputs) -> str | None, with ``rows``
     # the indices along the output's first axis that were written outside it (negative:
