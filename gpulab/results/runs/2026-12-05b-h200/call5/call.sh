@@ -3,7 +3,10 @@
 # spent): the checks call 2 failed compiled, as fixed on the CPU: draft_rollout's check now
 # follows a near tie the kernel took the other way (KernelSpec.follow_ties; call 2: one
 # bfloat16 sequence of 20 took another token at step 2 in one run of ten) and still rejects
-# every planted rollout; the benchmark test expects the engine's default overlap on a GPU.
+# every planted rollout (its diagnosis now sees the states, and names each planted rollout
+# for its cause in 90 seeded checks on the CPU: compiled, `ahead_all_accepted` must still
+# be named by the verify-pass hint); the benchmark test expects the engine's default
+# overlap on a GPU.
 # Then the sampled decode step's host work (its first try died: the tool fed an overlapped
 # step's placeholder token to the model) and the speculative rows at batch 1 and 64 once
 # more, every row on one host (call 4: the target alone 3084 tok/s, k = 8 0.63x).
