@@ -219,12 +219,20 @@ def draft_rollout_hint(output, got, expected, inputs, outputs=None):
     exactly; drafts named so only where the kernel's states, in ``outputs``, agree), or
     that starts wrong after a verify pass (its first step wrong); else, if draft 0 alone is
     right, says where to look."""
-    says = _carry_hint(output, got, inputs, (outputs or {}).get("state_out"))
-    if output == "drafts":
-        start_wrong = not torch.equal(got[:1].cpu(), expected[:1].cpu())
-    else:       # the states after the first step (row b·(k+1) of each layer)
-        first_step = lambda t: t.double().cpu().unflatten(1, (-1, inputs["k"] + 1))[:, :, 0]  # noqa: E731
-        start_wrong = not bool(((first_step(got) - first_step(expected)).abs() <= 0.1).all())   # NaN: wrong
+    states = (outputs or {}).get("state_out")
+    says = _carry_hint(output, got, inputs, states)
+    # Was the first step wrong? Its states tell (draft 0 can be right from a wrong start
+    # state), unless some state row was never written or is NaN: then a kernel that put
+    # the states in the wrong rows, or one that read past them (compiled: NaN guards),
+    # cannot be told apart that way, and draft 0 decides.
+    states = got if output == "state_out" else states
+    start_wrong = output == "drafts" and not torch.equal(got[:1].cpu(), expected[:1].cpu())
+    if states is not None and bool(states.isfinite().all()):
+        ref = rollout_path(inputs)[1]
+        g, e = (t.double().cpu().unflatten(1, (-1, inputs["k"] + 1))[:, :, 0] for t in (states, ref))
+        start_wrong = start_wrong or not bool(((g - e).abs() <= 0.1).all())
+    elif output == "state_out":
+        start_wrong = True
     if says is None and inputs.get("launch") == "ahead" and start_wrong:
         says = ("this case starts each row after a verify pass (the launcher's `ahead`; the same rollout is "
                 "checked without it too): a = the leading drafts equal to the target's argmax best[r + i] (at "
@@ -239,11 +247,11 @@ def _carry_hint(output, got, inputs, states=None):
     if inputs["k"] < 2:
         return None
     index = 0 if output == "drafts" else 1
-    got, found = got.cpu(), []
+    got = got.cpu()
     if index == 0:          # a variant's drafts follow the kernel's where they meet a near tie (float32 vs 64)
         kernel, tolerance = got.to(inputs["first"].device).long(), DRAFT_ROLLOUT.tolerance(inputs["embed"].dtype)
 
-        def choose(i, logits, states):
+        def choose(i, logits, path_states):
             best = logits.argmax(-1)
             return torch.where(_near_tie(logits, best, kernel[i], tolerance), kernel[i], best)
     for mistake, says in ((dict(feed_back=False), "every step starts from `first`: feed each step's argmax "
@@ -256,11 +264,8 @@ def _carry_hint(output, got, inputs, states=None):
         else:
             same = _states_match(got, alt[1], inputs)
         if same:
-            found.append(says)
-    if len(found) == 2:     # a few drafts from a small vocabulary can match both (a CPU case: 6 drafts of 64)
-        return (f"{output} equals a rollout in which {found[0]}, and also one in which {found[1]}; the drafts "
-                f"alone cannot tell these two apart: compare your `state_out` with the reference's.")
-    return f"{output} equals a rollout in which {found[0]}." if found else None
+            return f"{output} equals a rollout in which {says}."
+    return None
 
 
 def _states_match(got: torch.Tensor, alt: torch.Tensor, inputs: dict) -> bool:
