@@ -223,3 +223,60 @@ def test_each_full_page_is_hashed_once_however_often_it_is_looked_up(monkeypatch
     hit = seq([1, 2, 3, 4, 5, 6, 9])
     assert bm.match_prefix(hit) == s.block_table[:3] and bm.match_prefix(hit) == s.block_table[:3]
     assert len(calls) == 6 and hit.block_hashes == keys           # its own pages, once each
+
+
+def test_a_delay_factor_admits_requests_that_arrive_one_by_one_together():
+    """vLLM's scheduler_delay_factor: while a sequence runs, new requests wait until the
+    oldest has waited factor times the last prompt step; then they are admitted together.
+    Nothing running, or a preempted request (the oldest), is admitted at once."""
+    now = [0.0]
+    bm = BlockManager(32, 4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, delay_factor=2.0, clock=lambda: now[0])
+
+    def arrive(tokens, at):
+        s = seq(tokens)
+        s.arrival_time = at
+        sch.add(s)
+        return s
+
+    def step(at):
+        now[0] = at
+        batch = sch.schedule()
+        sch.postprocess(batch)
+        for s, _ in batch.items:
+            s.token_ids.append(0)                # its sampled token: a decode next step
+        return [s for s, _ in batch.items]
+
+    a = arrive(range(6), 0.0)
+    assert step(0.0) == [a]                      # nothing runs: admitted at once
+    b = arrive(range(10, 14), 0.5)
+    assert step(1.0) == [a]                      # the prompt step took 1.0; b waited 0.5 < 2 x 1.0
+    c = arrive(range(20, 25), 2.0)
+    assert step(2.0) == [a]                      # b waited 1.5
+    assert step(2.5) == [a, b, c]                # b waited 2.0: b and c admitted in one step
+    d = arrive(range(30, 33), 2.7)
+    assert step(3.0) == [a, b, c]                # that prompt step took 0.5: d must wait 1.0
+    assert sch.prompt_step_s == 0.5
+    assert step(3.7) == [a, b, c, d]
+    sch.running.remove(d)                        # as schedule() preempts: requeued first,
+    sch.preempt(d)                               # the oldest waiting: no wait
+    assert step(3.8) == [a, b, c, d]
+    for s in (a, b, c, d):
+        sch.finish(s, "length")
+    e = arrive(range(40, 43), 4.0)
+    assert step(4.0) == [e]                      # nothing runs: at once
+    with pytest.raises(ValueError, match="delay_factor"):
+        Scheduler(bm, delay_factor=-1.0)
+    with pytest.raises(ValueError, match="delay_factor"):
+        Scheduler(bm, delay_factor=float("nan"))
+
+
+def test_without_a_delay_factor_each_arrival_is_admitted_at_its_next_step():
+    bm = BlockManager(32, 4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq(range(6)), seq(range(10, 14))
+    sch.add(a)
+    sch.postprocess(sch.schedule())
+    a.token_ids.append(0)
+    sch.add(b)
+    assert [s for s, _ in sch.schedule().items] == [a, b]

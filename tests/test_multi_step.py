@@ -174,6 +174,49 @@ def test_a_server_step_reports_first_tokens_at_once_and_windows_in_between(model
     assert len(windows) == -(-(MAX_TOKENS[3] - 1) // 4) and llm.idle()
 
 
+@pytest.mark.parametrize("factor", [0.0, 3.0])
+def test_a_delay_factor_admits_a_servers_arrivals_together_between_windows(model, expected, factor):
+    """Requests that arrive one by one while others decode (a server's clients):
+    with ``scheduler_delay_factor`` they are admitted in one step with prompt tokens, the
+    running sequences decode in windows meanwhile, and every request gets the reference's
+    tokens. The engine's clock is a step counter here (each schedule: one second)."""
+    llm = LLM(model, EngineConfig(multi_step=4, block_size=4, scheduler_delay_factor=factor))
+    now = [0.0]
+    llm.scheduler.clock = lambda: now[0]
+    order = [3, 0, 1, 2]
+    rids = {}
+    outs = {}
+    for t in range(200):
+        if t < len(order):                      # one arrival per step
+            i = order[t]
+            rids[llm.add_request(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS[i]), arrival_time=now[0])] = i
+        elif not llm.has_unfinished():
+            break
+        for o in llm.step(finished_only=True, first_tokens=True):
+            outs[rids[o.request_id]] = o.token_ids
+        now[0] += 1.0
+    assert_tokens_match(model, [PROMPTS[i] for i in order], [outs[i] for i in order],
+                        [expected[i] for i in order])
+    prompt_steps = [r for r in llm.metrics.steps if r.prefill_tokens]
+    # without a delay: one step with prompt tokens per arrival; with one, the three that
+    # arrive while request 3 runs wait (3 steps of 1 s) and are admitted together
+    assert len(prompt_steps) == (4 if factor == 0 else 2)
+    assert llm.idle()
+
+
+def test_a_delay_factor_is_the_packages_schedulers_policy(model):
+    from gpulab.engine.scheduler import Scheduler
+
+    class Mine(Scheduler):
+        def schedule(self):
+            return super().schedule()
+
+    with pytest.raises(ValueError, match="scheduler_delay_factor"):
+        LLM(model, EngineConfig(scheduler_delay_factor=2.0), scheduler_cls=Mine)
+    with pytest.raises(ValueError, match="delay_factor"):
+        LLM(model, EngineConfig(scheduler_delay_factor=-1.0))
+
+
 def test_the_benchmarks_table_names_window_rows(model):
     from gpulab.engine.speculative import format_results
     row = dict(batch=64, draft="none", k=0, graphs=True, overlap=False, tokens_per_s=1.0, acceptance=float("nan"),

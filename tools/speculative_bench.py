@@ -4,7 +4,7 @@ usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--tr
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
                                              [--api-servers 4] [--server-rounds 4] [--server-repeats 3]
                                              [--client-processes N] [--eager-k 4] [--profile]
-                                             [--multi-step K]
+                                             [--multi-step K] [--delay-factors 0,4]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
 configuration must produce the target's tokens: issue 15 accepts a difference only where
@@ -43,7 +43,11 @@ the run once the other configurations are measured):
   engine process is the limit;
 * with ``--multi-step K``: the target alone once more with K decode steps per host step
   (``EngineConfig.multi_step``, decode-only batches; it joins the baseline), and
-  every server row with it, in-process and behind HTTP alike.
+  every server row with it, in-process and behind HTTP alike;
+* with ``--delay-factors F,...``: each server row once per factor, the engine admitting new
+  requests while others run only once the oldest has waited F times the last prompt step
+  (``EngineConfig.scheduler_delay_factor``), in-process and behind HTTP alike; a row with
+  F > 0 is saved under its mode's key with ``_delay`` and F appended.
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
@@ -94,9 +98,10 @@ def timed_generate(llm, waves, params):
     return outs, sum(len(o.token_ids) for o in outs) / dt
 
 
-def engine_config(batch, multi_step=1):
+def engine_config(batch, multi_step=1, delay_factor=0.0):
     return EngineConfig(num_blocks=max(256, batch * 24), block_size=16, max_num_seqs=max(8, batch),
-                        max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step)
+                        max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step,
+                        scheduler_delay_factor=delay_factor)
 
 
 def bench_one(llm, waves, params, repeats):
@@ -352,7 +357,7 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
 
 
 def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interval=None, engine_process=False,
-                 api_servers=0, profile=None, client_processes=None, multi_step=1):
+                 api_servers=0, profile=None, client_processes=None, multi_step=1, delay_factor=0.0):
     """Streaming through HTTP against in-process serving of the same closed-loop load:
     ``clients`` clients, each ``rounds`` requests of ``max_tokens`` tokens one after another,
     ``repeats`` timed runs each way; the ratio is of the best run each way (and, beside it,
@@ -370,7 +375,8 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
     and the engine's), with the same engine configuration. ``profile`` (a folder, with
     ``api_servers``): cProfile one more in-process run and the engine process
     (``GPULAB_ENGINE_PROFILE``) over its whole life; the figures are then a profiled run's.
-    ``multi_step``: the engine's decode steps per host step, in-process and behind HTTP alike."""
+    ``multi_step``: the engine's decode steps per host step, ``delay_factor`` its scheduler's
+    admission delay (``EngineConfig.scheduler_delay_factor``), in-process and behind HTTP alike."""
     import multiprocessing
 
     import uvicorn
@@ -379,7 +385,8 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
 
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
-    llm = LLM(target, engine_config(clients, multi_step))
+    cfg = engine_config(clients, multi_step, delay_factor)
+    llm = LLM(target, cfg)
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
     apart = engine_process or bool(api_servers)              # the server's engine is another process
     in_process = [] if apart else [closed_loop(llm, prompts, params, rounds) for _ in range(repeats)]
@@ -401,7 +408,6 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
         sys.setswitchinterval(switch_interval)
     server = cli = None
     if api_servers:
-        cfg = engine_config(clients, multi_step)
         env = dict(os.environ)
         if profile:
             env["GPULAB_ENGINE_PROFILE"] = os.path.join(profile, "engine.prof")
@@ -409,7 +415,8 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
                                 "--api-servers", str(api_servers), "--pages", str(cfg.num_blocks),
                                 "--max-num-seqs", str(cfg.max_num_seqs),
                                 "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                                "--multi-step", str(multi_step)], env=env)
+                                "--multi-step", str(multi_step), "--scheduler-delay-factor", str(delay_factor)],
+                               env=env)
         deadline = time.time() + 600
         while not server_healthy(port):
             assert cli.poll() is None and time.time() < deadline, "gpulab serve --api-servers did not start"
@@ -420,7 +427,7 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
 
             from gpulab.engine.server import build_llm
             app = create_app(make_llm=functools.partial(build_llm, "shipped", dtype="bfloat16",
-                                                        **dataclasses.asdict(engine_config(clients, multi_step))))
+                                                        **dataclasses.asdict(cfg)))
         else:
             app = create_app(llm)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -473,6 +480,7 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
                                                           "engine process (its whole life)")
     return dict(clients=clients, rounds=rounds, repeats=repeats, client_processes=n_procs,
                 client=f"aiohttp {aiohttp_version()}", engine_process=apart, multi_step=multi_step,
+                scheduler_delay_factor=delay_factor,
                 api_servers=api_servers or 1, switch_interval=switch_interval or default_interval,
                 max_tokens=max_tokens, all_pages_free=pages_free,
                 **compare_runs(in_process, http), **({"profiles": profiles} if profile else {}))
@@ -601,7 +609,11 @@ def main(argv=None) -> int:
     ap.add_argument("--multi-step", type=int, default=1,
                     help="also the target alone with this many decode steps per host step, and the "
                          "server rows with it, in-process and behind HTTP (EngineConfig.multi_step)")
+    ap.add_argument("--delay-factors", default="0",
+                    help="each server row once per admission delay factor (EngineConfig.scheduler_delay_factor), "
+                         "in-process and behind HTTP alike; a row with a factor > 0 is saved as KEY_delayF")
     args = ap.parse_args(argv)
+    delay_factors = [float(f) for f in args.delay_factors.split(",") if f.strip()] or [0.0]
     if runtime.mode() != "compiled":
         sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
     out = Path(args.out)
@@ -650,12 +662,12 @@ def main(argv=None) -> int:
              f"gpulab serve --api-servers {args.api_servers}"),
             ("profile", "server_profiled", dict(api_servers=args.api_servers, profile=os.path.join(args.out, "prof")),
              f"gpulab serve --api-servers {args.api_servers}, profiled")):
-        if mode in modes:
-            r = result[key] = bench_server(target, 64, args.max_tokens, rounds=args.server_rounds,
-                                           repeats=args.server_repeats,
-                                           client_processes=args.client_processes, multi_step=args.multi_step,
-                                           **kwargs)
-            print(f"{what}: {r['ratio']:.0%} of in-process, best run each way ({r['http_tokens_per_s']:.0f} vs "
+        for factor in delay_factors if mode in modes else ():
+            r = result[key + (f"_delay{factor:g}" if factor else "")] = bench_server(
+                target, 64, args.max_tokens, rounds=args.server_rounds, repeats=args.server_repeats,
+                client_processes=args.client_processes, multi_step=args.multi_step, delay_factor=factor, **kwargs)
+            what_f = what + (f", delay factor {factor:g}" if factor else "")
+            print(f"{what_f}: {r['ratio']:.0%} of in-process, best run each way ({r['http_tokens_per_s']:.0f} vs "
                   f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events; medians "
                   f"{r['ratio_of_medians']:.0%}; runs " + ", ".join(f"{t / 1e3:.1f}" for t in r['http_runs_tokens_per_s'])
                   + " K behind HTTP, " + ", ".join(f"{t / 1e3:.1f}" for t in r['engine_runs_tokens_per_s'])

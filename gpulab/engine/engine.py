@@ -140,6 +140,9 @@ class EngineConfig:
                                         # scheduler and block manager and no decode hook
     multi_step: int = 1                 # decode-only batches run this many steps per
                                         # host step (see .multi_step; without overlap); 1: off
+    scheduler_delay_factor: float = 0.0  # while requests run, admit new ones once the oldest
+                                        # has waited this many times the last prompt step (see
+                                        # .scheduler); 0: at once
 
 
 @dataclass
@@ -188,8 +191,13 @@ class LLM:
         self.model = model
         self.max_model_len = model.cfg.max_seq_len
         self.block_manager = block_manager_cls(config.num_blocks, config.block_size, config.prefix_caching)
+        if config.scheduler_delay_factor and scheduler_cls.schedule is not Scheduler.schedule:
+            raise ValueError("scheduler_delay_factor is the package's Scheduler.schedule's policy: "
+                             f"{scheduler_cls.__name__} schedules on its own (leave the factor at 0)")
         self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                       config.chunked_prefill, self.max_model_len, config.decode_reserve)
+                                       config.chunked_prefill, self.max_model_len, config.decode_reserve,
+                                       **({"delay_factor": config.scheduler_delay_factor}
+                                          if config.scheduler_delay_factor else {}))
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.max_num_seqs,
                                   config.linear, config.attention, config.cuda_graphs, config.cascade, decode_hook,
                                   kv_split=config.kv_split)

@@ -16,12 +16,20 @@ One step has a *token budget* (``max_num_batched_tokens``) and a cap on sequence
    reused and only the rest is computed. The queue is not skipped: if its head does not
    fit, later requests wait too (no starvation of long prompts).
 
+   With ``delay_factor`` > 0 (vLLM's ``scheduler_delay_factor``), new requests are not
+   admitted while others run until the oldest has waited ``delay_factor`` times the last
+   step that admitted prompts took. Requests that arrive one by one (clients of a server)
+   are then admitted together, in one step with prompt tokens instead of one each, and the
+   decode-only steps between can run as windows (:mod:`.multi_step`); each waits a little
+   longer for its first token.
+
 The result, a :class:`ScheduledBatch`, says for each chosen sequence how many tokens
 to run, plus the page copies (copy-on-write) to do first. After the step,
 :meth:`Scheduler.postprocess` appends the sampled tokens and retires finished sequences.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,7 +59,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, chunked_prefill: bool = True,
-                 max_model_len: int | None = None, decode_reserve: int = 0):
+                 max_model_len: int | None = None, decode_reserve: int = 0, delay_factor: float = 0.0,
+                 clock=time.perf_counter):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, "
                              f"got {max_num_seqs}, {max_num_batched_tokens}")
@@ -65,6 +74,14 @@ class Scheduler:
         # pages left free per running sequence when admitting a new one, so the running
         # ones can grow a while before anyone is preempted (and recomputed)
         self.decode_reserve = decode_reserve
+        if not 0 <= delay_factor < float("inf"):
+            raise ValueError(f"delay_factor must be a number >= 0 (0: admit at once), got {delay_factor!r}")
+        # admission delay: the clock of the requests' arrival_time, when the last step that
+        # admitted prompts was scheduled, and how long it took (until the next schedule)
+        self.delay_factor, self.clock = delay_factor, clock
+        self.now = 0.0
+        self.prompt_step_at: float | None = None
+        self.prompt_step_s = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,9 +101,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def admitting(self) -> bool:
+        """May this step admit waiting requests? Always, unless ``delay_factor`` holds them
+        back: then only when nothing runs, or the oldest has waited ``delay_factor`` times
+        the last prompt step's time."""
+        if not self.delay_factor:
+            return True
+        self.now = now = self.clock()
+        if self.prompt_step_at is not None:      # the step before admitted prompts: its time
+            self.prompt_step_s, self.prompt_step_at = now - self.prompt_step_at, None
+        if not self.running or not self.waiting:
+            return True
+        oldest = min(s.arrival_time for s in self.waiting)   # a preempted one is older than the rest
+        return now - oldest >= self.delay_factor * self.prompt_step_s
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.budget
+        admit = self.admitting()                 # before this step's running sequences are counted
         # 1. running sequences, oldest first; preempt the newest when pages run out
         bm, running, items = self.bm, self.running, batch.items
         i = 0
@@ -112,7 +144,7 @@ class Scheduler:
                 continue
             break
         # 2. waiting sequences in arrival order (not in a step that had to preempt)
-        while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq)
             todo = seq.num_tokens - len(hits) * self.bm.block_size
@@ -128,6 +160,8 @@ class Scheduler:
             self.running.append(seq)
             batch.items.append((seq, n))
             budget -= n
+            if self.delay_factor:
+                self.prompt_step_at = self.now
         return batch
 
     def postprocess(self, batch: ScheduledBatch, commit: bool = True) -> None:

@@ -952,7 +952,7 @@ def quiet_lifespan_cancel(record: logging.LogRecord) -> bool:
 
 def main(argv=None) -> int:
     """``gpulab serve [--host H] [--port P] [--pages N] [--max-num-seqs B] [--stream-interval S]
-    [--engine-process] [--api-servers N] [--multi-step K]``."""
+    [--engine-process] [--api-servers N] [--multi-step K] [--scheduler-delay-factor F]``."""
     ap = argparse.ArgumentParser(prog="gpulab serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -971,6 +971,10 @@ def main(argv=None) -> int:
     ap.add_argument("--multi-step", type=int, default=1,
                     help="decode steps per host step for decode-only batches (default 1: one; "
                          "see gpulab.engine.multi_step)")
+    ap.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+                    help="while requests run, admit new ones once the oldest has waited this many times "
+                         "the last step with prompts (default 0: at once): clients that arrive one by one "
+                         "are admitted together, at some cost in time to first token (see gpulab.engine.scheduler)")
     args = ap.parse_args(argv)
     if not 0 <= args.stream_interval <= 1:
         ap.error("--stream-interval must be between 0 and 1 second")
@@ -978,9 +982,12 @@ def main(argv=None) -> int:
         ap.error("--api-servers must be at least 1")
     if args.multi_step < 1:
         ap.error("--multi-step must be at least 1 (1: one decode step per host step)")
+    if not 0 <= args.scheduler_delay_factor < float("inf"):
+        ap.error("--scheduler-delay-factor must be a number >= 0 (0: admit at once)")
     config = {key: v for key, v in (("num_blocks", args.pages), ("max_num_seqs", args.max_num_seqs),
                                     ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                    ("multi_step", args.multi_step if args.multi_step != 1 else None)) if v}
+                                    ("multi_step", args.multi_step if args.multi_step != 1 else None),
+                                    ("scheduler_delay_factor", args.scheduler_delay_factor)) if v}
     try:
         EngineConfig(**config)
     except (TypeError, ValueError) as e:

@@ -701,15 +701,17 @@ def format_results(result: dict) -> str:
         lines.append(f"{r['batch']:>5} {draft:>17} {k:>4} {r['tokens_per_s']:>9.0f} "
                      f"{r['speedup']:>7.2f}x {accept} {r['tokens_per_pass']:>8.2f}"
                      + (f"  ({flips} near-tie flip{'s' * (flips > 1)})" if flips else ""))
-    for key, how in (("server", "engine thread"), ("server_switch_interval", "engine thread, GIL switch 0.5 ms"),
-                     ("server_engine_process", "engine process"), ("server_api_servers", "API servers"),
-                     ("server_api_servers_windows", "API servers")):
-        if key in result:
-            sv = result[key]
-            if key.startswith("server_api_servers"):
+    ways = {"server_switch_interval": "engine thread, GIL switch 0.5 ms", "server_engine_process": "engine process",
+            "server_api_servers": "API servers", "server_profiled": "API servers, profiled", "server": "engine thread"}
+    for key, sv in result.items():          # server rows, in the order measured (a suffix: a variant)
+        how = next((how for way, how in ways.items() if key.startswith(way)), None)
+        if how is not None and isinstance(sv, dict):
+            if sv.get("api_servers", 1) > 1:
                 how = f"{sv['api_servers']} {how} + engine process"
             if sv.get("multi_step", 1) > 1:
                 how += f", {sv['multi_step']} decode steps a host step"
+            if sv.get("scheduler_delay_factor"):
+                how += f", admission delay factor {sv['scheduler_delay_factor']:g}"
             lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
                          f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%}"
                          + (f"; best of {sv['repeats']} runs each way, medians {sv['ratio_of_medians']:.0%})"
