@@ -612,10 +612,11 @@ def test_the_benchmarks_clients_read_every_event():
         bench.stream_clients(url + "/v1/completions", ["a", "b", "c"], 7, 2, ready, gos, results)
         assert ready.get_nowait()
         for run in range(2):                          # a result per timed run, in order
-            r, t0, t1, events, tokens, cpu = results.get_nowait()
+            r, t0, t1, events, tokens, cpu, ttfts = results.get_nowait()
             # tokens from each completion's usage chunk; events: at least one per request
             assert r == run and tokens == 3 * 2 * 7 and 3 * 2 <= events <= 3 * 2 * 7
             assert t1 > t0 and cpu > 0
+            assert len(ttfts) == 3 * 2 and all(0 < t < t1 - t0 for t in ttfts)   # each request's first event
         assert results.empty()
     finally:
         srv.should_exit = True
@@ -629,21 +630,26 @@ def test_the_benchmarks_server_row_compares_the_best_run_each_way():
     from gpulab.engine.speculative import format_results
     bench = load_tool("speculative_bench")
     gauges = lambda steps, busy, prompts: dict(steps=steps, busy_seconds=busy, prompt_steps=prompts)
-    # (run, start, end, events, tokens, cpu) from two client processes
-    slow = bench.http_run([(0, 10.0, 12.0, 50, 100, 0.1), (0, 10.5, 11.0, 40, 100, 0.1)],
+    # (run, start, end, events, tokens, cpu, seconds to each first event) from two client processes
+    slow = bench.http_run([(0, 10.0, 12.0, 50, 100, 0.1, [0.5]), (0, 10.5, 11.0, 40, 100, 0.1, [0.2, 0.3])],
                           gauges(0, 0, 0), gauges(90, 1.5, 9))
-    fast = bench.http_run([(1, 20.0, 21.0, 60, 100, 0.2), (1, 20.0, 20.5, 30, 100, 0.1)],
+    fast = bench.http_run([(1, 20.0, 21.0, 60, 100, 0.2, [0.01, 0.03]), (1, 20.0, 20.5, 30, 100, 0.1, [0.02])],
                           gauges(90, 1.5, 9), gauges(170, 2.4, 12))
     assert slow["tokens_per_s"] == 100.0 and fast["tokens_per_s"] == 200.0 and fast["steps"] == 80
-    runs = [dict(tokens_per_s=t, steps=s, busy_s=0.1, wall_s=1.0, prompt_steps=2)
+    runs = [dict(tokens_per_s=t, steps=s, busy_s=0.1, wall_s=1.0, prompt_steps=2, ttft_p50_s=0.004)
             for t, s in ((300.0, 70), (250.0, 71), (100.0, 72))]
     row = bench.compare_runs(runs, [slow, fast])
     assert row["ratio"] == pytest.approx(200 / 300) and row["ratio_of_medians"] == pytest.approx(150 / 250)
     assert row["http_steps"] == 80 and row["http_prompt_steps"] == 3 and row["events"] == 90
     assert row["engine_steps"] == 70 and row["http_runs_tokens_per_s"] == [100.0, 200.0]
+    assert row["http_ttft_p50_s"] == pytest.approx(0.02) and row["engine_ttft_p50_s"] == 0.004
     text = format_results(dict(gpu="GPU", date="today", versions={}, max_tokens=8, rows=[],
-                               server_api_servers=dict(row, clients=64, api_servers=4, repeats=2)))
+                               server_api_servers=dict(row, clients=64, api_servers=4, repeats=2),
+                               server_api_servers_delay3=dict(row, clients=64, api_servers=4, repeats=2,
+                                                              scheduler_delay_factor=3.0)))
     assert "best of 2 runs each way, medians 60%" in text
+    assert "time to first token (p50) 20.0 ms through HTTP, 4.0 ms in-process" in text
+    assert text.count("4 API servers + engine process") == 2 and "admission delay factor 3" in text
 
 
 def test_a_served_engine_keeps_a_bounded_history(model):

@@ -279,7 +279,8 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
     last one ends), so that the server is measured in a steady state, not in its first and
     last steps; then the next timed run waits for ``gos[1]``, and so on.
     Puts (run, start, end, events, tokens (from each completion's usage), client CPU
-    seconds) on ``results`` per timed run, wall-clock times comparable across processes.
+    seconds, every request's seconds to its first event) on ``results`` per timed run,
+    wall-clock times comparable across processes.
     aiohttp, not httpx: on a
     2-core CPU, against an engine process of 0.6 ms steps, httpx spent 9.6 ms of CPU per
     streamed request of 128 tokens and aiohttp 1.1 ms, and HTTP throughput doubled (the
@@ -292,6 +293,7 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
 
     async def one(session, p):
         events = tokens = 0
+        first, t0 = None, time.perf_counter()
         async with session.post(url, json=dict(body, prompt=p)) as r:
             assert r.status == 200, await r.text()
             async for line in r.content:
@@ -300,11 +302,12 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
                         tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                     else:
                         events += 1
-        return events, tokens
+                        first = first or time.perf_counter() - t0
+        return events, tokens, first
 
     async def loop(session, p):
         counts = [await one(session, p) for _ in range(rounds)]
-        return sum(e for e, _ in counts), sum(t for _, t in counts)
+        return sum(c[0] for c in counts), sum(c[1] for c in counts), [c[2] for c in counts]
 
     async def run():
         connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
@@ -315,8 +318,8 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
                 await asyncio.get_running_loop().run_in_executor(None, go.wait)
                 t0, cpu0 = time.time(), time.process_time()
                 counts = await asyncio.gather(*(loop(session, p) for p in prompts))
-                results.put((r, t0, time.time(), sum(e for e, _ in counts), sum(t for _, t in counts),
-                             time.process_time() - cpu0))
+                results.put((r, t0, time.time(), sum(c[0] for c in counts), sum(c[1] for c in counts),
+                             time.process_time() - cpu0, [t for c in counts for t in c[2]]))
 
     asyncio.run(run())
 
@@ -339,6 +342,7 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
         add(i)
     tokens = steps = 0
     busy = 0.0
+    ttft = []
     prompt_steps = llm.metrics.prompt_steps
     while llm.has_unfinished():
         t1 = time.perf_counter()
@@ -347,13 +351,14 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
         steps += 1
         for out in outputs:
             tokens += len(out.token_ids)
+            ttft.append(out.metrics.ttft)
             i = owner.pop(out.request_id)
             if left[i]:
                 add(i)
     sync()
     wall = time.perf_counter() - t0
     return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=steps, busy_s=busy,
-                prompt_steps=llm.metrics.prompt_steps - prompt_steps)
+                prompt_steps=llm.metrics.prompt_steps - prompt_steps, ttft_p50_s=statistics.median(ttft))
 
 
 def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interval=None, engine_process=False,
@@ -492,6 +497,7 @@ def http_run(got: list[tuple], before: dict, after: dict) -> dict:
     after the run may lag by a step)."""
     t0, t1 = min(g[1] for g in got), max(g[2] for g in got)
     return dict(tokens_per_s=sum(g[4] for g in got) / (t1 - t0), wall_s=t1 - t0, events=sum(g[3] for g in got),
+                ttft_p50_s=statistics.median(t for g in got for t in g[6]),
                 client_cpu_s=sum(g[5] for g in got), steps=after["steps"] - before["steps"],
                 busy_s=after["busy_seconds"] - before["busy_seconds"],
                 prompt_steps=after["prompt_steps"] - before["prompt_steps"], after_steps=after["steps"])
@@ -511,7 +517,8 @@ def compare_runs(in_process: list[dict], http: list[dict]) -> dict:
                 engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
                 http_runs_tokens_per_s=[r["tokens_per_s"] for r in http],
                 engine_steps=e["steps"], engine_busy_s=e["busy_s"], engine_wall_s=e["wall_s"],
-                engine_prompt_steps=e["prompt_steps"],
+                engine_prompt_steps=e["prompt_steps"], engine_ttft_p50_s=e["ttft_p50_s"],
+                http_ttft_p50_s=h["ttft_p50_s"],
                 http_steps=h["steps"], http_busy_s=h["busy_s"], http_prompt_steps=h["prompt_steps"],
                 http_wall_s=h["wall_s"], events=h["events"], client_cpu_s=h["client_cpu_s"])
 

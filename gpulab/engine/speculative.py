@@ -715,5 +715,7 @@ def format_results(result: dict) -> str:
             lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
                          f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%}"
                          + (f"; best of {sv['repeats']} runs each way, medians {sv['ratio_of_medians']:.0%})"
-                            if "repeats" in sv else ")"))   # older rows: one HTTP run
+                            if "repeats" in sv else ")")    # older rows: one HTTP run
+                         + (f"; time to first token (p50) {sv['http_ttft_p50_s'] * 1e3:.1f} ms through HTTP, "
+                            f"{sv['engine_ttft_p50_s'] * 1e3:.1f} ms in-process" if "http_ttft_p50_s" in sv else ""))
     return "\n".join(lines)
