@@ -11,7 +11,8 @@
 # step's placeholder token to the model) and the speculative rows at batch 1 and 64 once
 # more, every row on one host (call 4: the target alone 3084 tok/s, k = 8 0.63x).
 # STAGES picks the stages (default: tests host spec; also server), CALL the output's name,
-# so that the stages can run as two calls of the 600 s limit. The server stage (added in the
+# so that the stages can run as two calls of the 600 s limit; they run in the order
+# tests, host, server, spec. The server stage (added in the
 # fourteenth session): `gpulab serve --api-servers 4 --multi-step 8` against the same load
 # in-process, once per admission delay factor (EngineConfig.scheduler_delay_factor; call 4:
 # 43 of 108 steps behind HTTP carried prompt tokens, one arrival or a few each).
@@ -37,20 +38,20 @@ echo "host sampled rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 grep -A2 "^batch" $R/host_sampled.txt
 pack
 fi
-if [[ $stages == *" spec "* ]]; then
-s=$(date +%s)
-timeout -k 5 ${T1:-280} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
-  --multi-step 8 > $R/spec.txt 2>&1; echo "spec rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
-cp $R/s/speculative.json $R/speculative.json 2>/dev/null; rm -rf $R/s
-grep -v "near tie" $R/spec.txt | tail -14
-pack
-fi
 if [[ $stages == *" server "* ]]; then
 s=$(date +%s)
 timeout -k 5 ${T2:-240} python3 tools/speculative_bench.py $R/sv --quick --batches "" --server-modes scaleout \
   --multi-step 8 --delay-factors ${FACTORS:-0,3,10} > $R/server.txt 2>&1; echo "server rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 cp $R/sv/speculative.json $R/speculative_server.json 2>/dev/null; rm -rf $R/sv
 grep "API servers" $R/server.txt | tail -4
+pack
+fi
+if [[ $stages == *" spec "* ]]; then
+s=$(date +%s)
+timeout -k 5 ${T1:-280} python3 tools/speculative_bench.py $R/s --quick --batches 1,64 --no-server --ks 8 --eager-k 0 \
+  --multi-step 8 > $R/spec.txt 2>&1; echo "spec rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
+cp $R/s/speculative.json $R/speculative.json 2>/dev/null; rm -rf $R/s
+grep -v "near tie" $R/spec.txt | tail -14
 pack
 fi
 cat $R/times.txt
