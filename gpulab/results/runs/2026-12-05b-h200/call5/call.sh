@@ -25,7 +25,8 @@ timeout -s INT ${T0:-150} python3 -m pytest -o addopts="" -p no:cacheprovider -q
   "tests/test_block_step.py::test_the_rollout_check_accepts_the_kernel" \
   "tests/test_block_step.py::test_the_rollout_check_follows_a_near_tie_the_kernel_took_the_other_way" \
   "tests/test_block_step.py::test_the_rollout_check_rejects_wrong_rollouts_and_names_the_cause" \
-  "tests/test_multi_step.py::test_the_benchmark_times_the_target_alone_with_windows_too" > $R/tests.txt 2>&1
+  "tests/test_multi_step.py::test_the_benchmark_times_the_target_alone_with_windows_too" \
+  "tests/test_multi_step.py::test_a_delay_factor_admits_a_servers_arrivals_together_between_windows" > $R/tests.txt 2>&1
 echo "tests rc $? $(( $(date +%s)-s ))s" >> $R/times.txt
 tail -3 $R/tests.txt
 pack
