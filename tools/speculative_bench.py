@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import signal
@@ -102,6 +103,35 @@ def engine_config(batch, multi_step=1, delay_factor=0.0):
     return EngineConfig(num_blocks=max(256, batch * 24), block_size=16, max_num_seqs=max(8, batch),
                         max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step,
                         scheduler_delay_factor=delay_factor)
+
+
+class GcClock:
+    """The garbage collector's passes and seconds since start (``gc.callbacks``): a
+    row's host time that grows between runs of the same code may be collections of a
+    heap that other rows left behind (call 4 of 2026-12-05: k = 8's host part 0.68 ms a
+    step against 0.20 in call 1)."""
+
+    def __init__(self):
+        self.seconds, self.passes, self.full, self.t0 = 0.0, 0, 0, None
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase, info):
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        elif self.t0 is not None:
+            self.seconds += time.perf_counter() - self.t0
+            self.passes += 1
+            self.full += info["generation"] == 2
+            self.t0 = None
+
+    def since(self, mark: tuple) -> dict:
+        return dict(gc_s=self.seconds - mark[0], gc_passes=self.passes - mark[1], gc_full_passes=self.full - mark[2])
+
+    def mark(self) -> tuple:
+        return self.seconds, self.passes, self.full
+
+
+GC = GcClock()
 
 
 def bench_one(llm, waves, params, repeats):
@@ -185,6 +215,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         t0 = time.perf_counter()
         cfg = dataclasses.replace(engine_config(batch, steps), overlap=overlap)
         what = "" if overlap is None else " without overlap" if steps == 1 else f", {steps} steps a window"
+        mark = GC.mark()
         outs, tps, compiled = bench_one(LLM(target, cfg), waves, params, repeats)
         if overlap is None:
             want = outs
@@ -192,8 +223,10 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
             near_tie_flips(target, outs, want, f"batch {batch} target alone{what}")
         rows.append(dict(batch=batch, draft="none", k=0, graphs=True, overlap=overlap is None, tokens_per_s=tps,
                          acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled,
-                         **({"multi_step": steps} if steps > 1 else {})))
-        print(f"batch {batch} target alone{what}: {tps:.0f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+                         **GC.since(mark), **({"multi_step": steps} if steps > 1 else {})))
+        print(f"batch {batch} target alone{what}: {tps:.0f} tok/s, {rows[-1]['gc_passes']} collections "
+              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms over its runs "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base_tps
@@ -223,6 +256,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         variant = ((" stepped draft" if stepped else "") + weights
                    + (" drafting after reading" if graphs == "auto" and not ahead else ""))
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
+        mark = GC.mark()
         try:
             outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         except Exception:
@@ -254,13 +288,14 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
-                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled))
+                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC.since(mark)))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}{variant}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
               f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step, "
-              f"{compiled} kernels compiled while timed "
+              f"{compiled} kernels compiled while timed, {rows[-1]['gc_passes']} collections "
+              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms over its runs "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if "verify_ms" in rows[-1]:
             print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
