@@ -109,10 +109,11 @@ class GcClock:
     """The garbage collector's passes and seconds since start (``gc.callbacks``): a
     row's host time that grows between runs of the same code may be collections of a
     heap that other rows left behind (call 4 of 2026-12-05: k = 8's host part 0.68 ms a
-    step against 0.20 in call 1)."""
+    step against 0.20 in call 1). Not a graph capture's: torch collects before each one."""
 
     def __init__(self):
         self.seconds, self.passes, self.full, self.t0 = 0.0, 0, 0, None
+        self.last = self.since(self.mark())      # bench_one's timed runs
         gc.callbacks.append(self.callback)
 
     def callback(self, phase, info):
@@ -136,7 +137,8 @@ GC = GcClock()
 
 def bench_one(llm, waves, params, repeats):
     """Best tok/s over ``repeats`` timed runs after a warm-up, the last run's outputs, and
-    the Triton kernels compiled during the timed runs (0 in a steady state)."""
+    the Triton kernels compiled during the timed runs (0 in a steady state); the
+    collector's work during them in ``GC.last``."""
     # warm-up, untimed: every prompt length and batch shape (autotuning, lazy init, graph
     # capture), twice: the timed runs find the prompts in the prefix cache, and those steps
     # have other shapes (on 2026-12-03 the first speculative row at batch 64 took 38 ms
@@ -144,6 +146,8 @@ def bench_one(llm, waves, params, repeats):
     for _ in range(2):
         timed_generate(llm, waves, params)
     best, outs = 0.0, None
+    gc.collect()                         # the warm-ups' and earlier rows' garbage, not timed
+    mark = GC.mark()
     with runtime.count_compilations() as compiled:
         for _ in range(repeats):
             if isinstance(llm, spec.SpeculativeLLM):
@@ -151,6 +155,7 @@ def bench_one(llm, waves, params, repeats):
             llm.metrics.steps.clear()
             outs, tps = timed_generate(llm, waves, params)
             best = max(best, tps)
+    GC.last = GC.since(mark)
     return outs, best, len(compiled.names)
 
 
@@ -215,7 +220,6 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         t0 = time.perf_counter()
         cfg = dataclasses.replace(engine_config(batch, steps), overlap=overlap)
         what = "" if overlap is None else " without overlap" if steps == 1 else f", {steps} steps a window"
-        mark = GC.mark()
         outs, tps, compiled = bench_one(LLM(target, cfg), waves, params, repeats)
         if overlap is None:
             want = outs
@@ -223,9 +227,9 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
             near_tie_flips(target, outs, want, f"batch {batch} target alone{what}")
         rows.append(dict(batch=batch, draft="none", k=0, graphs=True, overlap=overlap is None, tokens_per_s=tps,
                          acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled,
-                         **GC.since(mark), **({"multi_step": steps} if steps > 1 else {})))
+                         **GC.last, **({"multi_step": steps} if steps > 1 else {})))
         print(f"batch {batch} target alone{what}: {tps:.0f} tok/s, {rows[-1]['gc_passes']} collections "
-              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms over its runs "
+              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms while timed "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     base_tps = max(r["tokens_per_s"] for r in rows)
     for r in rows:
@@ -256,7 +260,6 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         variant = ((" stepped draft" if stepped else "") + weights
                    + (" drafting after reading" if graphs == "auto" and not ahead else ""))
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
-        mark = GC.mark()
         try:
             outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         except Exception:
@@ -288,14 +291,14 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
-                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC.since(mark)))
+                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC.last))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}{variant}: {tps:.0f} tok/s "
               f"({tps / base_tps:.2f}x), acceptance {stats.acceptance_rate():.0%}, "
               f"{stats.mean_tokens_per_pass():.2f} tok/pass, {rows[-1]['mean_step_ms']:.2f} ms/step, "
               f"{compiled} kernels compiled while timed, {rows[-1]['gc_passes']} collections "
-              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms over its runs "
+              f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms while timed "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if "verify_ms" in rows[-1]:
             print("    replays: " + ", ".join(f"{key} {rows[-1][key]:.3f}" for key in
