@@ -106,10 +106,11 @@ def engine_config(batch, multi_step=1, delay_factor=0.0):
 
 
 class GcClock:
-    """The garbage collector's passes and seconds since start (``gc.callbacks``): a
-    row's host time that grows between runs of the same code may be collections of a
-    heap that other rows left behind (call 4 of 2026-12-05: k = 8's host part 0.68 ms a
-    step against 0.20 in call 1). Not a graph capture's: torch collects before each one."""
+    """The garbage collector's passes and seconds since start (``gc.callbacks``), so that
+    a row says whether collections, not the engine, took some of its timed runs' host time
+    (a full pass over this process's heap took about 0.16 s on the H100 host of
+    2026-12-05). :func:`bench_one` counts the timed runs only: building an engine collects
+    before every CUDA-graph capture (torch does), 40 full passes for the target alone."""
 
     def __init__(self):
         self.seconds, self.passes, self.full, self.t0 = 0.0, 0, 0, None
