@@ -251,6 +251,21 @@ def test_the_benchmark_times_the_target_alone_with_windows_too(model, monkeypatc
     assert [r["speedup"] for r in rows] == [0.25, 0.25, 1.0]
 
 
+def test_the_benchmarks_collector_clock_counts_passes_inside_its_block_only():
+    """tools/speculative_bench.py's rows say how much of their timed runs the garbage
+    collector took: passes inside the block are counted, its callback is gone after."""
+    import gc
+    bench = load_tool("speculative_bench")
+    before = len(gc.callbacks)
+    with bench.collector_clock() as seen:
+        gc.collect()
+        gc.collect(0)
+    assert seen["gc_passes"] == 2 and seen["gc_full_passes"] == 1 and seen["gc_s"] > 0
+    assert len(gc.callbacks) == before
+    gc.collect()
+    assert seen["gc_passes"] == 2
+
+
 def test_the_host_overhead_tool_times_windows_too(tmp_path, capsys):
     """tools/engine_host_overhead.py --multi-step k: whole window steps beside the one-step
     phases, per window and per token-step."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -105,41 +106,37 @@ def engine_config(batch, multi_step=1, delay_factor=0.0):
                         scheduler_delay_factor=delay_factor)
 
 
-class GcClock:
-    """The garbage collector's passes and seconds since start (``gc.callbacks``), so that
-    a row says whether collections, not the engine, took some of its timed runs' host time
-    (a full pass over this process's heap took about 0.16 s on the H100 host of
-    2026-12-05). :func:`bench_one` counts the timed runs only: building an engine collects
-    before every CUDA-graph capture (torch does), 40 full passes for the target alone."""
+@contextlib.contextmanager
+def collector_clock():
+    """The garbage collector's passes and seconds while the block runs (a ``gc.callbacks``
+    entry, removed after), so that a row says whether collections, not the engine, took
+    some of its timed runs' host time (a full pass over this process's heap took about
+    0.16 s on the H100 host of 2026-12-05). Building an engine is left out: torch collects
+    before every CUDA-graph capture, 40 full passes for the target alone."""
+    seen, started = dict(gc_s=0.0, gc_passes=0, gc_full_passes=0), []
 
-    def __init__(self):
-        self.seconds, self.passes, self.full, self.t0 = 0.0, 0, 0, None
-        self.last = self.since(self.mark())      # bench_one's timed runs
-        gc.callbacks.append(self.callback)
-
-    def callback(self, phase, info):
+    def callback(phase, info):
         if phase == "start":
-            self.t0 = time.perf_counter()
-        elif self.t0 is not None:
-            self.seconds += time.perf_counter() - self.t0
-            self.passes += 1
-            self.full += info["generation"] == 2
-            self.t0 = None
+            started[:] = [time.perf_counter()]
+        elif started:
+            seen["gc_s"] += time.perf_counter() - started.pop()
+            seen["gc_passes"] += 1
+            seen["gc_full_passes"] += info["generation"] == 2
 
-    def since(self, mark: tuple) -> dict:
-        return dict(gc_s=self.seconds - mark[0], gc_passes=self.passes - mark[1], gc_full_passes=self.full - mark[2])
+    gc.callbacks.append(callback)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(callback)
 
-    def mark(self) -> tuple:
-        return self.seconds, self.passes, self.full
 
-
-GC = GcClock()
+GC_TIMED = dict(gc_s=0.0, gc_passes=0, gc_full_passes=0)     # bench_one's last timed runs
 
 
 def bench_one(llm, waves, params, repeats):
     """Best tok/s over ``repeats`` timed runs after a warm-up, the last run's outputs, and
     the Triton kernels compiled during the timed runs (0 in a steady state); the
-    collector's work during them in ``GC.last``."""
+    collector's work during them in ``GC_TIMED``."""
     # warm-up, untimed: every prompt length and batch shape (autotuning, lazy init, graph
     # capture), twice: the timed runs find the prompts in the prefix cache, and those steps
     # have other shapes (on 2026-12-03 the first speculative row at batch 64 took 38 ms
@@ -148,15 +145,14 @@ def bench_one(llm, waves, params, repeats):
         timed_generate(llm, waves, params)
     best, outs = 0.0, None
     gc.collect()                         # the warm-ups' and earlier rows' garbage, not timed
-    mark = GC.mark()
-    with runtime.count_compilations() as compiled:
+    with runtime.count_compilations() as compiled, collector_clock() as collected:
         for _ in range(repeats):
             if isinstance(llm, spec.SpeculativeLLM):
                 llm.stats = spec.SpeculationStats(llm.k)
             llm.metrics.steps.clear()
             outs, tps = timed_generate(llm, waves, params)
             best = max(best, tps)
-    GC.last = GC.since(mark)
+    GC_TIMED.update(collected)
     return outs, best, len(compiled.names)
 
 
@@ -228,7 +224,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
             near_tie_flips(target, outs, want, f"batch {batch} target alone{what}")
         rows.append(dict(batch=batch, draft="none", k=0, graphs=True, overlap=overlap is None, tokens_per_s=tps,
                          acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled,
-                         **GC.last, **({"multi_step": steps} if steps > 1 else {})))
+                         **GC_TIMED, **({"multi_step": steps} if steps > 1 else {})))
         print(f"batch {batch} target alone{what}: {tps:.0f} tok/s, {rows[-1]['gc_passes']} collections "
               f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms while timed "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -292,7 +288,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
-                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC.last))
+                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC_TIMED))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}{variant}: {tps:.0f} tok/s "
