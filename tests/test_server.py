@@ -646,10 +646,23 @@ def test_the_benchmarks_server_row_compares_the_best_run_each_way():
     text = format_results(dict(gpu="GPU", date="today", versions={}, max_tokens=8, rows=[],
                                server_api_servers=dict(row, clients=64, api_servers=4, repeats=2),
                                server_api_servers_delay3=dict(row, clients=64, api_servers=4, repeats=2,
-                                                              scheduler_delay_factor=3.0)))
+                                                              scheduler_delay_factor=3.0),
+                               server_api_servers_tokens448=dict(row, clients=64, api_servers=4, repeats=2,
+                                                                 rounds=4, max_tokens=448)))
     assert "best of 2 runs each way, medians 60%" in text
     assert "time to first token (p50) 20.0 ms through HTTP, 4.0 ms in-process" in text
-    assert text.count("4 API servers + engine process") == 2 and "admission delay factor 3" in text
+    assert text.count("4 API servers + engine process") == 3 and "admission delay factor 3" in text
+    assert "64 streaming clients, 4 requests of 448 tokens each, 200 tok/s" in text
+
+
+def test_the_benchmarks_engines_hold_their_longest_requests_whole():
+    """tools/speculative_bench.py's engines have pages for every client's longest request
+    at once (a run of long requests is never timed with preemptions), and as many as
+    before for short ones."""
+    bench = load_tool("speculative_bench")
+    assert bench.engine_config(64).num_blocks == bench.engine_config(64, max_len=128 + 40).num_blocks == 64 * 24
+    assert bench.engine_config(64, max_len=448 + 40).num_blocks * 16 >= 64 * (448 + 40)
+    assert bench.engine_config(1, max_len=500).num_blocks == 256
 
 
 def test_a_served_engine_keeps_a_bounded_history(model):

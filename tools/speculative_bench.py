@@ -4,6 +4,7 @@ usage: python tools/speculative_bench.py OUTDIR [--max-tokens N] [--quick] [--tr
                                              [--batches 1,64] [--server-modes thread,switch,process,scaleout]
                                              [--api-servers 4] [--server-rounds 4] [--server-repeats 3]
                                              [--client-processes N] [--eager-k 4] [--profile]
+                                             [--server-max-tokens 128,448]
                                              [--multi-step K] [--delay-factors 0,4]
 
 Measures, with the shipped target checkpoint in bf16 and greedy decoding (so every
@@ -47,7 +48,12 @@ the run once the other configurations are measured):
 * with ``--delay-factors F,...``: each server row once per factor, the engine admitting new
   requests while others run only once the oldest has waited F times the last prompt step
   (``EngineConfig.scheduler_delay_factor``), in-process and behind HTTP alike; a row with
-  F > 0 is saved under its mode's key with ``_delay`` and F appended.
+  F > 0 is saved under its mode's key with ``_delay`` and F appended;
+* with ``--server-max-tokens N,...``: each server row once per request length (the HTTP
+  layer's cost is per request, so its share of a run shrinks as requests get longer:
+  the H200's 258 K tok/s in-process of 2026-12-05 is 2000 requests of 128 tokens a
+  second); a row of another length than ``--max-tokens`` is saved with ``_tokens`` and
+  N appended (before any ``_delay``).
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
@@ -61,6 +67,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import os
 import signal
@@ -100,8 +107,10 @@ def timed_generate(llm, waves, params):
     return outs, sum(len(o.token_ids) for o in outs) / dt
 
 
-def engine_config(batch, multi_step=1, delay_factor=0.0):
-    return EngineConfig(num_blocks=max(256, batch * 24), block_size=16, max_num_seqs=max(8, batch),
+def engine_config(batch, multi_step=1, delay_factor=0.0, max_len=0):
+    """Pages for ``batch`` sequences of ``max_len`` tokens each (24 pages a sequence at
+    least): no run is timed with preemptions."""
+    return EngineConfig(num_blocks=max(256, batch * max(24, -(-max_len // 16))), block_size=16, max_num_seqs=max(8, batch),
                         max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step,
                         scheduler_delay_factor=delay_factor)
 
@@ -425,7 +434,7 @@ def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interv
 
     prompts = (PROMPTS * (clients // len(PROMPTS) + 1))[:clients]
     params = SamplingParams(max_tokens=max_tokens, stop_at_eos=False)
-    cfg = engine_config(clients, multi_step, delay_factor)
+    cfg = engine_config(clients, multi_step, delay_factor, max_len=max(map(len, prompts)) + max_tokens)
     llm = LLM(target, cfg)
     closed_loop(llm, prompts, params, 1)                     # warm-up, untimed
     apart = engine_process or bool(api_servers)              # the server's engine is another process
@@ -651,11 +660,15 @@ def main(argv=None) -> int:
     ap.add_argument("--multi-step", type=int, default=1,
                     help="also the target alone with this many decode steps per host step, and the "
                          "server rows with it, in-process and behind HTTP (EngineConfig.multi_step)")
+    ap.add_argument("--server-max-tokens", default=None,
+                    help="each server row once per request length (tokens a request, comma-separated; default "
+                         "--max-tokens); a row of another length than --max-tokens is saved as KEY_tokensN")
     ap.add_argument("--delay-factors", default="0",
                     help="each server row once per admission delay factor (EngineConfig.scheduler_delay_factor), "
                          "in-process and behind HTTP alike; a row with a factor > 0 is saved as KEY_delayF")
     args = ap.parse_args(argv)
     delay_factors = [float(f) for f in args.delay_factors.split(",") if f.strip()] or [0.0]
+    server_lengths = [int(n) for n in (args.server_max_tokens or str(args.max_tokens)).split(",") if n.strip()]
     if runtime.mode() != "compiled":
         sys.exit("tools/speculative_bench.py times GPU kernels: run it on a machine with a GPU")
     out = Path(args.out)
@@ -704,11 +717,13 @@ def main(argv=None) -> int:
              f"gpulab serve --api-servers {args.api_servers}"),
             ("profile", "server_profiled", dict(api_servers=args.api_servers, profile=os.path.join(args.out, "prof")),
              f"gpulab serve --api-servers {args.api_servers}, profiled")):
-        for factor in delay_factors if mode in modes else ():
-            r = result[key + (f"_delay{factor:g}" if factor else "")] = bench_server(
-                target, 64, args.max_tokens, rounds=args.server_rounds, repeats=args.server_repeats,
+        for length, factor in itertools.product(server_lengths, delay_factors) if mode in modes else ():
+            r = result[key + (f"_tokens{length}" if length != args.max_tokens else "")
+                       + (f"_delay{factor:g}" if factor else "")] = bench_server(
+                target, 64, length, rounds=args.server_rounds, repeats=args.server_repeats,
                 client_processes=args.client_processes, multi_step=args.multi_step, delay_factor=factor, **kwargs)
-            what_f = what + (f", delay factor {factor:g}" if factor else "")
+            what_f = (what + (f", requests of {length} tokens" if length != args.max_tokens else "")
+                      + (f", delay factor {factor:g}" if factor else ""))
             print(f"{what_f}: {r['ratio']:.0%} of in-process, best run each way ({r['http_tokens_per_s']:.0f} vs "
                   f"{r['engine_tokens_per_s']:.0f} tok/s, {r['events']} events; medians "
                   f"{r['ratio_of_medians']:.0%}; runs " + ", ".join(f"{t / 1e3:.1f}" for t in r['http_runs_tokens_per_s'])

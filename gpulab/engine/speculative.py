@@ -712,7 +712,9 @@ def format_results(result: dict) -> str:
                 how += f", {sv['multi_step']} decode steps a host step"
             if sv.get("scheduler_delay_factor"):
                 how += f", admission delay factor {sv['scheduler_delay_factor']:g}"
-            lines.append(f"server ({how}): {sv['clients']} streaming clients, {sv['http_tokens_per_s']:.0f} tok/s "
+            load = (f", {sv['rounds']} requests of {sv['max_tokens']} tokens each" if "max_tokens" in sv
+                    and "rounds" in sv else "")
+            lines.append(f"server ({how}): {sv['clients']} streaming clients{load}, {sv['http_tokens_per_s']:.0f} tok/s "
                          f"through HTTP vs {sv['engine_tokens_per_s']:.0f} in-process ({sv['ratio']:.0%}"
                          + (f"; best of {sv['repeats']} runs each way, medians {sv['ratio_of_medians']:.0%})"
                             if "repeats" in sv else ")")    # older rows: one HTTP run
