@@ -158,7 +158,7 @@ def test_completion_equals_engine_in_process(server, model):
     gauges = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines()
                   if line.startswith("gpulab_engine_"))
     assert float(gauges["gpulab_engine_steps"]) >= body["usage"]["completion_tokens"]
-    assert float(gauges["gpulab_engine_busy_seconds"]) > 0
+    assert float(gauges["gpulab_engine_busy_seconds"]) > float(gauges["gpulab_engine_prompt_busy_seconds"]) > 0
     assert 1 <= float(gauges["gpulab_engine_prompt_steps"]) < float(gauges["gpulab_engine_steps"])
 
 
@@ -629,19 +629,22 @@ def test_the_benchmarks_server_row_compares_the_best_run_each_way():
     and the steps reported are the best runs' own."""
     from gpulab.engine.speculative import format_results
     bench = load_tool("speculative_bench")
-    gauges = lambda steps, busy, prompts: dict(steps=steps, busy_seconds=busy, prompt_steps=prompts)
+    gauges = lambda steps, busy, prompts: dict(steps=steps, busy_seconds=busy, prompt_steps=prompts,
+                                               prompt_busy_seconds=busy / 3)
     # (run, start, end, events, tokens, cpu, seconds to each first event) from two client processes
     slow = bench.http_run([(0, 10.0, 12.0, 50, 100, 0.1, [0.5]), (0, 10.5, 11.0, 40, 100, 0.1, [0.2, 0.3])],
                           gauges(0, 0, 0), gauges(90, 1.5, 9))
     fast = bench.http_run([(1, 20.0, 21.0, 60, 100, 0.2, [0.01, 0.03]), (1, 20.0, 20.5, 30, 100, 0.1, [0.02])],
                           gauges(90, 1.5, 9), gauges(170, 2.4, 12))
     assert slow["tokens_per_s"] == 100.0 and fast["tokens_per_s"] == 200.0 and fast["steps"] == 80
-    runs = [dict(tokens_per_s=t, steps=s, busy_s=0.1, wall_s=1.0, prompt_steps=2, ttft_p50_s=0.004)
+    runs = [dict(tokens_per_s=t, steps=s, busy_s=0.1, wall_s=1.0, prompt_steps=2, prompt_busy_s=0.01 * s,
+                 ttft_p50_s=0.004)
             for t, s in ((300.0, 70), (250.0, 71), (100.0, 72))]
     row = bench.compare_runs(runs, [slow, fast])
     assert row["ratio"] == pytest.approx(200 / 300) and row["ratio_of_medians"] == pytest.approx(150 / 250)
     assert row["http_steps"] == 80 and row["http_prompt_steps"] == 3 and row["events"] == 90
     assert row["engine_steps"] == 70 and row["http_runs_tokens_per_s"] == [100.0, 200.0]
+    assert row["http_prompt_busy_s"] == pytest.approx(0.3) and row["engine_prompt_busy_s"] == pytest.approx(0.7)
     assert row["http_ttft_p50_s"] == pytest.approx(0.02) and row["engine_ttft_p50_s"] == 0.004
     text = format_results(dict(gpu="GPU", date="today", versions={}, max_tokens=8, rows=[],
                                server_api_servers=dict(row, clients=64, api_servers=4, repeats=2),
@@ -663,6 +666,22 @@ def test_the_benchmarks_engines_hold_their_longest_requests_whole():
     assert bench.engine_config(64).num_blocks == bench.engine_config(64, max_len=128 + 40).num_blocks == 64 * 24
     assert bench.engine_config(64, max_len=448 + 40).num_blocks * 16 >= 64 * (448 + 40)
     assert bench.engine_config(1, max_len=500).num_blocks == 256
+
+
+def test_the_step_timer_times_the_prompts_steps_apart(model):
+    """/metrics' busy seconds: every step's, and those of steps with prompt tokens apart;
+    a step that raises is not counted."""
+    from gpulab.engine.server import StepTimer
+    llm, timer = LLM(model, EngineConfig(num_blocks=64)), StepTimer()
+    llm.add_request("Tyger", SamplingParams(max_tokens=3))
+    timer.step(llm)                                   # the prompt's step
+    assert timer.steps == 1 and timer.busy == timer.prompt_busy > 0
+    timer.step(llm)                                   # a decode step
+    assert timer.steps == 2 and timer.busy > timer.prompt_busy
+    llm.step = lambda **kwargs: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        timer.step(llm)
+    assert timer.steps == 2
 
 
 def test_a_served_engine_keeps_a_bounded_history(model):

@@ -371,7 +371,9 @@ def stream_clients(url, prompts, max_tokens, rounds, ready, gos, results):
 def closed_loop(llm, prompts, params, rounds) -> dict:
     """In-process twin of the HTTP clients: client i's next request is added when its last
     one finishes, ``rounds`` each. Tokens/s over the whole run, the steps it took and the
-    seconds spent in them (as the server's /metrics counts them)."""
+    seconds spent in them, those with prompt tokens apart (as the server's /metrics counts
+    them: the same :class:`~gpulab.engine.server.StepTimer`)."""
+    from gpulab.engine.server import StepTimer
     left = {i: rounds for i in range(len(prompts))}
     owner = {}
 
@@ -384,15 +386,12 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
     t0 = time.perf_counter()
     for i in range(len(prompts)):
         add(i)
-    tokens = steps = 0
-    busy = 0.0
+    tokens = 0
     ttft = []
+    timer = StepTimer()
     prompt_steps = llm.metrics.prompt_steps
     while llm.has_unfinished():
-        t1 = time.perf_counter()
-        outputs = llm.step(finished_only=True)
-        busy += time.perf_counter() - t1
-        steps += 1
+        outputs = timer.step(llm, finished_only=True)
         for out in outputs:
             tokens += len(out.token_ids)
             ttft.append(out.metrics.ttft)
@@ -401,8 +400,9 @@ def closed_loop(llm, prompts, params, rounds) -> dict:
                 add(i)
     sync()
     wall = time.perf_counter() - t0
-    return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=steps, busy_s=busy,
-                prompt_steps=llm.metrics.prompt_steps - prompt_steps, ttft_p50_s=statistics.median(ttft))
+    return dict(tokens_per_s=tokens / wall, wall_s=wall, steps=timer.steps, busy_s=timer.busy,
+                prompt_busy_s=timer.prompt_busy, prompt_steps=llm.metrics.prompt_steps - prompt_steps,
+                ttft_p50_s=statistics.median(ttft))
 
 
 def bench_server(target, clients, max_tokens, rounds=4, repeats=3, switch_interval=None, engine_process=False,
@@ -544,14 +544,15 @@ def http_run(got: list[tuple], before: dict, after: dict) -> dict:
                 ttft_p50_s=statistics.median(t for g in got for t in g[6]),
                 client_cpu_s=sum(g[5] for g in got), steps=after["steps"] - before["steps"],
                 busy_s=after["busy_seconds"] - before["busy_seconds"],
+                prompt_busy_s=after["prompt_busy_seconds"] - before["prompt_busy_seconds"],
                 prompt_steps=after["prompt_steps"] - before["prompt_steps"], after_steps=after["steps"])
 
 
 def compare_runs(in_process: list[dict], http: list[dict]) -> dict:
     """The server row's figures: the best run each way (their ratio is the headline), every
     run's tok/s, the ratio of the medians, and where the best runs' time went (steps, the
-    seconds inside them, steps with prompt tokens: fewer tokens a step means the clients
-    starve the engine, longer steps that the engine process is the limit)."""
+    seconds inside them, steps with prompt tokens and their seconds: fewer tokens a step
+    means the clients starve the engine, longer steps that the engine process is the limit)."""
     e = max(in_process, key=lambda r: r["tokens_per_s"])
     h = max(http, key=lambda r: r["tokens_per_s"])
     median = statistics.median
@@ -561,9 +562,10 @@ def compare_runs(in_process: list[dict], http: list[dict]) -> dict:
                 engine_runs_tokens_per_s=[r["tokens_per_s"] for r in in_process],
                 http_runs_tokens_per_s=[r["tokens_per_s"] for r in http],
                 engine_steps=e["steps"], engine_busy_s=e["busy_s"], engine_wall_s=e["wall_s"],
-                engine_prompt_steps=e["prompt_steps"], engine_ttft_p50_s=e["ttft_p50_s"],
-                http_ttft_p50_s=h["ttft_p50_s"],
+                engine_prompt_steps=e["prompt_steps"], engine_prompt_busy_s=e["prompt_busy_s"],
+                engine_ttft_p50_s=e["ttft_p50_s"], http_ttft_p50_s=h["ttft_p50_s"],
                 http_steps=h["steps"], http_busy_s=h["busy_s"], http_prompt_steps=h["prompt_steps"],
+                http_prompt_busy_s=h["prompt_busy_s"],
                 http_wall_s=h["wall_s"], events=h["events"], client_cpu_s=h["client_cpu_s"])
 
 
@@ -590,7 +592,8 @@ def engine_gauges(port) -> dict:
     text = httpx_get(f"http://127.0.0.1:{port}/metrics")
     found = {}
     for key, name in (("steps", "gpulab_engine_steps"), ("busy_seconds", "gpulab_engine_busy_seconds"),
-                      ("prompt_steps", "gpulab_engine_prompt_steps")):
+                      ("prompt_steps", "gpulab_engine_prompt_steps"),
+                      ("prompt_busy_seconds", "gpulab_engine_prompt_busy_seconds")):
         line = next(line for line in text.splitlines() if line.startswith(name + " "))
         found[key] = float(line.split()[1])
     return found
@@ -730,9 +733,10 @@ def main(argv=None) -> int:
                   + " K behind HTTP, " + ", ".join(f"{t / 1e3:.1f}" for t in r['engine_runs_tokens_per_s'])
                   + f" K in-process); best runs' steps: "
                   f"{r['http_steps']:.0f} in {r['http_wall_s']:.3f} s, {r['http_busy_s']:.3f} s busy, "
-                  f"{r['http_prompt_steps']:.0f} with prompt tokens, behind HTTP; "
+                  f"{r['http_prompt_steps']:.0f} with prompt tokens ({r['http_prompt_busy_s']:.3f} s), behind HTTP; "
                   f"{r['engine_steps']} in {r['engine_wall_s']:.3f} s, {r['engine_busy_s']:.3f} s busy, "
-                  f"{r['engine_prompt_steps']} with prompt tokens, in-process", flush=True)
+                  f"{r['engine_prompt_steps']} with prompt tokens ({r['engine_prompt_busy_s']:.3f} s), in-process",
+                  flush=True)
             save()
     print(spec.format_results(result))
     print(f"{time.perf_counter() - t_start:.0f} s in all")

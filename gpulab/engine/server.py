@@ -230,7 +230,7 @@ class EngineLoop:
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[str, Subscription] = {}
         self.ids = itertools.count()
-        self.steps, self.busy = 0, 0.0     # steps run, seconds spent in them
+        self.timer = StepTimer()
         self.clock = ReportClock(report_every)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="gpulab-engine", daemon=True)
@@ -267,15 +267,12 @@ class EngineLoop:
                     break
             if self.stopping.is_set() or not self.llm.has_unfinished():
                 continue
-            t0 = time.perf_counter()
             try:
-                outputs = self.llm.step(finished_only=not self.clock.due(), first_tokens=True)
+                outputs = self.timer.step(self.llm, finished_only=not self.clock.due(), first_tokens=True)
             except Exception as e:            # a bug, not a bad request: fail what is running, go on
                 traceback.print_exc()
                 self._fail_all(f"the engine failed a step: {type(e).__name__}: {e}")
                 continue
-            self.steps += 1
-            self.busy += time.perf_counter() - t0
             dispatch(self.subscribers, outputs)
 
     def _handle(self, command) -> None:
@@ -309,7 +306,7 @@ class EngineLoop:
         return self.thread.is_alive()
 
     def stats(self) -> dict:
-        return engine_stats(self.llm, self.steps, self.busy)
+        return engine_stats(self.llm, self.timer)
 
 
 # A served engine keeps the records of its newest steps and finished requests only (for
@@ -317,15 +314,35 @@ class EngineLoop:
 METRICS_HISTORY = 10_000
 
 
-def engine_stats(llm: LLM, steps: int, busy: float = 0.0) -> dict:
+class StepTimer:
+    """A serving loop's steps and the seconds spent in them (``busy``), those of the steps
+    that carried prompt tokens also apart (``prompt_busy``): against wall-clock time they
+    say whether the engine or what feeds it is the limit, and what the prompts' steps cost."""
+
+    def __init__(self):
+        self.steps, self.busy, self.prompt_busy = 0, 0.0, 0.0
+
+    def step(self, llm: LLM, **kwargs) -> list[RequestOutput]:
+        """``llm.step(**kwargs)``, timed (a step that raises is not counted)."""
+        prompt_steps, t0 = llm.metrics.prompt_steps, time.perf_counter()
+        outputs = llm.step(**kwargs)
+        seconds = time.perf_counter() - t0
+        self.steps += 1
+        self.busy += seconds
+        if llm.metrics.prompt_steps != prompt_steps:
+            self.prompt_busy += seconds
+        return outputs
+
+
+def engine_stats(llm: LLM, timer: StepTimer) -> dict:
     """The gauges /metrics shows (a snapshot; read from another thread, so approximate).
-    ``busy``: seconds spent in steps; against wall-clock time it says whether the engine
-    or what feeds it is the limit. ``prompt_steps``: steps that carried prompt tokens (a
-    step with a prompt chunk costs more than a decode-only one replayed from its graph)."""
+    ``prompt_steps``: steps that carried prompt tokens (a step with a prompt chunk costs
+    more than a decode-only one replayed from its graph); times from ``timer``."""
     bm = llm.block_manager
     return {"pages_used": bm.num_used, "pages_total": llm.config.num_blocks, "running": len(llm.scheduler.running),
-            "waiting": len(llm.scheduler.waiting), "steps": steps, "busy_seconds": busy,
-            "prompt_steps": llm.metrics.prompt_steps, "hit_rate": bm.hit_rate()}
+            "waiting": len(llm.scheduler.waiting), "steps": timer.steps, "busy_seconds": timer.busy,
+            "prompt_busy_seconds": timer.prompt_busy, "prompt_steps": llm.metrics.prompt_steps,
+            "hit_rate": bm.hit_rate()}
 
 
 class EngineProcess:
@@ -521,7 +538,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
     except Exception as e:                       # reported to the parent's start()
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    steps, busy, clock = 0, 0.0, ReportClock(report_every)
+    timer, clock = StepTimer(), ReportClock(report_every)
     conns, owner, sent = [conn], {}, {}
     joined: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -536,7 +553,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
 
     if listener is not None:
         threading.Thread(target=accept, name="gpulab-engine-accept", daemon=True).start()
-    conn.send(("ready", engine_stats(llm, steps, busy)))
+    conn.send(("ready", engine_stats(llm, timer)))
 
     def drop(c) -> None:
         conns.remove(c)
@@ -548,7 +565,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
         if not llm.has_unfinished():             # the freed pages are news to the others
             for other in conns:
                 try:
-                    other.send(("stats", engine_stats(llm, steps, busy)))
+                    other.send(("stats", engine_stats(llm, timer)))
                 except (BrokenPipeError, OSError):
                     pass
 
@@ -574,7 +591,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
             owner.pop(rest[0], None)
             sent.pop(rest[0], None)
             if not llm.has_unfinished():     # no step will report the freed pages
-                c.send(("stats", engine_stats(llm, steps, busy)))
+                c.send(("stats", engine_stats(llm, timer)))
         return None
 
     # GPULAB_ENGINE_PROFILE=path: cProfile the serving loop, stats written to path at stop
@@ -590,7 +607,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
                 while not joined.empty():
                     c = joined.get()
                     conns.append(c)
-                    c.send(("ready", engine_stats(llm, steps, busy)))
+                    c.send(("ready", engine_stats(llm, timer)))
                 if llm.has_unfinished():                 # between steps: a poll per link (wait()
                     ready = [c for c in conns if c.poll()]   # builds a selector at every call)
                 else:                                    # idle: sleep until a command comes
@@ -613,9 +630,8 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
                 if not llm.has_unfinished():
                     continue
                 due = clock.due()
-                t0 = time.perf_counter()
                 try:
-                    outputs = llm.step(finished_only=not due, first_tokens=True)
+                    outputs = timer.step(llm, finished_only=not due, first_tokens=True)
                 except Exception as e:               # a bug, not a bad request: fail what is running, go on
                     traceback.print_exc()
                     for rid in list(llm.groups):
@@ -628,9 +644,7 @@ def engine_process_main(make_llm, conn, listen: tuple[str, bytes] | None = None,
                     owner.clear()
                     sent.clear()
                     continue
-                steps += 1
-                busy += time.perf_counter() - t0
-                stats = engine_stats(llm, steps, busy)
+                stats = engine_stats(llm, timer)
                 by_conn: dict = {}
                 for d in step_deltas(outputs, sent):
                     c = owner.pop(d[0], None) if d[2] else owner.get(d[0])
@@ -676,6 +690,8 @@ class ServerMetrics:
                                ("waiting", "requests_waiting", "requests waiting for pages"),
                                ("steps", "engine_steps", "engine steps run"),
                                ("busy_seconds", "engine_busy_seconds", "seconds the engine spent in steps"),
+                               ("prompt_busy_seconds", "engine_prompt_busy_seconds",
+                                "seconds the engine spent in steps that carried prompt tokens"),
                                ("prompt_steps", "engine_prompt_steps",
                                 "engine steps that carried prompt tokens (the others only decoded)"),
                                ("hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache")):
