@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# written in the session of 2026-12-05 (fourteenth), not run (the session's device time was
+# written in the session of 2026-12-05 (fourteenth), run in the fifteenth (T0=300; the fourteenth's device time was
 # spent): the compiled tests calls 5 and 6 did not reach on the current code. Each planted
 # rollout compiles kernels of its own (about 40 s each on the H100), so one per worker.
 set -u
