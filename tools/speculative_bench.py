@@ -49,11 +49,11 @@ the run once the other configurations are measured):
   requests while others run only once the oldest has waited F times the last prompt step
   (``EngineConfig.scheduler_delay_factor``), in-process and behind HTTP alike; a row with
   F > 0 is saved under its mode's key with ``_delay`` and F appended;
-* with ``--server-max-tokens N,...``: each server row once per request length (the HTTP
-  layer's cost is per request, so its share of a run shrinks as requests get longer:
-  the H200's 258 K tok/s in-process of 2026-12-05 is 2000 requests of 128 tokens a
-  second); a row of another length than ``--max-tokens`` is saved with ``_tokens`` and
-  N appended (before any ``_delay``).
+* with ``--server-max-tokens N,...``: each server row once per request length (whether
+  the HTTP layer's cost is one per request, which longer requests would share: on an H100
+  on 2026-12-05 it was not, 448-token requests streamed at 62-63% of in-process against
+  55-69% at 128); a row of another length than ``--max-tokens`` is saved with ``_tokens``
+  and N appended (before any ``_delay``).
 
 Writes OUTDIR/speculative.json after every stage (copy it to gpulab/results/engine/ to
 ship it). On the H200 (2026-12-03) ``--quick`` took about 200 s up to the first server
@@ -110,8 +110,8 @@ def timed_generate(llm, waves, params):
 def engine_config(batch, multi_step=1, delay_factor=0.0, max_len=0):
     """Pages for ``batch`` sequences of ``max_len`` tokens each (24 pages a sequence at
     least): no run is timed with preemptions."""
-    return EngineConfig(num_blocks=max(256, batch * max(24, -(-max_len // 16))), block_size=16, max_num_seqs=max(8, batch),
-                        max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step,
+    return EngineConfig(num_blocks=max(256, batch * max(24, -(-max_len // 16))), block_size=16,
+                        max_num_seqs=max(8, batch), max_num_batched_tokens=max(512, batch * 8), multi_step=multi_step,
                         scheduler_delay_factor=delay_factor)
 
 
