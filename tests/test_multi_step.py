@@ -238,7 +238,7 @@ def test_the_benchmark_times_the_target_alone_with_windows_too(model, monkeypatc
 
     def bench_one(llm, waves, params, repeats):
         built.append((llm.config.multi_step, llm.overlap))
-        return outs, 100.0 * llm.config.multi_step, 0
+        return outs, 100.0 * llm.config.multi_step, 0, dict(gc_s=0.0, gc_passes=0, gc_full_passes=0)
 
     monkeypatch.setattr(bench, "bench_one", bench_one)
     monkeypatch.setattr(bench, "engine_config",

@@ -827,7 +827,7 @@ def test_benchmark_records_a_configuration_that_raises_and_measures_the_rest(tar
     def bench_one(llm, waves, params, repeats):
         if getattr(llm, "k", None) == 2:
             raise KeyError(2)
-        return outs, 100.0, 0
+        return outs, 100.0, 0, dict(gc_s=0.0, gc_passes=0, gc_full_passes=0)
 
     monkeypatch.setattr(bench, "bench_one", bench_one)
     monkeypatch.setattr(bench, "engine_config", lambda batch, multi_step=1: EngineConfig(**CONFIG, multi_step=multi_step))

@@ -139,13 +139,10 @@ def collector_clock():
         gc.callbacks.remove(callback)
 
 
-GC_TIMED = dict(gc_s=0.0, gc_passes=0, gc_full_passes=0)     # bench_one's last timed runs
-
-
 def bench_one(llm, waves, params, repeats):
-    """Best tok/s over ``repeats`` timed runs after a warm-up, the last run's outputs, and
-    the Triton kernels compiled during the timed runs (0 in a steady state); the
-    collector's work during them in ``GC_TIMED``."""
+    """The last run's outputs, the best tok/s over ``repeats`` timed runs after a warm-up,
+    the Triton kernels compiled during the timed runs (0 in a steady state) and the
+    collector's work during them (:func:`collector_clock`)."""
     # warm-up, untimed: every prompt length and batch shape (autotuning, lazy init, graph
     # capture), twice: the timed runs find the prompts in the prefix cache, and those steps
     # have other shapes (on 2026-12-03 the first speculative row at batch 64 took 38 ms
@@ -161,8 +158,7 @@ def bench_one(llm, waves, params, repeats):
             llm.metrics.steps.clear()
             outs, tps = timed_generate(llm, waves, params)
             best = max(best, tps)
-    GC_TIMED.update(collected)
-    return outs, best, len(compiled.names)
+    return outs, best, len(compiled.names), collected
 
 
 def replay_ms(replay, n=50) -> float:
@@ -226,14 +222,14 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
         t0 = time.perf_counter()
         cfg = dataclasses.replace(engine_config(batch, steps), overlap=overlap)
         what = "" if overlap is None else " without overlap" if steps == 1 else f", {steps} steps a window"
-        outs, tps, compiled = bench_one(LLM(target, cfg), waves, params, repeats)
+        outs, tps, compiled, collected = bench_one(LLM(target, cfg), waves, params, repeats)
         if overlap is None:
             want = outs
         else:
             near_tie_flips(target, outs, want, f"batch {batch} target alone{what}")
         rows.append(dict(batch=batch, draft="none", k=0, graphs=True, overlap=overlap is None, tokens_per_s=tps,
                          acceptance=float("nan"), tokens_per_pass=1.0, kernels_compiled=compiled,
-                         **GC_TIMED, **({"multi_step": steps} if steps > 1 else {})))
+                         **collected, **({"multi_step": steps} if steps > 1 else {})))
         print(f"batch {batch} target alone{what}: {tps:.0f} tok/s, {rows[-1]['gc_passes']} collections "
               f"({rows[-1]['gc_full_passes']} full) in {rows[-1]['gc_s'] * 1e3:.0f} ms while timed "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -267,7 +263,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                    + (" drafting after reading" if graphs == "auto" and not ahead else ""))
         label = f"batch {batch} {name} k={k} graphs={graphs}{variant}"
         try:
-            outs, tps, compiled = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
+            outs, tps, compiled, collected = bench_one(llm, waves, params, repeats if graphs == "auto" else 1)
         except Exception:
             if errors is None:
                 raise
@@ -297,7 +293,7 @@ def bench_speculation(target, drafts, batch, max_tokens, ks, repeats=2, eager_k=
                          graph_draft=isinstance(llm.proposer, spec.MLGRUGraphDrafter),
                          graph_steps=sum(st.graph for st in steps) / max(1, len(steps)),
                          mean_step_ms=1e3 * sum(st.end - st.start for st in steps) / max(1, len(steps)),
-                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **GC_TIMED))
+                         near_tie_flips=len(flips), flips=flips, kernels_compiled=compiled, **collected))
         if graphs == "auto" and not adaptive:
             rows[-1].update(graph_times(llm, batch))
         print(f"batch {batch} {name} k={'<=' if adaptive else ''}{k} graphs={graphs}{variant}: {tps:.0f} tok/s "
