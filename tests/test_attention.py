@@ -74,6 +74,27 @@ def test_online_softmax_rejects_bad_input():
         A.online_softmax(torch.randn(4, 6, device=dev()).t())
 
 
+def test_the_exp2_hint_needs_the_outputs_on_each_rows_scale():
+    """The softmax check names exp2 without log2(e) for that mistake, and not for a running
+    sum left unrescaled whose tiny probabilities fall within the absolute tolerance of the
+    exp2 variant's (this row's inputs, float16: it did until 2026-12-05)."""
+    def online(x, base2):                             # blocks of 1024, as the learner's kernel
+        x, B = x.float(), 1024
+        m, d = torch.full((x.shape[0],), -math.inf), torch.zeros(x.shape[0])
+        exp = torch.exp2 if base2 else torch.exp
+        for s in range(0, x.shape[1], B):
+            m_new = torch.maximum(m, x[:, s:s + B].max(1).values)
+            d = (d * exp(m - m_new) if base2 else d) + exp(x[:, s:s + B] - m_new[:, None]).sum(1)
+            m = m_new
+        return exp(x - m[:, None]) / d[:, None]
+
+    inputs = AG.make_softmax_inputs(dict(rows=2, cols=5120), torch.float16, "cpu",
+                                    torch.Generator().manual_seed(46))
+    expected = AG.softmax_reference(inputs["x"])["y"]
+    assert AG.softmax_hint("y", online(inputs["x"], False).half(), expected, inputs) is None
+    assert "exp2" in AG.softmax_hint("y", online(inputs["x"], True).half(), expected, inputs)
+
+
 # -- attention ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", attn_dtypes())
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Skv,D,causal", [

@@ -36,10 +36,14 @@ def softmax_reference(x):
 
 
 def softmax_hint(output, got, expected, inputs):
-    """Does the output equal the softmax of x · ln 2 (exp2 used without log2(e))?"""
-    alt = torch.softmax(inputs["x"].double() * math.log(2.0), dim=-1)
+    """Does the output equal the softmax of x · ln 2 (exp2 used without log2(e))? Compared
+    on each row's scale (divided by the row's largest probability): over thousands of
+    columns the probabilities are far below the absolute tolerance, and another mistake
+    (a running sum not rescaled, in one check of about 300) matched them there."""
+    alt = torch.softmax(inputs["x"].double() * math.log(2.0), dim=-1).cpu()
     atol, rtol = rounding_tolerance(got.dtype, 1e-3, 1e-2)
-    if torch.allclose(got.double().cpu(), alt.cpu(), atol=atol, rtol=rtol):
+    top = alt.amax(-1, keepdim=True)
+    if torch.allclose(got.double().cpu() / top, alt / top, atol=atol, rtol=rtol):
         return ("the output equals the softmax of x · ln 2: exp2 needs its argument multiplied by "
                 "log2(e) (2^(x · log2 e) = e^x), or use exp; base 2 without the factor changes the result.")
     return None
